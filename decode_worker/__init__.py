@@ -1,0 +1,1 @@
+"""decode_worker: see ../shared/ARCHITECTURE.md; built by a later issue."""

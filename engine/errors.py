@@ -1,0 +1,26 @@
+"""Errors that name what is wrong: the field, the value given, and what is allowed.
+
+Servers map `InvalidRequestError` to gRPC INVALID_ARGUMENT / HTTP 400; the engine raises it before a
+request touches any shared state, so a bad request never disturbs the others in a batch.
+"""
+
+from __future__ import annotations
+
+
+class InvalidRequestError(ValueError):
+    """A request field holds a value outside what is allowed."""
+
+    def __init__(self, field: str, value: object, allowed: str):
+        self.field = field
+        self.value = value
+        self.allowed = allowed
+        super().__init__(f"{field}={_short(value)} is invalid: {allowed}")
+
+
+class ModelLoadError(ValueError):
+    """A checkpoint cannot be loaded: unknown architecture, missing or mis-shaped tensors, bad config."""
+
+
+def _short(value: object, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

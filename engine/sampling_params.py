@@ -1,0 +1,95 @@
+"""Per-request sampling and stopping parameters.
+
+Defaults follow vLLM's `SamplingParams` where the meaning is the same. `validate()` runs when the object
+is made, so an invalid object never reaches the engine; every error names the field, the value and what
+is allowed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from engine.errors import InvalidRequestError
+
+MAX_SEED = 2**64 - 1
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0  # in (0, 1]; 1 disables
+    top_k: int = -1  # -1 disables, else >= 1
+    min_p: float = 0.0  # in [0, 1]; 0 disables
+    repetition_penalty: float = 1.0  # > 0; applied to prompt and output tokens (HF/vLLM semantics)
+    presence_penalty: float = 0.0  # in [-2, 2]; output tokens only
+    frequency_penalty: float = 0.0  # in [-2, 2]; output tokens only
+    seed: int | None = None  # same seed -> same tokens, whatever else is in the batch
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None  # top-n logprobs per generated token (and the sampled token's)
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids)
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        _check_int("max_tokens", self.max_tokens)
+        if self.max_tokens < 1:
+            raise InvalidRequestError("max_tokens", self.max_tokens, "must be an integer >= 1")
+        _check_number("temperature", self.temperature)
+        if self.temperature < 0:
+            raise InvalidRequestError("temperature", self.temperature, "must be >= 0 (0 means greedy)")
+        _check_number("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequestError("top_p", self.top_p, "must be in (0, 1]")
+        _check_int("top_k", self.top_k)
+        if self.top_k == 0 or self.top_k < -1:
+            raise InvalidRequestError("top_k", self.top_k, "must be -1 (disabled) or an integer >= 1")
+        _check_number("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequestError("min_p", self.min_p, "must be in [0, 1]")
+        _check_number("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0:
+            raise InvalidRequestError("repetition_penalty", self.repetition_penalty, "must be > 0 (1 disables)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check_number(name, value)
+            if not -2.0 <= value <= 2.0:
+                raise InvalidRequestError(name, value, "must be in [-2, 2]")
+        if self.seed is not None:
+            _check_int("seed", self.seed)
+            if not 0 <= self.seed <= MAX_SEED:
+                raise InvalidRequestError("seed", self.seed, f"must be in [0, {MAX_SEED}]")
+        for i, text in enumerate(self.stop):
+            if not isinstance(text, str) or text == "":
+                raise InvalidRequestError(f"stop[{i}]", text, "must be a non-empty string")
+        for i, token_id in enumerate(self.stop_token_ids):
+            _check_int(f"stop_token_ids[{i}]", token_id)
+            if token_id < 0:
+                raise InvalidRequestError(f"stop_token_ids[{i}]", token_id, "must be a token id >= 0")
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs)
+            if self.logprobs < 0:
+                raise InvalidRequestError("logprobs", self.logprobs, "must be >= 0 (the number of top logprobs)")
+
+
+def _check_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidRequestError(name, value, "must be an integer")
+
+
+def _check_number(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise InvalidRequestError(name, value, "must be a finite number")

@@ -1,0 +1,1 @@
+"""kvtransfer: see ../shared/ARCHITECTURE.md; built by a later issue."""

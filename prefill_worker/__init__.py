@@ -1,0 +1,1 @@
+"""prefill_worker: see ../shared/ARCHITECTURE.md; built by a later issue."""

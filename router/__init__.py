@@ -1,0 +1,1 @@
+"""router: see ../shared/ARCHITECTURE.md; built by a later issue."""

@@ -1,0 +1,143 @@
+"""Model and engine configuration: one dataclass each, filled from config.json and from CLI flags."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine.errors import ModelLoadError
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16", "float": "float32"}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    key = DTYPE_ALIASES.get(name, name)
+    if key not in DTYPES:
+        raise ValueError(f"dtype={name!r} is invalid: must be one of {', '.join(DTYPES)} (or fp32/fp16/bf16)")
+    return DTYPES[key]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope_theta: float
+    rope_scaling: dict = field(default_factory=dict)  # rope_type + its parameters; {} is plain RoPE
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    sliding_window: int | None = None
+    dtype: str = "float32"  # the checkpoint's
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ModelLoadError(f"{path} not found: a model directory needs a Hugging Face config.json")
+        return cls.from_dict(json.loads(path.read_text()))
+
+    @classmethod
+    def from_dict(cls, hf: dict) -> ModelConfig:
+        archs = hf.get("architectures") or []
+        arch = archs[0] if archs else None
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ModelLoadError(
+                f"architectures={archs!r} in config.json is not supported: allowed are {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        try:
+            hidden = int(hf["hidden_size"])
+            num_heads = int(hf["num_attention_heads"])
+            rope_theta, rope_scaling = _rope(hf)
+            is_qwen2 = arch == "Qwen2ForCausalLM"
+            sliding = hf.get("sliding_window") if (not is_qwen2 or hf.get("use_sliding_window")) else None
+            dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+            return cls(
+                architecture=arch,
+                vocab_size=int(hf["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(hf["intermediate_size"]),
+                num_layers=int(hf["num_hidden_layers"]),
+                num_heads=num_heads,
+                num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+                head_dim=int(hf.get("head_dim") or hidden // num_heads),
+                rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+                max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+                rope_theta=rope_theta,
+                rope_scaling=rope_scaling,
+                tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                qkv_bias=True if is_qwen2 else bool(hf.get("attention_bias", False)),
+                o_bias=False if is_qwen2 else bool(hf.get("attention_bias", False)),
+                mlp_bias=bool(hf.get("mlp_bias", False)),
+                sliding_window=int(sliding) if sliding else None,
+                dtype=dtype if dtype in DTYPES else "float32",
+            )
+        except KeyError as e:
+            raise ModelLoadError(f"config.json lacks the field {e.args[0]!r}") from None
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ModelLoadError(
+                f"num_attention_heads={self.num_heads} must be a multiple of num_key_value_heads={self.num_kv_heads}"
+            )
+
+
+def _rope(hf: dict) -> tuple[float, dict]:
+    """rope_theta and scaling from either config form: `rope_parameters` (transformers 5) or
+    top-level `rope_theta` with an optional `rope_scaling` dict (older checkpoints)."""
+    params = dict(hf.get("rope_parameters") or {})
+    scaling = dict(hf.get("rope_scaling") or {})
+    theta = float(params.pop("rope_theta", hf.get("rope_theta", scaling.pop("rope_theta", 10000.0))))
+    merged = {**scaling, **params}
+    rope_type = merged.pop("rope_type", None) or merged.pop("type", None) or "default"
+    merged.pop("type", None)
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ModelLoadError(f"rope_type={rope_type!r} is not supported: allowed are {', '.join(SUPPORTED_ROPE_TYPES)}")
+    return theta, ({} if rope_type == "default" else {"rope_type": rope_type, **merged})
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine settings; CLI flags map onto these fields one to one."""
+
+    dtype: str | None = None  # None: the checkpoint's dtype
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: as many as kv_cache_bytes holds, capped by need
+    kv_cache_bytes: int = 2 * 1024**3
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    max_logprobs: int = 20
+    seed: int = 0  # for requests without a seed
+    model_id: str | None = None  # the name routers and hashes use; None: the model directory's name
+    num_threads: int | None = None  # torch intra-op threads; None: torch's default
+
+    def __post_init__(self) -> None:
+        if self.dtype is not None:
+            parse_dtype(self.dtype)
+        for name in ("block_size", "kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} is invalid: must be >= 1")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks={self.num_kv_blocks} is invalid: must be >= 1")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len={self.max_model_len} is invalid: must be >= 2")

@@ -1,0 +1,124 @@
+"""Per-request block tables over the block pool, and prefix-cache lookups.
+
+A request's block table maps its token positions to KV slots:
+
+    position p  ─▶  block_ids[p // block_size]  at offset p % block_size
+    slot        =   block_id * block_size + offset
+
+Blocks are allocated as a sequence grows; a full, computed block is registered in the prefix cache
+under its chained hash (engine.hashing), so a later request with the same prefix reuses it.
+"""
+
+from __future__ import annotations
+
+from engine.block_pool import BlockPool
+from engine.hashing import hash_blocks, root_hash
+from engine.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, pool: BlockPool, model_id: str):
+        self.pool = pool
+        self.block_size = pool.block_size
+        self.model_id = model_id
+        self._block_ids: dict[str, list[int]] = {}
+        self._num_cached_blocks: dict[str, int] = {}  # leading blocks of the table already registered
+        self._block_hashes: dict[str, list[int]] = {}  # full-block hashes of all_token_ids, grown lazily
+        self._roots: dict[str, int] = {}
+
+    def block_ids(self, request_id: str) -> list[int]:
+        """The request's block table. Valid until the request is freed (finished, aborted, preempted)."""
+        return self._block_ids.get(request_id, [])
+
+    def block_hashes(self, request: Request) -> list[int]:
+        """Hashes of every full block of the request's known tokens (extended as tokens arrive)."""
+        rid = request.request_id
+        if rid not in self._roots:
+            self._roots[rid] = root_hash(self.model_id, request.cache_salt)
+            self._block_hashes[rid] = []
+        hashes = self._block_hashes[rid]
+        if (len(hashes) + 1) * self.block_size <= request.num_tokens:
+            parent = hashes[-1] if hashes else self._roots[rid]
+            hashes.extend(hash_blocks(request.all_token_ids, self.block_size, parent, start_block=len(hashes)))
+        return hashes
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        """The longest cached prefix of a request not yet holding blocks: (block ids, num tokens).
+
+        At least one token is always left to compute, since its logits give the next token.
+        """
+        if not self.pool.enable_caching:
+            return [], 0
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        hits = []
+        for block_hash in self.block_hashes(request)[:max_hit_blocks]:
+            block_id = self.pool.get_cached_block(block_hash)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits, len(hits) * self.block_size
+
+    def num_blocks_needed(self, request: Request, num_new_tokens: int, num_hit_blocks: int = 0) -> int:
+        num_tokens = request.num_computed_tokens + num_hit_blocks * self.block_size + num_new_tokens
+        return cdiv(num_tokens, self.block_size) - len(self.block_ids(request.request_id)) - num_hit_blocks
+
+    def can_allocate_slots(self, request: Request, num_new_tokens: int, hit_block_ids: list[int] = ()) -> bool:
+        # a hit block that sits unreferenced in the free queue stops being allocatable once touched
+        num_hit_free = sum(1 for b in hit_block_ids if self.pool.blocks[b].ref_count == 0)
+        needed = self.num_blocks_needed(request, num_new_tokens, len(hit_block_ids))
+        return needed <= self.pool.num_free_blocks - num_hit_free
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, hit_block_ids: list[int] = ()) -> None:
+        """Give the request slots for `num_new_tokens` more tokens after its computed ones (and hits).
+
+        The caller checked `can_allocate_slots`. Hit blocks join the table first and count as cached.
+        """
+        rid = request.request_id
+        table = self._block_ids.setdefault(rid, [])
+        needed = self.num_blocks_needed(request, num_new_tokens, len(hit_block_ids))
+        if hit_block_ids:
+            assert not table, "prefix hits are taken only by a request holding no blocks"
+            self.pool.touch(hit_block_ids)
+            table.extend(hit_block_ids)
+            self._num_cached_blocks[rid] = len(hit_block_ids)
+        if needed > 0:
+            table.extend(self.pool.allocate(needed))
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Register the request's full blocks whose KV is now computed in the prefix cache."""
+        rid = request.request_id
+        num_full = request.num_computed_tokens // self.block_size
+        first = self._num_cached_blocks.get(rid, 0)
+        if num_full <= first:
+            return
+        hashes = self.block_hashes(request)
+        parent = hashes[first - 1] if first > 0 else self._roots[rid]
+        tokens = request.all_token_ids[first * self.block_size : num_full * self.block_size]
+        self.pool.cache_blocks(self._block_ids[rid][first:num_full], hashes[first:num_full], parent, tokens)
+        self._num_cached_blocks[rid] = num_full
+
+    def free(self, request: Request) -> None:
+        """Return the request's blocks to the pool, last block first (so tails are evicted first)."""
+        rid = request.request_id
+        table = self._block_ids.pop(rid, [])
+        self.pool.free(reversed(table))
+        self._num_cached_blocks.pop(rid, None)
+        self._block_hashes.pop(rid, None)
+        self._roots.pop(rid, None)
+
+    def check_integrity(self) -> None:
+        """Pool accounting holds, and each block's ref_count equals the tables that hold it."""
+        self.pool.check_integrity()
+        refs = [0] * self.pool.num_blocks
+        for table in self._block_ids.values():
+            for block_id in table:
+                refs[block_id] += 1
+        for block in self.pool.blocks:
+            if block.ref_count != refs[block.block_id]:
+                raise AssertionError(
+                    f"block {block.block_id} has ref_count {block.ref_count} but {refs[block.block_id]} tables hold it"
+                )

@@ -1,0 +1,113 @@
+"""Offline API: `LLM(model_dir).generate(prompts, params)` and its streaming twin."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import fields
+from pathlib import Path
+
+from engine.config import EngineConfig
+from engine.errors import InvalidRequestError
+from engine.llm_engine import LLMEngine, Prompt
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer
+
+_ENGINE_FIELDS = {f.name for f in fields(EngineConfig)}
+
+
+class LLM:
+    """An engine in this process. `model` is a Hugging Face checkpoint directory; None uses the
+    embedded tiny default (made locally on first use). Keyword arguments are `EngineConfig` fields."""
+
+    def __init__(self, model: str | Path | None = None, **engine_args):
+        unknown = set(engine_args) - _ENGINE_FIELDS
+        if unknown:
+            raise TypeError(f"unknown engine arguments {sorted(unknown)}: allowed are {sorted(_ENGINE_FIELDS)}")
+        if model is None:
+            from engine.tiny_model import default_model_dir
+
+            model = default_model_dir()
+        self.engine = LLMEngine(model, EngineConfig(**engine_args))
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion as one continuously batched workload; outputs in prompt order."""
+        final: dict[str, RequestOutput] = {}
+        order = []
+        for out in self.generate_stream(prompts, sampling_params, _order=order):
+            if out.finished:
+                final[out.request_id] = out
+        return [final[rid] for rid in order]
+
+    def generate_stream(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        _order: list[str] | None = None,
+    ) -> Iterator[RequestOutput]:
+        """Yield each step's `RequestOutput` (with `new_text` / `new_token_ids` deltas) as tokens arrive.
+
+        Every prompt is validated before any is admitted: a bad one raises `InvalidRequestError`
+        naming `prompts[i]` and nothing runs. Closing the iterator early aborts what is left.
+        """
+        batch = _as_batch(prompts)
+        params = _params_for(batch, sampling_params)
+        requests = []
+        for i, (prompt, p) in enumerate(zip(batch, params)):
+            try:
+                requests.append(self.engine.make_request(prompt, p))
+            except InvalidRequestError as e:
+                raise InvalidRequestError(f"prompts[{i}].{e.field}", e.value, e.allowed) from None
+        live = set()
+        for request in requests:
+            live.add(self.engine.add(request))
+            if _order is not None:
+                _order.append(request.request_id)
+        try:
+            while live:
+                for out in self.engine.step():
+                    if out.request_id in live:
+                        if out.finished:
+                            live.discard(out.request_id)
+                        yield out
+        finally:
+            for request_id in live:
+                self.engine.abort_request(request_id)
+
+    def chat(
+        self,
+        messages: list[dict] | Sequence[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to conversations, with the checkpoint's chat template applied."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.tokenizer.apply_chat_template_ids(c, add_generation_prompt=True) for c in conversations]
+        return self.generate(prompts, sampling_params)
+
+
+def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if not prompts:
+        raise InvalidRequestError("prompts", prompts, "must hold at least one prompt")
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+        return [prompts]  # one prompt of token ids
+    return prompts
+
+
+def _params_for(batch: list[Prompt], params: SamplingParams | Sequence[SamplingParams] | None) -> list[SamplingParams]:
+    if params is None or isinstance(params, SamplingParams):
+        return [params or SamplingParams()] * len(batch)
+    params = list(params)
+    if len(params) != len(batch):
+        raise InvalidRequestError("sampling_params", f"{len(params)} items", f"must be one per prompt ({len(batch)})")
+    return params

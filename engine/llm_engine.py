@@ -1,0 +1,213 @@
+"""The engine loop: validate and admit requests, step the scheduler and the model, detokenize, stop.
+
+Contract: `add_request` either raises `InvalidRequestError` without touching any shared state, or
+admits the request; so a bad request never disturbs the others. `step` runs one iteration and
+returns a `RequestOutput` for every request that gained a token or finished in it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from engine.block_pool import BlockPool
+from engine.config import EngineConfig, ModelConfig, parse_dtype
+from engine.detokenizer import IncrementalDetokenizer
+from engine.errors import InvalidRequestError, ModelLoadError
+from engine.kv_cache_manager import KVCacheManager, cdiv
+from engine.model_runner import ModelRunner, allocate_kv_caches, kv_bytes_per_block
+from engine.outputs import RequestOutput
+from engine.request import Request, RequestStatus
+from engine.sampler import Sampler, TokenLogprobs
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerConfig
+from engine.tokenizer import Tokenizer
+from engine.weights import build_model
+
+log = logging.getLogger("duet.engine")
+
+Prompt = str | list[int]
+
+
+class _Tracked:
+    """Engine-side state of one live request: its detokenizer and output bookkeeping."""
+
+    def __init__(self, request: Request, detokenizer: IncrementalDetokenizer):
+        self.request = request
+        self.detokenizer = detokenizer
+        self.logprobs: list[TokenLogprobs] | None = [] if request.sampling_params.logprobs is not None else None
+        self.first_token_time_s: float | None = None
+
+
+class LLMEngine:
+    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None):
+        self.config = config = config or EngineConfig()
+        self.model_dir = Path(model_dir)
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.model_config = model_config = ModelConfig.from_dir(self.model_dir)
+        self.dtype = parse_dtype(config.dtype) if config.dtype else model_config.torch_dtype
+        self.tokenizer = Tokenizer.from_dir(self.model_dir)
+        self.model_id = config.model_id or self.model_dir.resolve().name
+        self.block_size = config.block_size
+
+        max_model_len = config.max_model_len or model_config.max_position_embeddings
+        if config.max_model_len and config.max_model_len > model_config.max_position_embeddings:
+            raise ModelLoadError(
+                f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings="
+                f"{model_config.max_position_embeddings}"
+            )
+        if model_config.sliding_window and model_config.sliding_window < max_model_len:
+            max_model_len = model_config.sliding_window  # full attention is exact only inside the window
+        self.model = build_model(model_config, self.model_dir, self.dtype, max_positions=max_model_len)
+
+        block_bytes = kv_bytes_per_block(self.model, config.block_size, self.dtype)
+        num_blocks = config.num_kv_blocks or max(
+            1, min(config.kv_cache_bytes // block_bytes, config.max_num_seqs * cdiv(max_model_len, config.block_size))
+        )
+        if num_blocks * config.block_size < max_model_len:
+            max_model_len = num_blocks * config.block_size  # one sequence must always fit
+        self.max_model_len = max_model_len
+        self.num_kv_blocks = num_blocks
+
+        self.block_pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv_cache = KVCacheManager(self.block_pool, self.model_id)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_model_len), self.kv_cache
+        )
+        kv_caches = allocate_kv_caches(self.model, num_blocks, config.block_size, self.dtype)
+        self.runner = ModelRunner(self.model, kv_caches, config.block_size, Sampler(config.seed))
+        self._tracked: dict[str, _Tracked] = {}
+        self._ids = itertools.count()
+        log.info(
+            "engine model=%s dtype=%s blocks=%d block_size=%d max_model_len=%d",
+            self.model_id, str(self.dtype).removeprefix("torch."), num_blocks, config.block_size, max_model_len,
+        )
+
+    # -- requests --------------------------------------------------------------------------------
+
+    def make_request(
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None, cache_salt: str = ""
+    ) -> Request:
+        """Validate and tokenize; raises `InvalidRequestError` naming the field. Touches no engine state."""
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt", prompt, "must be a non-empty string or list of token ids")
+            token_ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)):
+            token_ids = list(prompt)
+            if not token_ids:
+                raise InvalidRequestError("prompt_token_ids", token_ids, "must hold at least one token id")
+            self.check_token_ids("prompt_token_ids", token_ids)
+        else:
+            raise InvalidRequestError("prompt", prompt, "must be a string or a list of token ids")
+        if len(token_ids) > self.max_model_len:
+            raise InvalidRequestError(
+                "prompt", f"{len(token_ids)} tokens", f"must be at most max_model_len={self.max_model_len} tokens"
+            )
+        self.check_token_ids("stop_token_ids", params.stop_token_ids)
+        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
+            raise InvalidRequestError("logprobs", params.logprobs, f"must be in [0, {self.config.max_logprobs}]")
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+        elif request_id in self._tracked:
+            raise InvalidRequestError("request_id", request_id, "must not be the id of a live request")
+        return Request(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            sampling_params=params,
+            eos_token_ids=self.tokenizer.eos_token_ids,
+            cache_salt=cache_salt,
+        )
+
+    def check_token_ids(self, field: str, token_ids: list[int]) -> None:
+        vocab = self.model_config.vocab_size
+        for i, t in enumerate(token_ids):
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise InvalidRequestError(f"{field}[{i}]", t, f"must be a token id in [0, {vocab})")
+
+    def add_request(
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None, cache_salt: str = ""
+    ) -> str:
+        return self.add(self.make_request(prompt, params, request_id, cache_salt))
+
+    def add(self, request: Request) -> str:
+        """Admit a request made by `make_request`."""
+        params = request.sampling_params
+        detokenizer = IncrementalDetokenizer(
+            self.tokenizer,
+            request.prompt_token_ids,
+            skip_special_tokens=params.skip_special_tokens,
+            stop=params.stop,
+            include_stop_str_in_output=params.include_stop_str_in_output,
+        )
+        self.scheduler.add_request(request)
+        self._tracked[request.request_id] = _Tracked(request, detokenizer)
+        return request.request_id
+
+    def abort_request(self, request_id: str) -> bool:
+        """End a request now and free its blocks; False if it is not live."""
+        if self._tracked.pop(request_id, None) is None:
+            return False
+        self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._tracked)
+
+    # -- one iteration ---------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        scheduled = self.scheduler.schedule()
+        sampled = self.runner.execute(scheduled.chunks)
+        updates = self.scheduler.update_from_output(scheduled, {rid: s.token_id for rid, s in sampled.items()})
+        now = time.monotonic()
+        outputs = []
+        for update in updates:
+            tracked = self._tracked[update.request_id]
+            request = tracked.request
+            if tracked.first_token_time_s is None:
+                tracked.first_token_time_s = now
+            if tracked.logprobs is not None:
+                tracked.logprobs.append(sampled[update.request_id].logprobs)
+            detok = tracked.detokenizer
+            delta = detok.add_token(update.token_id)
+            if detok.stop_matched is not None:
+                if not request.status.finished:
+                    self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = detok.stop_matched
+            elif request.status.finished:
+                delta += detok.flush()
+            outputs.append(self._output(tracked, [update.token_id], delta))
+            if request.status.finished:
+                del self._tracked[request.request_id]
+        if not self._tracked:
+            self.scheduler.check_integrity()  # idle: every block must be back
+        return outputs
+
+    def _output(self, tracked: _Tracked, new_token_ids: list[int], new_text: str) -> RequestOutput:
+        request = tracked.request
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            token_ids=list(request.output_token_ids),
+            text=tracked.detokenizer.text,
+            new_token_ids=new_token_ids,
+            new_text=new_text,
+            finished=request.status.finished,
+            finish_reason=request.status.finish_reason,
+            stop_reason=request.stop_reason,
+            logprobs=list(tracked.logprobs) if tracked.logprobs is not None else None,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            arrival_time_s=request.arrival_time_s,
+            first_token_time_s=tracked.first_token_time_s,
+        )
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()

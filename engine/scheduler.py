@@ -1,0 +1,209 @@
+"""Iteration-level scheduling in tokens: each step hands out new tokens to compute under a budget.
+
+Each request has `num_computed_tokens` and a target, `num_tokens` (prompt + generated). A step
+gives running requests their next tokens first (a decode is one token; an unfinished prefill its
+next chunk), then admits waiting requests in arrival order while the token budget, the cap on
+running sequences and the free blocks allow. A waiting request starts from its longest cached
+prefix. When a running request needs a block and none is free, the most recently admitted running
+request is preempted: its blocks are freed and it waits again to be recomputed (its generated
+tokens are kept, and seeded sampling depends only on the step index, so its output is unchanged).
+
+This module never imports torch: it hands the model runner `ScheduledChunk`s and takes back tokens.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """What the model runner needs to compute one request's tokens this step."""
+
+    request_id: str
+    token_ids: list[int]  # tokens whose KV is computed this step
+    start_position: int  # position of token_ids[0] (== num_computed_tokens before the step)
+    block_ids: list[int]  # the whole block table; valid for this step
+    sample: bool  # the chunk reaches the last known token: sample the next one
+    sampling_params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]  # the live list: read it during this step only
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.chunks)
+
+
+@dataclass(frozen=True)
+class TokenUpdate:
+    """A token a request gained this step, and whether it finished with it."""
+
+    request_id: str
+    token_id: int
+    status: RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 128  # cap on running sequences
+    max_num_batched_tokens: int = 2048  # token budget per step; longer prompts are chunked
+    max_model_len: int = 4096
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} is invalid: must be >= 1")
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager):
+        self.config = config
+        self.kv_cache = kv_cache
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_prefix_query_tokens = 0  # prompt tokens looked up in the prefix cache
+        self.num_prefix_hit_tokens = 0
+        self.num_preemptions = 0
+
+    # -- requests --------------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id={request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_request(self, request_id: str, status: RequestStatus, stop_reason: int | str | None = None) -> bool:
+        """End a request now (abort, or a stop string found by the engine); frees its blocks."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return False
+        assert status.finished
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.kv_cache.free(request)
+        request.status = status
+        if stop_reason is not None:
+            request.stop_reason = stop_reason
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    # -- one step --------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv_cache.can_allocate_slots(request, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted_ids.append(victim.request_id)
+                if victim is request:
+                    break
+            if request.status is RequestStatus.PREEMPTED:
+                break
+            self.kv_cache.allocate_slots(request, num_new)
+            out.chunks.append(self._chunk(request, num_new))
+            budget -= num_new
+            i += 1
+
+        # a step that had to preempt admits nobody: the blocks are short already
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not out.preempted_ids:
+            request = self.waiting[0]
+            hit_block_ids, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hit_tokens, budget)
+            if not self.kv_cache.can_allocate_slots(request, num_new, hit_block_ids):
+                break
+            self.waiting.popleft()
+            self.kv_cache.allocate_slots(request, num_new, hit_block_ids)
+            request.num_computed_tokens = num_hit_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+                self.num_prefix_query_tokens += request.num_prompt_tokens
+                self.num_prefix_hit_tokens += num_hit_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.chunks.append(self._chunk(request, num_new))
+            budget -= num_new
+        return out
+
+    def update_from_output(self, out: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[TokenUpdate]:
+        """Advance computed tokens by what the step computed; append sampled tokens; end finished requests."""
+        updates = []
+        for chunk in out.chunks:
+            request = self.requests.get(chunk.request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            request.num_computed_tokens += len(chunk.token_ids)
+            self.kv_cache.cache_computed_blocks(request)
+            if not chunk.sample:
+                continue
+            token_id = sampled_token_ids[chunk.request_id]
+            request.append_output_token(token_id)
+            status = request.check_stop(self.config.max_model_len)
+            if status is not None:
+                self.finish_request(request.request_id, status)
+            updates.append(TokenUpdate(request.request_id, token_id, request.status))
+        return updates
+
+    # -- helpers ---------------------------------------------------------------------------------
+
+    def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
+        start = request.num_computed_tokens
+        return ScheduledChunk(
+            request_id=request.request_id,
+            token_ids=request.all_token_ids[start : start + num_new],
+            start_position=start,
+            block_ids=list(self.kv_cache.block_ids(request.request_id)),
+            sample=start + num_new == request.num_tokens,
+            sampling_params=request.sampling_params,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=request.output_token_ids,
+        )
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache.free(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(request)
+        self.num_preemptions += 1
+
+    def check_integrity(self) -> None:
+        """Scheduler and block accounting agree; called in test teardown and when idle."""
+        self.kv_cache.check_integrity()
+        for request in self.running:
+            assert request.status is RequestStatus.RUNNING, request
+        for request in self.waiting:
+            assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), request
+            assert not self.kv_cache.block_ids(request.request_id), f"waiting {request.request_id} holds blocks"
+        assert len(self.running) + len(self.waiting) == len(self.requests)

@@ -184,14 +184,14 @@ class LLMEngine:
                 request.stop_reason = detok.stop_matched
             elif request.status.finished:
                 delta += detok.flush()
-            outputs.append(self._output(tracked, [update.token_id], delta))
+            outputs.append(self._output(tracked, [update.token_id], delta, now))
             if request.status.finished:
                 del self._tracked[request.request_id]
         if not self._tracked:
             self.scheduler.check_integrity()  # idle: every block must be back
         return outputs
 
-    def _output(self, tracked: _Tracked, new_token_ids: list[int], new_text: str) -> RequestOutput:
+    def _output(self, tracked: _Tracked, new_token_ids: list[int], new_text: str, now: float) -> RequestOutput:
         request = tracked.request
         return RequestOutput(
             request_id=request.request_id,
@@ -207,6 +207,7 @@ class LLMEngine:
             num_cached_tokens=max(request.num_cached_tokens, 0),
             arrival_time_s=request.arrival_time_s,
             first_token_time_s=tracked.first_token_time_s,
+            finished_time_s=now if request.status.finished else None,
         )
 
     def check_integrity(self) -> None:

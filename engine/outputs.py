@@ -22,6 +22,7 @@ class RequestOutput:
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     arrival_time_s: float  # time.monotonic() clock
     first_token_time_s: float | None
+    finished_time_s: float | None
 
     @property
     def ttft_s(self) -> float | None:

@@ -1,0 +1,5 @@
+import sys
+
+from duet.cli import main
+
+sys.exit(main())

@@ -1,0 +1,76 @@
+"""The `duet` command as a user runs it: real subprocesses, exact JSON output and exit codes."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def duet(*args, env=None, timeout=300):
+    return subprocess.run([sys.executable, "-m", "duet", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+@pytest.fixture(scope="module")
+def qwen_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cli") / "tiny-qwen2"
+    r = duet("make-tiny-model", out, "--arch", "qwen2", "--layers", "1", "--hidden", "32", "--heads", "4",
+             "--kv-heads", "1", "--vocab", "384", "--seed", "3")
+    assert r.returncode == 0, r.stderr
+    assert f"wrote qwen2 checkpoint to {out}" in r.stdout
+    return out
+
+
+def test_make_tiny_model_writes_a_loadable_checkpoint(qwen_dir):
+    config = json.loads((qwen_dir / "config.json").read_text())
+    assert (config["architectures"], config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]) == (
+        ["Qwen2ForCausalLM"], 1, 32, 384)
+    assert config["num_key_value_heads"] == 1 and config["tie_word_embeddings"] is True
+
+
+def test_generate_json_batch_matches_the_python_api(qwen_dir):
+    r = duet("generate", "--model", qwen_dir, "--prompt", "hello world", "--prompt-ids", "5,6,7",
+             "--max-tokens", "9", "--ignore-eos", "--json")
+    assert r.returncode == 0, r.stderr
+    lines = [json.loads(line) for line in r.stdout.splitlines()]
+    assert len(lines) == 2
+    from engine import LLM, SamplingParams
+
+    expected = LLM(qwen_dir).generate(["hello world", [5, 6, 7]], SamplingParams(max_tokens=9, temperature=0,
+                                                                                 ignore_eos=True))
+    for line, out in zip(lines, expected):
+        assert (line["token_ids"], line["text"], line["finish_reason"]) == (out.token_ids, out.text, "length")
+    assert lines[1]["prompt_token_ids"] == [5, 6, 7]
+
+
+def test_generate_sampling_flags_and_seed(qwen_dir):
+    args = ["generate", "--model", qwen_dir, "--prompt", "abc", "--max-tokens", "8", "--temperature", "1.0",
+            "--top-p", "0.9", "--top-k", "50", "--min-p", "0.01", "--seed", "42", "--ignore-eos", "--json"]
+    first, second = duet(*args), duet(*args)
+    assert first.returncode == 0, first.stderr
+    assert json.loads(first.stdout)["token_ids"] == json.loads(second.stdout)["token_ids"]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--top-p", "0"], "top_p=0.0 is invalid: must be in (0, 1]"),
+    (["--max-tokens", "0"], "max_tokens=0 is invalid: must be an integer >= 1"),
+    (["--temperature", "-1"], "temperature=-1.0 is invalid: must be >= 0"),
+])
+def test_bad_flags_exit_2_with_a_named_error(qwen_dir, flags, message):
+    r = duet("generate", "--model", qwen_dir, "--prompt", "x", *flags)
+    assert r.returncode == 2 and message in r.stderr
+
+
+def test_bad_prompt_ids_exit_2(qwen_dir):
+    r = duet("generate", "--model", qwen_dir, "--prompt-ids", "1,999999")
+    assert r.returncode == 2 and "prompt_token_ids[1]=999999 is invalid: must be a token id in [0, 384)" in r.stderr
+
+
+def test_generate_without_model_uses_the_embedded_default(tmp_path):
+    r = duet("generate", "--prompt", "hi", "--max-tokens", "4", "--ignore-eos", "--json",
+             env={"DUET_CACHE_DIR": str(tmp_path)})
+    assert r.returncode == 0, r.stderr
+    assert len(json.loads(r.stdout)["token_ids"]) == 4
+    assert (tmp_path / "models" / "tiny-llama-v1" / "config.json").is_file()

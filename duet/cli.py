@@ -16,12 +16,12 @@ def _parse_ids(text: str) -> list[int]:
     try:
         return [int(t) for t in text.replace(" ", "").split(",") if t != ""]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--prompt-ids={text!r} is invalid: must be comma-separated integers") from None
+        raise argparse.ArgumentTypeError(f"--prompt-ids={text!r} is invalid: must be comma-separated ints") from None
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
-    g.add_argument("--model", type=Path, default=None, help="Hugging Face checkpoint dir (default: embedded tiny model)")
+    g.add_argument("--model", type=Path, default=None, help="HF checkpoint dir (default: the embedded tiny model)")
     g.add_argument("--dtype", default=None, help="float32|float16|bfloat16 (default: the checkpoint's)")
     g.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (default: from memory)")
@@ -152,7 +152,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     # the first request warms the prefix cache; the rest share its long system prompt
     first = llm.chat([{"role": "system", "content": DEMO_SYSTEM}, {"role": "user", "content": questions[0]}],
                      SamplingParams(max_tokens=args.max_tokens, temperature=0))[0]
-    rest = llm.chat([[{"role": "system", "content": DEMO_SYSTEM}, {"role": "user", "content": q}] for q in questions[1:]],
+    conversations = [[{"role": "system", "content": DEMO_SYSTEM}, {"role": "user", "content": q}]
+                     for q in questions[1:]]
+    rest = llm.chat(conversations,
                     [SamplingParams(max_tokens=args.max_tokens, temperature=0.8, top_p=0.95, seed=i)
                      for i in range(len(questions) - 1)])
     for question, out in zip(questions, [first, *rest]):

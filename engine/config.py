@@ -60,9 +60,8 @@ class ModelConfig:
         archs = hf.get("architectures") or []
         arch = archs[0] if archs else None
         if arch not in SUPPORTED_ARCHITECTURES:
-            raise ModelLoadError(
-                f"architectures={archs!r} in config.json is not supported: allowed are {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+            allowed = ", ".join(SUPPORTED_ARCHITECTURES)
+            raise ModelLoadError(f"architectures={archs!r} in config.json is not supported: allowed are {allowed}")
         try:
             hidden = int(hf["hidden_size"])
             num_heads = int(hf["num_attention_heads"])

@@ -188,8 +188,17 @@ class LLMEngine:
             if request.status.finished:
                 del self._tracked[request.request_id]
         if not self._tracked:
-            self.scheduler.check_integrity()  # idle: every block must be back
+            self._check_idle()
         return outputs
+
+    def _check_idle(self) -> None:
+        """Idle: every block must be back in the pool (the O(1) part of `check_integrity`)."""
+        pool = self.block_pool
+        if pool.num_free_blocks != pool.num_blocks or self.scheduler.requests:
+            raise AssertionError(
+                f"idle engine holds {pool.num_blocks - pool.num_free_blocks} blocks "
+                f"and {len(self.scheduler.requests)} requests: a leak"
+            )
 
     def _output(self, tracked: _Tracked, new_token_ids: list[int], new_text: str, now: float) -> RequestOutput:
         request = tracked.request

@@ -1,0 +1,385 @@
+"""Sampler behaviour pinned exactly: shaped distributions (chi-square against a float64 reference), seeded
+reproducibility whatever the batch, penalties, logprobs, and a property test that every sampled token is
+one the parameters allow. Every random source has a fixed seed, so nothing here can flake.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy.stats import chisquare
+
+from engine.sampler import (
+    Sampler,
+    SamplingRow,
+    apply_penalties,
+    apply_top_k_only,
+    apply_top_k_top_p,
+    splitmix64,
+    step_seed,
+)
+from engine.sampling_params import SamplingParams
+
+LOGITS = [1.2, 0.9, 0.5, 0.3, 0.0, -0.4, -0.8, -1.5]  # V = 8, every token likely enough for chi-square
+N_SAMPLES = 20_000
+
+
+def row(params: SamplingParams, prompt: list[int] | None = None, output=()) -> SamplingRow:
+    return SamplingRow(params, prompt or [], output)
+
+
+def softmax64(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max())
+    return e / e.sum()
+
+
+def reference_probs(logits: list[float], params: SamplingParams) -> np.ndarray:
+    """The shaped distribution, the obvious way in float64: temperature, top-k, top-p, min-p."""
+    x = np.asarray(logits, dtype=np.float64) / params.temperature
+    keep = np.ones(len(x), dtype=bool)
+    if 0 < params.top_k < len(x):
+        keep &= x >= np.sort(x)[::-1][params.top_k - 1]
+    if params.top_p < 1.0:
+        p = softmax64(np.where(keep, x, -np.inf))
+        order = np.argsort(-x, kind="stable")
+        mass_before = np.cumsum(p[order]) - p[order]
+        keep[order[mass_before >= params.top_p]] = False
+    if params.min_p > 0.0:
+        p = softmax64(np.where(keep, x, -np.inf))
+        keep &= p >= params.min_p * p.max()
+    return softmax64(np.where(keep, x, -np.inf))
+
+
+def sample_counts(params_list: list[SamplingParams], logits: list[float] = LOGITS, sampler_seed: int = 0) -> np.ndarray:
+    """Token counts from one batch, one row per params (a view: the sampler must not write to it)."""
+    batch = torch.tensor(logits).expand(len(params_list), len(logits))
+    out = Sampler(seed=sampler_seed)(batch, [row(p) for p in params_list])
+    return np.bincount(out.token_ids, minlength=len(logits))
+
+
+def assert_matches(counts: np.ndarray, expected: np.ndarray) -> float:
+    """Dropped tokens never appear, and the kept ones fit the expected distribution (chi-square)."""
+    dropped = expected == 0.0
+    assert counts[dropped].sum() == 0, f"dropped tokens {np.flatnonzero(dropped)} sampled: {counts}"
+    kept = ~dropped
+    pvalue = chisquare(counts[kept], expected[kept] * counts.sum()).pvalue
+    assert pvalue > 1e-3, f"counts {counts} do not fit {expected} (p={pvalue:.2e})"
+    return pvalue
+
+
+# --- shaped distributions ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.5),
+        SamplingParams(temperature=2.0),
+        SamplingParams(top_k=3),
+        SamplingParams(top_p=0.6),
+        SamplingParams(min_p=0.35),
+        SamplingParams(temperature=0.8, top_k=6, top_p=0.85, min_p=0.37),
+    ],
+    ids=["temperature-0.5", "temperature-2", "top-k", "top-p", "min-p", "all-filters"],
+)
+def test_unseeded_samples_follow_shaped_distribution(params: SamplingParams) -> None:
+    expected = reference_probs(LOGITS, params)
+    assert_matches(sample_counts([params] * N_SAMPLES), expected)
+
+
+def test_reference_boundaries_are_far_from_the_parameters() -> None:
+    """The chi-square cases above keep a known number of tokens, not one that float rounding could flip."""
+    kept = {
+        "top-k": (SamplingParams(top_k=3), 3),
+        "top-p": (SamplingParams(top_p=0.6), 3),
+        "min-p": (SamplingParams(min_p=0.35), 4),
+        "all": (SamplingParams(temperature=0.8, top_k=6, top_p=0.85, min_p=0.37), 3),
+    }
+    for name, (params, n) in kept.items():
+        assert np.count_nonzero(reference_probs(LOGITS, params)) == n, name
+    mass = np.cumsum(softmax64(np.asarray(LOGITS)))
+    assert abs(mass[2] - 0.6) > 0.02 and abs(mass[1] - 0.6) > 0.02
+
+
+def test_chi_square_has_power_to_reject_a_wrong_temperature() -> None:
+    counts = sample_counts([SamplingParams(temperature=0.5)] * N_SAMPLES)
+    wrong = reference_probs(LOGITS, SamplingParams(temperature=0.6))
+    assert chisquare(counts, wrong * counts.sum()).pvalue < 1e-6
+
+
+def test_seeded_rows_with_distinct_seeds_follow_shaped_distribution() -> None:
+    params = SamplingParams(temperature=0.8, top_k=6, top_p=0.85)
+    batch = [SamplingParams(temperature=0.8, top_k=6, top_p=0.85, seed=s) for s in range(N_SAMPLES)]
+    assert_matches(sample_counts(batch), reference_probs(LOGITS, params))
+
+
+def test_one_seed_across_steps_follows_shaped_distribution() -> None:
+    params = SamplingParams(temperature=1.5, seed=7)
+    rows = [row(params, output=range(step)) for step in range(N_SAMPLES)]  # range: len() is the step
+    out = Sampler()(torch.tensor(LOGITS).expand(N_SAMPLES, len(LOGITS)), rows)
+    assert_matches(np.bincount(out.token_ids, minlength=len(LOGITS)), reference_probs(LOGITS, params))
+
+
+def test_top_k_keeps_every_token_tied_with_the_kth() -> None:
+    logits = [3.0, 2.0, 2.0, 1.0, 0.0]
+    counts = sample_counts([SamplingParams(top_k=2)] * 3000, logits)
+    assert counts[3:].sum() == 0 and counts[:3].min() > 0
+
+
+def test_top_p_and_min_p_at_their_extremes_keep_only_the_best_token() -> None:
+    counts = sample_counts([SamplingParams(top_p=0.01)] * 500 + [SamplingParams(min_p=1.0)] * 500)
+    assert counts[0] == 1000
+
+
+def test_top_p_one_keeps_all_tokens_despite_cumsum_rounding() -> None:
+    vocab = 200_000
+    x = torch.zeros(2, vocab)
+    apply_top_k_top_p(x, torch.tensor([vocab, vocab]), torch.tensor([1.0, 0.5]))
+    assert torch.isfinite(x[0]).all()
+    assert torch.isfinite(x[1]).sum() == vocab // 2  # equal probabilities: exactly half reach 0.5
+
+
+def test_top_k_fast_path_keeps_the_same_tokens_as_the_sort() -> None:
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randint(-20, 20, (16, 300), generator=gen).float() / 4  # many ties
+    top_k = torch.tensor([1, 2, 5, 17, 300, 300, 40, 3, 1, 299, 64, 8, 300, 9, 10, 11])
+    by_sort, by_topk = x.clone(), x.clone()
+    apply_top_k_top_p(by_sort, top_k, torch.ones(16))
+    apply_top_k_only(by_topk, top_k, max_k=int(top_k[top_k < 300].max()))
+    assert torch.equal(by_sort, by_topk)
+
+
+# --- seeds ------------------------------------------------------------------------------------------------
+
+
+def test_splitmix64_matches_the_reference_generator() -> None:
+    assert splitmix64(0) == 0xE220A8397B1DCDAF  # Vigna's splitmix64.c, state 0, first output
+    assert 0 <= step_seed(2**64 - 1, 10**9) < 2**64
+    assert len({step_seed(5, step) for step in range(1000)}) == 1000
+    torch.Generator().manual_seed(max(step_seed(s, 0) for s in range(1000)))  # within manual_seed's range
+
+
+def token_at(sampler: Sampler, target: tuple[SamplingRow, torch.Tensor], position: int, others: list) -> int:
+    """The target row's token when it sits at `position` among `others` ((row, logits) pairs)."""
+    pairs = others[:position] + [target] + others[position:]
+    return sampler(torch.stack([lg for _, lg in pairs]), [r for r, _ in pairs]).token_ids[position]
+
+
+def test_seeded_token_is_independent_of_batch_and_position() -> None:
+    vocab = 1000
+    gen = torch.Generator().manual_seed(11)
+    target_logits = torch.randn(vocab, generator=gen) * 2
+    target = row(SamplingParams(temperature=0.9, top_k=200, seed=1234), output=[1, 2, 3])
+    alone = Sampler(seed=0)(target_logits.unsqueeze(0), [target]).token_ids[0]
+    others = [
+        (row(SamplingParams(temperature=0.7)), torch.randn(vocab, generator=gen)),
+        (row(SamplingParams(temperature=0.0)), torch.randn(vocab, generator=gen)),
+        (row(SamplingParams(top_p=0.5, seed=99)), torch.randn(vocab, generator=gen)),  # forces the sort path
+        (row(SamplingParams(min_p=0.2, repetition_penalty=1.3), [5, 6], [7]), torch.randn(vocab, generator=gen)),
+        (row(SamplingParams(logprobs=3, frequency_penalty=0.5), [], [9, 9]), torch.randn(vocab, generator=gen)),
+    ]
+    sampler = Sampler(seed=1)
+    for n_others in (0, 2, 5):
+        for position in range(n_others + 1):
+            assert token_at(sampler, (target, target_logits), position, others[:n_others]) == alone
+    assert Sampler(seed=2)(target_logits.unsqueeze(0), [target]).token_ids[0] == alone  # another worker
+
+
+def test_seeded_draws_differ_across_steps_and_seeds() -> None:
+    logits = torch.zeros(20, 1000)  # uniform: any repeat would be chance, about 0.2 expected per 20 draws
+    by_step = Sampler()(logits, [row(SamplingParams(seed=42), output=range(step)) for step in range(20)])
+    by_seed = Sampler()(logits, [row(SamplingParams(seed=seed), output=[0]) for seed in range(20)])
+    assert len(set(by_step.token_ids)) >= 18
+    assert len(set(by_seed.token_ids)) >= 18
+
+
+def test_unseeded_rows_are_reproducible_from_the_sampler_seed_and_vary_otherwise() -> None:
+    logits = torch.zeros(50, 1000)
+    rows = [row(SamplingParams())] * 50
+    assert Sampler(seed=5)(logits, rows).token_ids == Sampler(seed=5)(logits, rows).token_ids
+    sampler = Sampler(seed=5)
+    assert sampler(logits, rows).token_ids != sampler(logits, rows).token_ids
+
+
+# --- greedy and penalties ---------------------------------------------------------------------------------
+
+
+def test_greedy_is_argmax_with_ties_to_the_lowest_id() -> None:
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 50, generator=gen)
+    logits[5] = torch.tensor([0.0, 2.0, 1.0, 2.0] + [0.0] * 46)
+    out = Sampler()(logits, [row(SamplingParams(temperature=0.0))] * 6)
+    assert out.token_ids == logits.argmax(dim=-1).tolist()
+    assert out.token_ids[5] == 1
+
+
+def test_greedy_rows_in_a_mixed_batch_take_the_penalized_argmax() -> None:
+    logits = torch.tensor([[1.0, 3.0, 2.9, 0.0], [1.0, 3.0, 2.9, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    rows = [
+        row(SamplingParams(temperature=0.0)),
+        row(SamplingParams(temperature=0.0, presence_penalty=0.5), output=[1]),  # 3.0 - 0.5 < 2.9
+        row(SamplingParams(seed=1)),
+    ]
+    assert Sampler()(logits, rows).token_ids[:2] == [1, 2]
+
+
+def test_penalties_give_exact_logits() -> None:
+    logits = torch.tensor([[2.0, -1.0, 0.5, 0.0, 3.0, -2.0], [2.0, -1.0, 0.5, 0.0, 3.0, -2.0]])
+    rows = [
+        row(
+            SamplingParams(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25),
+            prompt=[0, 1, 3],
+            output=[1, 2, 2],
+        ),
+        row(SamplingParams(), prompt=[0], output=[1]),
+    ]
+    before = logits.clone()
+    penalized = apply_penalties(logits, rows)
+    # token 0 in the prompt: 2 / 2; token 1 in both: -1 * 2 - 0.25 * 1 - 0.5; token 2 twice in the output:
+    # 0.5 / 2 - 0.25 * 2 - 0.5; token 3 is 0: unchanged by * 2; tokens 4 and 5 unseen.
+    assert penalized[0].tolist() == [1.0, -2.75, -0.75, 0.0, 3.0, -2.0]
+    assert penalized[1].tolist() == before[1].tolist()  # no penalty on this row
+    assert torch.equal(logits, before)
+
+
+def test_presence_and_frequency_ignore_the_prompt_and_repetition_below_one_boosts() -> None:
+    logits = torch.tensor([[1.0, -1.0, 1.0]])
+    rows = [row(SamplingParams(repetition_penalty=0.5, presence_penalty=-1.0, frequency_penalty=0.5), [0, 1], [2])]
+    assert apply_penalties(logits, rows)[0].tolist() == [2.0, -0.5, 2.5]  # token 2: 1 / 0.5 - 0.5 * 1 + 1
+
+
+def test_apply_penalties_returns_the_input_when_no_row_has_one() -> None:
+    logits = torch.zeros(2, 4)
+    assert apply_penalties(logits, [row(SamplingParams(), [1], [2])] * 2) is logits
+
+
+def test_penalty_rejects_a_token_id_outside_the_vocab() -> None:
+    with pytest.raises(ValueError, match="token id 4 is invalid"):
+        apply_penalties(torch.zeros(2, 4), [row(SamplingParams(presence_penalty=1.0), [], [4])] * 2)
+
+
+def test_sampler_never_writes_the_callers_logits() -> None:
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(4, 64, generator=gen)
+    before = logits.clone()
+    full = SamplingParams(temperature=0.7, top_k=10, top_p=0.8, min_p=0.05, repetition_penalty=1.2, logprobs=2)
+    rows = [row(full, [1, 2], [3]), row(SamplingParams(temperature=0.0)), row(full), row(SamplingParams(seed=3))]
+    Sampler()(logits, rows)
+    Sampler()(logits, [row(full, [1], [2])] * 4)
+    assert torch.equal(logits, before)
+
+
+def test_sampler_rejects_mismatched_shape_and_dtype() -> None:
+    with pytest.raises(ValueError, match=r"must be \[2, vocab\]"):
+        Sampler()(torch.zeros(3, 4), [row(SamplingParams())] * 2)
+    with pytest.raises(ValueError, match="must be torch.float32"):
+        Sampler()(torch.zeros(2, 4, dtype=torch.float64), [row(SamplingParams())] * 2)
+    assert Sampler()(torch.zeros(0, 4), []).token_ids == []
+
+
+# --- logprobs ---------------------------------------------------------------------------------------------
+
+
+def test_logprobs_come_from_the_raw_logits() -> None:
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(3, 40, generator=gen) * 3
+    rows = [
+        row(SamplingParams(temperature=0.5, repetition_penalty=1.5, top_k=5, logprobs=4, seed=1), [0, 1, 2], [3]),
+        row(SamplingParams(temperature=0.0, logprobs=0)),
+        row(SamplingParams()),
+    ]
+    out = Sampler()(logits, rows)
+    raw = torch.log_softmax(logits, dim=-1)
+    first = out.logprobs[0]
+    assert first.token_id == out.token_ids[0]
+    assert first.logprob == pytest.approx(raw[0, first.token_id].item(), rel=1e-6)
+    assert first.rank == 1 + int((raw[0] > raw[0, first.token_id]).sum())
+    top = raw[0].topk(4)
+    assert [t for t, _ in first.top] == top.indices.tolist()
+    assert [v for _, v in first.top] == pytest.approx(top.values.tolist(), rel=1e-6)
+    assert [v for _, v in first.top] == sorted((v for _, v in first.top), reverse=True)
+    assert out.logprobs[1].rank == 1 and out.logprobs[1].top == []
+    assert out.logprobs[2] is None
+
+
+def test_logprob_rank_counts_only_strictly_better_tokens() -> None:
+    logits = torch.tensor([[2.0, 5.0, 5.0, 1.0]])
+    params = SamplingParams(temperature=0.0, presence_penalty=2.0, frequency_penalty=2.0, logprobs=10)
+    penalized_away = row(params, output=[1, 2])
+    lp = Sampler()(logits, [penalized_away]).logprobs[0]
+    assert (lp.token_id, lp.rank) == (0, 3)  # greedy after penalties (5 - 4 < 2), ranked by raw logprobs
+    assert [t for t, _ in lp.top][2:] == [0, 3]  # n clamped to the vocab
+
+
+# --- property: the token is always one the parameters allow ----------------------------------------------
+
+
+def allowed_tokens(penalized: list[float], params: SamplingParams, slack: float = 1e-4) -> set[int]:
+    """Tokens the parameters allow, from the sampler's own penalized logits, in float64. `slack` widens the
+    top-p and min-p boundaries past float32 rounding; logits on a 1/8 grid keep top-k ties exact."""
+    x = np.asarray(penalized, dtype=np.float64)
+    if params.greedy:
+        return {int(np.argmax(x))}
+    x = x / params.temperature
+    keep = np.ones(len(x), dtype=bool)
+    if 0 < params.top_k < len(x):
+        keep &= x >= np.sort(x)[::-1][params.top_k - 1]
+    if params.top_p < 1.0:
+        p = softmax64(np.where(keep, x, -np.inf))
+        order = np.argsort(-x, kind="stable")
+        prefix = order[(np.cumsum(p[order]) - p[order]) < params.top_p + slack]
+        keep &= x >= x[prefix].min()  # any token tied with a kept one may be the one kept
+    if params.min_p > 0.0:
+        keep &= x >= x[keep].max() + math.log(params.min_p) - slack
+    return set(np.flatnonzero(keep).tolist())
+
+
+@st.composite
+def batches(draw):
+    vocab = draw(st.integers(2, 40))
+    n_rows = draw(st.integers(1, 4))
+    logits, rows = [], []
+    for _ in range(n_rows):
+        logits.append([v / 4 for v in draw(st.lists(st.integers(-32, 32), min_size=vocab, max_size=vocab))])
+        params = SamplingParams(
+            temperature=draw(st.one_of(st.just(0.0), st.floats(0.1, 3.0))),
+            top_k=draw(st.one_of(st.just(-1), st.integers(1, vocab + 2))),
+            top_p=draw(st.one_of(st.just(1.0), st.floats(0.01, 1.0))),
+            min_p=draw(st.one_of(st.just(0.0), st.floats(0.0, 1.0))),
+            repetition_penalty=draw(st.sampled_from([1.0, 0.5, 2.0])),
+            presence_penalty=draw(st.sampled_from([0.0, -0.5, 0.25, 1.0])),
+            frequency_penalty=draw(st.sampled_from([0.0, 0.25, -1.0])),
+            seed=draw(st.one_of(st.none(), st.integers(0, 2**64 - 1))),
+            logprobs=draw(st.one_of(st.none(), st.integers(0, 5))),
+        )
+        token = st.integers(0, vocab - 1)
+        rows.append(row(params, draw(st.lists(token, max_size=6)), draw(st.lists(token, max_size=6))))
+    return torch.tensor(logits), rows
+
+
+@settings(max_examples=100, deadline=None, derandomize=True, database=None)
+@given(batches())
+def test_sampled_token_is_always_allowed_and_seeded_rows_reproduce_alone(batch) -> None:
+    logits, rows = batch
+    out = Sampler(seed=0)(logits, rows)
+    penalized = apply_penalties(logits, rows)
+    allowed = [allowed_tokens(penalized[i].tolist(), r.params) for i, r in enumerate(rows)]
+    for i, r in enumerate(rows):
+        assert out.token_ids[i] in allowed[i]
+        if r.params.seed is not None:
+            assert Sampler(seed=1)(logits[i : i + 1], [r]).token_ids == [out.token_ids[i]]
+        if r.params.logprobs is not None:
+            assert out.logprobs[i].token_id == out.token_ids[i]
+            assert len(out.logprobs[i].top) == min(r.params.logprobs, logits.shape[1])
+    # Many unseeded draws per row, so a token the filters should drop has a real chance to show up.
+    copies = 64
+    unseeded = [replace(r, params=replace(r.params, seed=None)) for r in rows for _ in range(copies)]
+    tokens = Sampler(seed=2)(logits.repeat_interleave(copies, dim=0), unseeded).token_ids
+    for j, token in enumerate(tokens):
+        assert token in allowed[j // copies]

@@ -9,11 +9,11 @@ Each row follows the vLLM / HF pipeline with its own parameters:
         │
         ├─ temperature == 0 ─► argmax (ties -> lowest token id)
         ▼
-    / temperature ─► top-k ─► top-p ─► min-p ─► softmax ─► argmax(probs / Exp(1) noise)
+    / temperature ─► top-k ─► top-p ─► min-p ─► softmax ─► inverse CDF at one uniform draw per row
 
-Filters set a dropped token's logit to -inf, so its probability is exactly 0 and it can never win the
-exponential race (argmax of p_i / E_i with E_i ~ Exp(1) picks i with probability p_i). Work that no row
-in the batch asks for is skipped: no penalty tensors, no sort, no noise for an all-greedy batch.
+Filters set a dropped token's logit to -inf, so its probability is exactly 0 and it can never be drawn.
+Work that no row in the batch asks for is skipped: no penalty tensors, no top-k/top-p search, no draw
+for an all-greedy batch.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch
 from engine.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
-_TINY = torch.finfo(torch.float32).tiny
+CANDIDATES = (64, 1024)  # top-k/top-p search a row's best logits for the cutoff, widening in steps
 
 
 @dataclass(frozen=True)
@@ -112,35 +112,28 @@ class Sampler:
             device=penalized.device,
         )
         temperature, top_p, min_p, top_k_t = table.unbind(dim=1)
-        x = penalized / temperature.unsqueeze(1)  # a fresh tensor: the filters below work on it in place
-        if any(p.top_p < 1.0 for p in params):
-            apply_top_k_top_p(x, top_k_t.long(), top_p)
-        elif any(k < vocab for k in top_k):
-            apply_top_k_only(x, top_k_t.long(), max(k for k in top_k if k < vocab))
+        x = penalized / temperature.unsqueeze(1)
+        # every filter is a cutoff value per row: tokens with x >= cutoff stay
+        cutoff = torch.full((len(rows),), -math.inf, device=x.device)
+        if any(p.top_p < 1.0 for p in params) or any(k < vocab for k in top_k):
+            cutoff = top_k_top_p_cutoffs_fast(x, top_k_t.long(), top_p)
         if any(p.min_p > 0.0 for p in params):
-            apply_min_p(x, min_p)
-        probs = x.softmax(dim=-1)
-        return probs.div_(self._exponential_noise(probs, rows)).argmax(dim=-1)
+            cutoff = torch.maximum(cutoff, min_p_cutoffs(x, min_p))
+        return draw_inverse_cdf(x, cutoff, self._uniforms(rows, x.device))
 
-    def _exponential_noise(self, probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-        """Exp(1) noise shaped like `probs`: a seeded row's from its own generator, the rest from ours."""
-        generator = self._generator(probs.device)
-        if all(row.params.seed is None for row in rows):  # fast path: one kernel, no seeded row to keep apart
-            noise = torch.empty_like(probs).exponential_(generator=generator)
-        else:
-            noise = torch.empty_like(probs)
-            unseeded = [i for i, row in enumerate(rows) if row.params.seed is None]
-            if unseeded:
-                idx = torch.tensor(unseeded, device=probs.device)
-                shared = torch.empty((len(unseeded), probs.shape[1]), device=probs.device)
-                noise.index_copy_(0, idx, shared.exponential_(generator=generator))
-            for i, row in enumerate(rows):
-                if row.params.seed is not None:
-                    own = torch.Generator(device=probs.device)
-                    own.manual_seed(step_seed(row.params.seed, row.step))
-                    noise[i].exponential_(generator=own)
-        # A zero draw would turn a dropped token's 0 / 0 into NaN, which argmax would pick.
-        return noise.clamp_(min=_TINY)
+    def _uniforms(self, rows: Sequence[SamplingRow], device: torch.device) -> torch.Tensor:
+        """One U[0, 1) float64 per row: a seeded row's from its own (seed, step) generator, the rest from ours."""
+        u = torch.empty(len(rows), dtype=torch.float64, device=device)
+        unseeded = [i for i, row in enumerate(rows) if row.params.seed is None]
+        if unseeded:
+            shared = torch.rand(len(unseeded), dtype=torch.float64, device=device, generator=self._generator(device))
+            u[torch.tensor(unseeded, device=device)] = shared
+        for i, row in enumerate(rows):
+            if row.params.seed is not None:
+                own = torch.Generator(device=device)
+                own.manual_seed(step_seed(row.params.seed, row.step))
+                u[i] = torch.rand(1, dtype=torch.float64, device=device, generator=own)[0]
+        return u
 
     def _generator(self, device: torch.device) -> torch.Generator:
         generator = self._generators.get(device)
@@ -207,38 +200,92 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
 def apply_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> None:
     """In place on temperature-scaled logits x [n, V]: top-k, then top-p on what top-k kept.
 
-    top_k [n] (V keeps all) keeps every logit >= the k-th largest, so ties at the boundary are all kept
-    (as vLLM). top_p [n] keeps the shortest prefix of the sorted, renormalized distribution whose mass
-    reaches top_p: a token stays while the mass strictly before it is < top_p, so the best token always
-    stays; among equal logits the lower token id comes first (stable sort).
+    Each row keeps every logit >= its cutoff value, so ties at the cutoff are all kept (as vLLM's top-k).
+    top_k [n] (V keeps all) puts the cutoff at the k-th largest logit. top_p [n] then keeps the shortest
+    run of best tokens whose renormalized mass reaches top_p: a token stays while the mass strictly before
+    it is < top_p, so the best token always stays; top_p == 1 keeps all.
     """
-    sorted_x, order = x.sort(dim=-1, descending=True, stable=True)
-    kth = sorted_x.gather(1, (top_k - 1).unsqueeze(1))
-    sorted_x.masked_fill_(sorted_x < kth, -math.inf)
-    probs = sorted_x.softmax(dim=-1)
+    x.masked_fill_(x < top_k_top_p_cutoffs_fast(x, top_k, top_p).unsqueeze(1), -math.inf)
+
+
+def top_k_top_p_cutoffs(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The plain version: sort every row whole, then walk it. Reference for the fast path."""
+    best = x.sort(dim=-1, descending=True).values
+    cutoff, _ = _cutoffs_in(best, top_k, top_p, x.logsumexp(dim=-1), x.shape[1])
+    return cutoff
+
+
+def top_k_top_p_cutoffs_fast(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Look for each cutoff among a row's best few logits first (topk is far cheaper than sorting 152k),
+    widening the search only for rows whose top-p mass reaches past them (flat distributions)."""
+    vocab = x.shape[1]
+    enabled_k = top_k[top_k < vocab]
+    max_k = int(enabled_k.max()) if enabled_k.numel() else 0
+    log_norm = x.logsumexp(dim=-1)
+    cutoff = torch.empty(x.shape[0], device=x.device)
+    rows = torch.arange(x.shape[0], device=x.device)
+    for num_candidates in sorted({max(size, max_k) for size in CANDIDATES}):
+        if num_candidates >= vocab:
+            break
+        sub = x if rows.numel() == x.shape[0] else x[rows]
+        best = sub.topk(num_candidates, dim=-1).values  # sorted, best first
+        found_cutoff, found = _cutoffs_in(best, top_k[rows], top_p[rows], log_norm[rows], vocab)
+        cutoff[rows] = found_cutoff
+        rows = rows[~found]
+        if rows.numel() == 0:
+            return cutoff
+    cutoff[rows] = top_k_top_p_cutoffs(x[rows], top_k[rows], top_p[rows])
+    return cutoff
+
+
+def _cutoffs_in(
+    best: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, log_norm: torch.Tensor, vocab: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cutoff values [n] from each row's best logits `best` [n, K] (sorted descending, K <= V), and
+    whether each row's cutoff lies within them. `log_norm` [n] is logsumexp over the whole row."""
+    num = best.shape[1]
+    has_k = (top_k < vocab) & (top_k <= num)  # every enabled top-k (k < V) fits among the candidates
+    kth = best.gather(1, (top_k.clamp(max=num) - 1).unsqueeze(1))
+    kept = best.masked_fill((best < kth) & has_k.unsqueeze(1), -math.inf)
+    # top-p renormalizes over what top-k kept (within the candidates), else over the whole row
+    norm = torch.where(has_k, kept.logsumexp(dim=-1), log_norm)
+    probs = (kept - norm.unsqueeze(1)).exp()
     mass_before = probs.cumsum(dim=-1) - probs
-    top_p = top_p.masked_fill(top_p >= 1.0, math.inf)  # top_p == 1 keeps all, whatever cumsum's rounding
-    sorted_x.masked_fill_(mass_before >= top_p.unsqueeze(1), -math.inf)
-    x.scatter_(1, order, sorted_x)
-
-
-def apply_top_k_only(x: torch.Tensor, top_k: torch.Tensor, max_k: int) -> None:
-    """Fast path for `apply_top_k_top_p` when no row uses top-p: topk(max_k) finds each row's k-th value
-    without sorting all V logits, and keeps the same tokens. max_k is the largest enabled k (< V)."""
-    kth = x.topk(max_k, dim=-1).values.gather(1, (top_k.clamp(max=max_k) - 1).unsqueeze(1))
-    kth.masked_fill_(top_k.unsqueeze(1) > max_k, -math.inf)  # rows without top-k keep everything
-    x.masked_fill_(x < kth, -math.inf)
+    limit = top_p.masked_fill(top_p >= 1.0, math.inf)  # top_p == 1 keeps all, whatever cumsum's rounding
+    stays = (mass_before < limit.unsqueeze(1)) & (kept > -math.inf)
+    num_kept = stays.sum(dim=-1)
+    cutoff = best.gather(1, (num_kept - 1).unsqueeze(1)).squeeze(1)
+    filtered = has_k | (top_p < 1.0)
+    found = ~filtered | has_k | (num_kept < num)  # top-p alone: found once some candidate is dropped
+    return cutoff.masked_fill(~filtered, -math.inf), found
 
 
 def apply_min_p(x: torch.Tensor, min_p: torch.Tensor) -> None:
-    """In place: drop tokens with probability < min_p * max probability.
+    """In place: drop tokens with probability < min_p * max probability."""
+    x.masked_fill_(x < min_p_cutoffs(x, min_p).unsqueeze(1), -math.inf)
 
-    Done on logits, since p_i / p_max = exp(x_i - x_max): no softmax needed, and the ratio is the same on
-    the temperature-scaled distribution and after top-k / top-p (which keep the best token and only
-    renormalize). min_p == 0 gives log(0) = -inf, which drops nothing.
+
+def min_p_cutoffs(x: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Cutoff values [n] for min-p, on logits: p_i / p_max = exp(x_i - x_max), so no softmax is needed,
+    and the ratio is the same after top-k / top-p (which keep the best token and only renormalize).
+    min_p == 0 gives log(0) = -inf, which drops nothing."""
+    return x.amax(dim=-1) + min_p.log()
+
+
+def draw_inverse_cdf(x: torch.Tensor, cutoff: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Token ids [n] drawn from softmax(x) restricted to x >= cutoff, at uniform u [n] in [0, 1).
+
+    Inverse CDF in token-id order over the unnormalized weights exp(x - max): the first token whose
+    cumulative weight exceeds u * total. A dropped token has weight 0 and can never be drawn (its
+    cumulative value equals its predecessor's). One uniform per row instead of V exponential draws: on
+    CPU, exponential_ over [64, 152k] costs about a second.
     """
-    threshold = x.amax(dim=-1, keepdim=True) + min_p.log().unsqueeze(1)
-    x.masked_fill_(x < threshold, -math.inf)
+    weights = (x - x.amax(dim=-1, keepdim=True)).exp_()
+    weights.masked_fill_(x < cutoff.unsqueeze(1), 0.0)
+    cdf = weights.cumsum_(dim=-1)
+    total = cdf[:, -1:]
+    target = torch.minimum(u.unsqueeze(1).to(cdf.dtype) * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).squeeze(1)
 
 
 def compute_logprobs(

@@ -19,10 +19,11 @@ from engine.sampler import (
     Sampler,
     SamplingRow,
     apply_penalties,
-    apply_top_k_only,
     apply_top_k_top_p,
     splitmix64,
     step_seed,
+    top_k_top_p_cutoffs,
+    top_k_top_p_cutoffs_fast,
 )
 from engine.sampling_params import SamplingParams
 
@@ -142,17 +143,27 @@ def test_top_p_one_keeps_all_tokens_despite_cumsum_rounding() -> None:
     x = torch.zeros(2, vocab)
     apply_top_k_top_p(x, torch.tensor([vocab, vocab]), torch.tensor([1.0, 0.5]))
     assert torch.isfinite(x[0]).all()
-    assert torch.isfinite(x[1]).sum() == vocab // 2  # equal probabilities: exactly half reach 0.5
+    assert torch.isfinite(x[1]).all()  # all tie at the cutoff, and ties at the cutoff are kept
+    y = (torch.arange(vocab, 0, -1).float() / vocab).unsqueeze(0)  # distinct logits: an exact prefix stays
+    apply_top_k_top_p(y, torch.tensor([vocab]), torch.tensor([0.5]))
+    ref = torch.arange(vocab, 0, -1).float().div(vocab).softmax(-1)
+    num_kept = int(((ref.cumsum(0) - ref) < 0.5).sum())
+    assert torch.isfinite(y[0]).sum() == num_kept and torch.isfinite(y[0, :num_kept]).all()
 
 
-def test_top_k_fast_path_keeps_the_same_tokens_as_the_sort() -> None:
+def test_candidate_fast_path_finds_the_same_cutoffs_as_the_full_sort() -> None:
     gen = torch.Generator().manual_seed(3)
-    x = torch.randint(-20, 20, (16, 300), generator=gen).float() / 4  # many ties
-    top_k = torch.tensor([1, 2, 5, 17, 300, 300, 40, 3, 1, 299, 64, 8, 300, 9, 10, 11])
-    by_sort, by_topk = x.clone(), x.clone()
-    apply_top_k_top_p(by_sort, top_k, torch.ones(16))
-    apply_top_k_only(by_topk, top_k, max_k=int(top_k[top_k < 300].max()))
-    assert torch.equal(by_sort, by_topk)
+    vocab = 5000  # > CANDIDATES, so the fast path searches candidates and falls back for flat rows
+    x = torch.randint(-40, 40, (16, vocab), generator=gen).float() / 4  # many ties
+    x[3] = 0.0  # flat: top-p reaches past every candidate
+    x[4] = torch.randn(vocab, generator=gen) * 0.01  # nearly flat
+    x[5] = torch.randn(vocab, generator=gen) * 8  # peaked
+    top_k = torch.tensor([1, 2, 5, vocab, vocab, vocab, 40, 3, 1, vocab, 64, 8, vocab, 2000, 10, vocab])
+    top_p = torch.tensor([1.0, 0.5, 0.9, 0.7, 0.95, 0.9, 1.0, 0.3, 0.9, 0.999, 0.8, 1.0, 1.0, 0.99, 0.6, 0.01])
+    fast = top_k_top_p_cutoffs_fast(x, top_k, top_p)
+    plain = top_k_top_p_cutoffs(x, top_k, top_p)
+    assert torch.equal(fast, plain)
+    assert fast[12] == -math.inf and fast[0] == x[0].max()
 
 
 # --- seeds ------------------------------------------------------------------------------------------------

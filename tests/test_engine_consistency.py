@@ -83,7 +83,7 @@ def test_finished_sequences_leave_at_once(tiny_llama_dir):
     prompts = prompts_for(512, [10, 10, 10])
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (2, 30, 5)]
     finished_at = {}
-    for step, out in enumerate(llm.generate_stream(prompts, params)):
+    for out in llm.generate_stream(prompts, params):
         if out.finished:
             finished_at[out.request_id] = llm.engine.scheduler.num_running
     assert sorted(finished_at.values()) == [0, 1, 2]  # each leaves the running set the step it finishes

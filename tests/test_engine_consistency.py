@@ -121,3 +121,35 @@ def test_stop_strings_and_stop_tokens_end_generation_exactly(tiny_llama_dir):
     by_id = llm.generate("A story:", SamplingParams(max_tokens=40, temperature=0, ignore_eos=True,
                                                    stop_token_ids=[token]))[0]
     assert (by_id.token_ids, by_id.finish_reason, by_id.stop_reason) == (base.token_ids[: first + 1], "stop", token)
+
+
+def test_kv_events_from_real_generation_rebuild_the_cached_set(tiny_llama_dir):
+    from engine.kv_events import AllBlocksCleared, BlocksRemoved, BlocksStored
+
+    llm = LLM(tiny_llama_dir, num_kv_blocks=12, max_model_len=160)
+    pool = llm.engine.block_pool
+    mirror: set[int] = set()
+    sequences = []
+    removed = []
+
+    def on_event(event):
+        sequences.append(event.sequence)
+        assert event.epoch == pool.epoch
+        if isinstance(event, BlocksStored):
+            assert len(event.token_ids) == len(event.block_hashes) * event.block_size
+            mirror.update(event.block_hashes)
+        elif isinstance(event, BlocksRemoved):
+            removed.extend(event.block_hashes)
+            mirror.difference_update(event.block_hashes)
+        elif isinstance(event, AllBlocksCleared):
+            mirror.clear()
+
+    pool.subscribe(on_event)
+    for seed in range(4):  # more distinct prefixes than 12 blocks hold: evictions happen
+        llm.generate(prompts_for(512, [40, 25], seed=seed), SamplingParams(max_tokens=8, temperature=0))
+    assert removed, "the scenario must evict"
+    assert sequences == list(range(sequences[0], sequences[-1] + 1))  # no gaps
+    assert mirror == pool.cached_hashes() and 0 < len(mirror) <= 12
+    pool.reset_prefix_cache()
+    assert mirror == set() == pool.cached_hashes()
+    llm.engine.check_integrity()

@@ -1,9 +1,13 @@
 """Attention over the paged KV cache, in plain torch.
 
-One layer's cache, for K and likewise V:
+One layer's cache, for K and likewise V, head-major:
 
-    k_cache  [num_blocks, block_size, num_kv_heads, head_dim]
-               block b, offset o  ==  slot b * block_size + o  ==  k_cache.view(-1, kv_heads, head_dim)[slot]
+    k_cache  [num_kv_heads, num_blocks, block_size, head_dim]
+               head h, block b, offset o  ==  k_cache.view(kv_heads, -1, head_dim)[h, slot]
+               where slot = b * block_size + o
+
+Head-major because a gather of a batch's blocks (`index_select` on dim 1) then lands as
+[kv_heads, batch, context, head_dim], the layout both attention matmuls take without a copy.
 
 A step's batch is flattened to T tokens. The model runner orders it decodes first (one query token
 each, attended in one batched call), then prefill chunks (several query tokens each, attended one
@@ -30,16 +34,16 @@ class PrefillChunk:
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: where each token's K and V are written
     num_decode_tokens: int  # the first num_decode_tokens tokens are decodes
-    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] int64, padded with block 0
-    decode_context_lens: torch.Tensor | None  # [num_decodes] int64, including the new token
+    decode_block_ids: torch.Tensor | None  # [num_decodes * max_blocks] int64: block tables, padded, flat
+    decode_mask: torch.Tensor | None  # [num_decodes, max_blocks * block_size] float32: 0 or -inf past the end
     prefills: list[PrefillChunk]
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor):
     """Store the step's new K and V ([T, kv_heads, head_dim]) at their slots."""
     kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, k)
-    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, v)
+    k_cache.view(kv_heads, -1, head_dim).index_copy_(1, slots, k.transpose(0, 1))
+    v_cache.view(kv_heads, -1, head_dim).index_copy_(1, slots, v.transpose(0, 1))
 
 
 def paged_attention(
@@ -56,7 +60,7 @@ def paged_attention(
     out = torch.empty_like(q)
     n = meta.num_decode_tokens
     if n:
-        out[:n] = decode_attention(q[:n], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+        out[:n] = decode_attention(q[:n], k_cache, v_cache, meta.decode_block_ids, meta.decode_mask, scale)
     for chunk in meta.prefills:
         rows = slice(chunk.query_start, chunk.query_start + chunk.num_query_tokens)
         if chunk.num_context_tokens == chunk.num_query_tokens:
@@ -79,14 +83,12 @@ def prefix_attention(
 ) -> torch.Tensor:
     """A chunk after cached tokens: gather its context from the cache; query i sees keys <= its position."""
     num_ctx, num_q = chunk.num_context_tokens, chunk.num_query_tokens
-    kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k = k_cache[chunk.block_table].view(-1, kv_heads, head_dim)[:num_ctx]
-    v = v_cache[chunk.block_table].view(-1, kv_heads, head_dim)[:num_ctx]
+    kv_heads, head_dim = k_cache.shape[0], k_cache.shape[3]
+    k = k_cache.index_select(1, chunk.block_table).view(kv_heads, -1, head_dim)[:, :num_ctx]
+    v = v_cache.index_select(1, chunk.block_table).view(kv_heads, -1, head_dim)[:, :num_ctx]
     query_pos = torch.arange(num_ctx - num_q, num_ctx).unsqueeze(1)
     mask = torch.arange(num_ctx).unsqueeze(0) <= query_pos  # [num_q, num_ctx]
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale, enable_gqa=True
-    )
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.transpose(0, 1)
 
 
@@ -94,22 +96,23 @@ def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
+    block_ids: torch.Tensor,
+    mask: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
     """One query token per sequence, all sequences at once over their padded gathered context.
 
-    Grouped-query heads share K/V by a reshape ([B, kv_heads, group, head_dim]) instead of repeating
-    K/V, so the gather reads each cached K/V once.
+    Grouped-query heads share K/V by a reshape (q as [kv_heads, B, group, head_dim]) instead of
+    repeating K/V, so the gather reads each cached K/V once; `mask` (built once per step, shared by
+    every layer) is added to the scores to hide the padding past each sequence's end.
     """
     batch, num_heads, head_dim = q.shape
-    kv_heads = k_cache.shape[2]
+    kv_heads, num_blocks = k_cache.shape[0], k_cache.shape[1]
     group = num_heads // kv_heads
-    k = k_cache[block_tables].flatten(1, 2).permute(0, 2, 3, 1)  # [B, kv_heads, head_dim, L]
-    v = v_cache[block_tables].flatten(1, 2).transpose(1, 2)  # [B, kv_heads, L, head_dim]
-    scores = torch.matmul(q.view(batch, kv_heads, group, head_dim), k).float() * scale  # [B, kv, group, L]
-    valid = torch.arange(k.shape[-1]) < context_lens.unsqueeze(1)  # [B, L]
-    scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
+    k = k_cache.view(kv_heads, num_blocks, -1).index_select(1, block_ids).view(kv_heads, batch, -1, head_dim)
+    v = v_cache.view(kv_heads, num_blocks, -1).index_select(1, block_ids).view(kv_heads, batch, -1, head_dim)
+    q = (q * scale).view(batch, kv_heads, group, head_dim).transpose(0, 1)  # [kv_heads, B, group, head_dim]
+    scores = torch.matmul(q, k.transpose(-1, -2)).float()  # [kv_heads, B, group, L]
+    scores += mask[None, :, None, :]
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
-    return torch.matmul(probs, v).view(batch, num_heads, head_dim)
+    return torch.matmul(probs, v).transpose(0, 1).reshape(batch, num_heads, head_dim)

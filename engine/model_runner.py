@@ -25,7 +25,7 @@ class SampledToken:
 def allocate_kv_caches(model: LlamaForCausalLM, num_blocks: int, block_size: int, dtype: torch.dtype) -> list[KVCache]:
     """Zeroed (never NaN: padded gathers read unused slots, and 0 * NaN would poison the sum)."""
     cfg = model.config
-    shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    shape = (cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)  # head-major: see engine/attention.py
     return [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(cfg.num_layers)]
 
 
@@ -79,11 +79,17 @@ class ModelRunner:
             input_ids.append(c.token_ids[0])
             positions.append(pos)
             slots.append(c.block_ids[pos // bs] * bs + pos % bs)
-        decode_tables = decode_lens = None
+        decode_block_ids = decode_mask = None
         if decodes:
             width = max(len(c.block_ids) for c in decodes)
-            decode_tables = torch.tensor([c.block_ids + [0] * (width - len(c.block_ids)) for c in decodes])
-            decode_lens = torch.tensor([c.start_position + 1 for c in decodes])
+            padded: list[int] = []
+            for c in decodes:
+                padded += c.block_ids
+                padded += [0] * (width - len(c.block_ids))
+            decode_block_ids = torch.tensor(padded)
+            context_lens = torch.tensor([c.start_position + 1 for c in decodes])
+            past_end = torch.arange(width * bs) >= context_lens.unsqueeze(1)
+            decode_mask = torch.zeros(past_end.shape).masked_fill_(past_end, float("-inf"))
 
         prefills = []
         prefill_slots = []
@@ -103,8 +109,8 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=slot_mapping,
             num_decode_tokens=len(decodes),
-            decode_block_tables=decode_tables,
-            decode_context_lens=decode_lens,
+            decode_block_ids=decode_block_ids,
+            decode_mask=decode_mask,
             prefills=prefills,
         )
         return torch.tensor(input_ids), torch.tensor(positions), meta

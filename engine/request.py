@@ -24,12 +24,13 @@ class RequestStatus(enum.Enum):
     FINISHED_ABORTED = "abort"
 
     @property
-    def finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
-
-    @property
     def finish_reason(self) -> str | None:
         return self.value if self.finished else None
+
+
+# a plain attribute, not a property: it is read for every request on every step
+for _status in RequestStatus:
+    _status.finished = _status.name.startswith("FINISHED")
 
 
 @dataclass

@@ -16,20 +16,23 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ScheduledChunk:
-    """What the model runner needs to compute one request's tokens this step."""
+    """What the model runner needs to compute one request's tokens this step (read-only by contract;
+    not frozen because a frozen dataclass is several times slower to make, and one is made per request
+    per step)."""
 
     request_id: str
     token_ids: list[int]  # tokens whose KV is computed this step
     start_position: int  # position of token_ids[0] (== num_computed_tokens before the step)
-    block_ids: list[int]  # the whole block table; valid for this step
+    block_ids: list[int]  # the whole block table, the live list: valid for this step only
     sample: bool  # the chunk reaches the last known token: sample the next one
     sampling_params: SamplingParams
     prompt_token_ids: Sequence[int]
@@ -46,8 +49,7 @@ class SchedulerOutput:
         return sum(len(c.token_ids) for c in self.chunks)
 
 
-@dataclass(frozen=True)
-class TokenUpdate:
+class TokenUpdate(NamedTuple):
     """A token a request gained this step, and whether it finished with it."""
 
     request_id: str
@@ -183,7 +185,7 @@ class Scheduler:
             request_id=request.request_id,
             token_ids=request.all_token_ids[start : start + num_new],
             start_position=start,
-            block_ids=list(self.kv_cache.block_ids(request.request_id)),
+            block_ids=self.kv_cache.block_ids(request.request_id),
             sample=start + num_new == request.num_tokens,
             sampling_params=request.sampling_params,
             prompt_token_ids=request.prompt_token_ids,

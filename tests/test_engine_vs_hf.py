@@ -64,7 +64,7 @@ def test_checkpoints_cover_the_required_variants(tiny_llama_dir, tiny_qwen2_dir)
 
 
 def run_chunks(model, kv, chunks):
-    runner = ModelRunner(model, kv, kv[0][0].shape[1], sampler=None)
+    runner = ModelRunner(model, kv, kv[0][0].shape[2], sampler=None)
     ordered = [c for c in chunks if len(c.token_ids) == 1] + [c for c in chunks if len(c.token_ids) > 1]
     with torch.no_grad():
         ids, pos, meta = runner.prepare_inputs(ordered)

@@ -64,12 +64,15 @@ class KVCacheManager:
 
     def num_blocks_needed(self, request: Request, num_new_tokens: int, num_hit_blocks: int = 0) -> int:
         num_tokens = request.num_computed_tokens + num_hit_blocks * self.block_size + num_new_tokens
-        return cdiv(num_tokens, self.block_size) - len(self.block_ids(request.request_id)) - num_hit_blocks
+        num_held = len(self._block_ids.get(request.request_id, ()))
+        return -(-num_tokens // self.block_size) - num_held - num_hit_blocks
 
     def can_allocate_slots(self, request: Request, num_new_tokens: int, hit_block_ids: list[int] = ()) -> bool:
+        needed = self.num_blocks_needed(request, num_new_tokens, len(hit_block_ids))
+        if needed <= 0:
+            return True  # the common decode step: the token fits in the last block
         # a hit block that sits unreferenced in the free queue stops being allocatable once touched
         num_hit_free = sum(1 for b in hit_block_ids if self.pool.blocks[b].ref_count == 0)
-        needed = self.num_blocks_needed(request, num_new_tokens, len(hit_block_ids))
         return needed <= self.pool.num_free_blocks - num_hit_free
 
     def allocate_slots(self, request: Request, num_new_tokens: int, hit_block_ids: list[int] = ()) -> None:
@@ -77,9 +80,11 @@ class KVCacheManager:
 
         The caller checked `can_allocate_slots`. Hit blocks join the table first and count as cached.
         """
+        needed = self.num_blocks_needed(request, num_new_tokens, len(hit_block_ids))
+        if needed <= 0 and not hit_block_ids:
+            return
         rid = request.request_id
         table = self._block_ids.setdefault(rid, [])
-        needed = self.num_blocks_needed(request, num_new_tokens, len(hit_block_ids))
         if hit_block_ids:
             assert not table, "prefix hits are taken only by a request holding no blocks"
             self.pool.touch(hit_block_ids)
@@ -90,6 +95,8 @@ class KVCacheManager:
 
     def cache_computed_blocks(self, request: Request) -> None:
         """Register the request's full blocks whose KV is now computed in the prefix cache."""
+        if not self.pool.enable_caching:
+            return
         rid = request.request_id
         num_full = request.num_computed_tokens // self.block_size
         first = self._num_cached_blocks.get(rid, 0)

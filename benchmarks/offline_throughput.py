@@ -1,0 +1,428 @@
+"""Offline throughput: duet vs Hugging Face `generate` vs vLLM, same prompts, same machine, same run.
+
+    make bench                                   # = .venv/bin/python benchmarks/offline_throughput.py
+    .venv/bin/python benchmarks/offline_throughput.py --models small --dtypes float32 --batches 1,8 --repeats 3
+
+For every model x dtype x batch size each engine generates `--output-len` tokens (greedy, EOS ignored) for
+a batch of equal-length random prompts; the figure is output tokens/s over the whole `generate` call
+(prefill included), min/median/max over repeats, and the ratio that matters: duet / competitor, of medians.
+At batch 1 duet's decode rate is also set against the memory-bandwidth ceiling (see `bandwidth.py`).
+
+Fairness: one thread count for every engine (`--threads`); fresh prompts per repeat, so no engine gets a
+prefix-cache hit; each engine builds its model once and runs one untimed warm-up batch (<= 8 prompts)
+first. vLLM runs in its own venv (`setup_vllm.sh`) as a subprocess (`vllm_worker.py`), one at a time, with
+its default CPU setup (torch.compile'd model, its own thread binding, no core reserved).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bandwidth import Spread, decode_step_bytes, measure_read_bandwidth, weight_bytes_per_decode_step  # noqa: E402
+from bench_prompts import check_prompt, make_prompts, warmup_prompts  # noqa: E402
+
+from engine.config import ModelConfig  # noqa: E402
+
+CACHE_DIR = Path(os.environ.get("DUET_CACHE_DIR") or Path.home() / ".cache" / "duet")
+MODELS_DIR = CACHE_DIR / "bench-models"
+VLLM_VENV = Path(os.environ.get("DUET_VLLM_VENV") or CACHE_DIR / "vllm-venv")
+WORKER = Path(__file__).resolve().parent / "vllm_worker.py"
+ENGINES = ("duet", "hf", "vllm")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+
+# Random checkpoints, made once by `engine.tiny_model.make_tiny_model`. Bump a name's suffix when its
+# arguments change, so a stale cached checkpoint is never reused.
+MODEL_SPECS = {
+    "small": ("small-llama-v1", dict(arch="llama", layers=4, hidden=256, heads=8, kv_heads=2, vocab=4096, seed=0)),
+    "qwen05b": ("qwen2-0.5b-shape-v1", dict(
+        arch="qwen2", layers=24, hidden=896, heads=14, kv_heads=2, intermediate=4864, vocab=151936,
+        max_position_embeddings=32768, tie_word_embeddings=True, seed=0, initializer_range=0.02,
+    )),
+}
+# Cells that take 0.5-3 min per repeat per engine on 2 cores (bf16 has no native units on AVX-512 parts
+# without avx512_bf16): model -> the smallest batch from which `--slow-repeats` replaces `--repeats`.
+# With the defaults a full run takes ~35 min on a quiet 2-core Xeon, two thirds of it in qwen05b / bf16.
+SLOW_CELLS = {"qwen05b": 8}
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    models: list[str]
+    dtypes: list[str]
+    batches: list[int]
+    repeats: int
+    slow_repeats: int
+    prompt_len: int
+    output_len: int
+    seed: int
+    threads: int
+    skip_hf: bool
+    skip_vllm: bool
+    vllm_kv_cache_gib: int
+    bandwidth_bytes: int
+    markdown: str | None
+    json_out: str | None
+
+    @property
+    def max_num_batched_tokens(self) -> int:
+        """Per-step token budget, the same for duet and vLLM: a whole batch-64 prefill fits in one step."""
+        return max(2048, self.prompt_len + self.output_len)
+
+    def repeats_for(self, model: str, batch: int) -> int:
+        slow = model in SLOW_CELLS and batch >= SLOW_CELLS[model]
+        return min(self.repeats, self.slow_repeats) if slow else self.repeats
+
+
+@dataclass
+class EngineRun:
+    """One engine on one model x dtype: tokens/s per repeat per batch size, or why it failed."""
+
+    output_tokens_per_s: dict[int, list[float]] = field(default_factory=dict)
+    check_token_ids: list[int] | None = None
+    decode_tokens_per_s_b1: list[float] = field(default_factory=list)  # duet only: after the first token
+    startup_s: float | None = None
+    error: str | None = None
+
+
+def parse_args(argv: list[str] | None = None) -> BenchConfig:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="small,qwen05b", help=f"comma-separated, from {', '.join(MODEL_SPECS)}")
+    p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated, from float32, bfloat16")
+    p.add_argument("--batches", default="1,8,32,64", help="comma-separated batch sizes")
+    p.add_argument("--repeats", type=int, default=3, help="timed repeats per cell")
+    p.add_argument("--slow-repeats", type=int, default=1,
+                   help=f"repeats for the slow cells {SLOW_CELLS} (model: from batch size), to bound run time")
+    p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per sequence")
+    p.add_argument("--output-len", type=int, default=64, help="generated tokens per sequence")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads, the same for every engine")
+    p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--skip-vllm", action="store_true")
+    p.add_argument("--vllm-kv-cache-gib", type=int, default=2)
+    p.add_argument("--bandwidth-mib", type=int, default=1024, help="tensor size for the DRAM bandwidth probe")
+    p.add_argument("--markdown", metavar="OUT", help="append a results section to this Markdown file")
+    p.add_argument("--json", dest="json_out", metavar="OUT", help="write the raw results as JSON")
+    a = p.parse_args(argv)
+    models, dtypes = a.models.split(","), a.dtypes.split(",")
+    for name in models:
+        if name not in MODEL_SPECS:
+            p.error(f"--models: {name!r} is not one of {', '.join(MODEL_SPECS)}")
+    for name in dtypes:
+        if name not in DTYPE_BYTES:
+            p.error(f"--dtypes: {name!r} is not one of {', '.join(DTYPE_BYTES)}")
+    batches = [int(b) for b in a.batches.split(",")]
+    for name, value in (("repeats", a.repeats), ("slow-repeats", a.slow_repeats), ("prompt-len", a.prompt_len),
+                        ("output-len", a.output_len), ("threads", a.threads), ("batches", min(batches))):
+        if value < 1:
+            p.error(f"--{name}={value} is invalid: must be >= 1")
+    return BenchConfig(models, dtypes, batches, a.repeats, a.slow_repeats, a.prompt_len, a.output_len, a.seed,
+                       a.threads, a.skip_hf, a.skip_vllm, a.vllm_kv_cache_gib, a.bandwidth_mib * 2**20,
+                       a.markdown, a.json_out)
+
+
+def ensure_checkpoint(name: str) -> Path:
+    """The model's checkpoint directory, made on first use (in a temp dir, renamed into place)."""
+    dir_name, kwargs = MODEL_SPECS[name]
+    target = MODELS_DIR / dir_name
+    if target.is_dir():
+        return target
+    from engine.tiny_model import make_tiny_model
+
+    MODELS_DIR.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dir_name}.tmp-", dir=MODELS_DIR))
+    try:
+        print(f"bench event=make_checkpoint model={name} dir={target}", flush=True)
+        make_tiny_model(tmp, dtype="float32", **kwargs)
+        os.rename(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+# -- engines -------------------------------------------------------------------------------------------
+
+
+def run_duet(model_dir: Path, model: str, dtype: str, vocab: int, cfg: BenchConfig) -> EngineRun:
+    from engine import LLM, SamplingParams
+
+    run = EngineRun()
+    t0 = time.perf_counter()
+    llm = LLM(model_dir, dtype=dtype, max_num_seqs=max(cfg.batches), num_threads=cfg.threads,
+              max_num_batched_tokens=cfg.max_num_batched_tokens)
+    run.startup_s = time.perf_counter() - t0
+    params = SamplingParams(max_tokens=cfg.output_len, ignore_eos=True, temperature=0)
+
+    def timed(prompts: list[list[int]]) -> tuple[float, float]:
+        """(whole call, decode after the first token) seconds; checks every prompt got output_len tokens."""
+        first_s = None
+        counts = []
+        t0 = time.perf_counter()
+        for out in llm.generate_stream(prompts, params):
+            first_s = first_s or time.perf_counter()
+            if out.finished:
+                counts.append(len(out.token_ids))
+        end_s = time.perf_counter()
+        assert counts == [cfg.output_len] * len(prompts), f"duet generated {counts}, expected {cfg.output_len} each"
+        return end_s - t0, end_s - first_s
+
+    [check] = llm.generate([check_prompt(cfg.seed, cfg.prompt_len, vocab)], params)
+    run.check_token_ids = list(check.token_ids)
+    timed(warmup_prompts(cfg.seed, cfg.batches, cfg.prompt_len, vocab))
+    for batch in cfg.batches:
+        rates = run.output_tokens_per_s[batch] = []
+        for repeat in range(cfg.repeats_for(model, batch)):
+            total_s, decode_s = timed(make_prompts(cfg.seed, batch, repeat, cfg.prompt_len, vocab))
+            rates.append(batch * cfg.output_len / total_s)
+            if batch == 1:
+                run.decode_tokens_per_s_b1.append((cfg.output_len - 1) / decode_s)
+            _progress("duet", model, dtype, batch, repeat, rates[-1])
+    return run
+
+
+def run_hf(model_dir: Path, model: str, dtype: str, vocab: int, cfg: BenchConfig) -> EngineRun:
+    from transformers import AutoModelForCausalLM
+
+    run = EngineRun()
+    t0 = time.perf_counter()
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+    run.startup_s = time.perf_counter() - t0
+    eos = hf.generation_config.eos_token_id
+    pad_id = eos[0] if isinstance(eos, list) else eos
+
+    @torch.inference_mode()
+    def generate(prompts: list[list[int]]) -> tuple[float, torch.Tensor]:
+        ids = torch.tensor(prompts)
+        t0 = time.perf_counter()
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=cfg.output_len,
+                          min_new_tokens=cfg.output_len, pad_token_id=pad_id)
+        elapsed_s = time.perf_counter() - t0
+        assert out.shape == (len(prompts), cfg.prompt_len + cfg.output_len), f"HF output shape {tuple(out.shape)}"
+        return elapsed_s, out[:, cfg.prompt_len :]
+
+    run.check_token_ids = generate([check_prompt(cfg.seed, cfg.prompt_len, vocab)])[1][0].tolist()
+    generate(warmup_prompts(cfg.seed, cfg.batches, cfg.prompt_len, vocab))
+    for batch in cfg.batches:
+        rates = run.output_tokens_per_s[batch] = []
+        for repeat in range(cfg.repeats_for(model, batch)):
+            elapsed_s, _ = generate(make_prompts(cfg.seed, batch, repeat, cfg.prompt_len, vocab))
+            rates.append(batch * cfg.output_len / elapsed_s)
+            _progress("hf", model, dtype, batch, repeat, rates[-1])
+    return run
+
+
+def run_vllm(model_dir: Path, model: str, dtype: str, cfg: BenchConfig) -> EngineRun:
+    python = VLLM_VENV / "bin" / "python"
+    if not python.exists():
+        return EngineRun(error=f"no vLLM venv at {VLLM_VENV}: run benchmarks/setup_vllm.sh")
+    cmd = [str(python), str(WORKER), "--model", str(model_dir), "--dtype", dtype,
+           "--batches", ",".join(map(str, cfg.batches)),
+           "--repeats", ",".join(str(cfg.repeats_for(model, b)) for b in cfg.batches),
+           "--prompt-len", str(cfg.prompt_len), "--output-len", str(cfg.output_len), "--seed", str(cfg.seed),
+           "--max-num-batched-tokens", str(cfg.max_num_batched_tokens), "--kv-cache-gib", str(cfg.vllm_kv_cache_gib),
+           "--threads", str(cfg.threads)]
+    print(f"bench event=vllm_start model={model} dtype={dtype} cmd={shlex.join(cmd)}", flush=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    for line in proc.stdout.splitlines():
+        if line.startswith("VLLM_RESULT "):
+            result = json.loads(line.removeprefix("VLLM_RESULT "))
+            run = EngineRun(
+                output_tokens_per_s={int(b): r for b, r in result["output_tokens_per_s"].items()},
+                check_token_ids=result["check_token_ids"],
+                startup_s=result["startup_s"],
+            )
+            for batch, rates in run.output_tokens_per_s.items():
+                for repeat, rate in enumerate(rates):
+                    _progress("vllm", model, dtype, batch, repeat, rate)
+            return run
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+    return EngineRun(error=f"vllm_worker exited {proc.returncode}: {' | '.join(tail)}")
+
+
+def _progress(engine: str, model: str, dtype: str, batch: int, repeat: int, rate: float) -> None:
+    print(f"bench engine={engine} model={model} dtype={dtype} batch={batch} repeat={repeat} "
+          f"output_tokens_per_s={rate:.1f}", flush=True)
+
+
+# -- one model x dtype -----------------------------------------------------------------------------
+
+
+def bench_cell(model: str, dtype: str, cfg: BenchConfig) -> dict:
+    model_dir = ensure_checkpoint(model)
+    mcfg = ModelConfig.from_dir(model_dir)
+    runs: dict[str, EngineRun] = {}
+    load_before = os.getloadavg()[0]
+    weight_bytes = weight_bytes_per_decode_step(mcfg, DTYPE_BYTES[dtype])
+    # Right before duet's batch-1 timing, so ceiling and measurement share the machine's mood.
+    dram = measure_read_bandwidth(cfg.bandwidth_bytes)
+    cache_sized = measure_read_bandwidth(max(weight_bytes, 2**20))
+    engines = [("duet", lambda: run_duet(model_dir, model, dtype, mcfg.vocab_size, cfg))]
+    if not cfg.skip_hf:
+        engines.append(("hf", lambda: run_hf(model_dir, model, dtype, mcfg.vocab_size, cfg)))
+    if not cfg.skip_vllm:
+        engines.append(("vllm", lambda: run_vllm(model_dir, model, dtype, cfg)))
+    for name, fn in engines:
+        try:
+            runs[name] = fn()
+        except Exception as e:  # one engine failing must not lose the others' figures
+            runs[name] = EngineRun(error=f"{type(e).__name__}: {e}")
+            print(f"bench engine={name} model={model} dtype={dtype} event=failed error={runs[name].error!r}",
+                  flush=True)
+        gc.collect()
+    context = cfg.prompt_len + cfg.output_len // 2  # the mean context over the decode steps
+    step_bytes = decode_step_bytes(mcfg, DTYPE_BYTES[dtype], context)
+    return {
+        "model": model, "dtype": dtype, "model_dir": str(model_dir),
+        "weight_bytes": weight_bytes, "decode_step_bytes": step_bytes, "mean_context_tokens": context,
+        "dram_bandwidth": asdict(dram), "cache_sized_bandwidth": asdict(cache_sized),
+        "runs": {name: asdict(run) for name, run in runs.items()},
+        "load_1min": [round(load_before, 1), round(os.getloadavg()[0], 1)],
+    }
+
+
+# -- report -------------------------------------------------------------------------------------------
+
+
+def _fmt(values: list[float] | None) -> str:
+    if not values:
+        return "-"
+    s = Spread.of(values)
+    return f"{s.median:,.1f} ({s.min:,.1f}-{s.max:,.1f}, n={len(values)})"
+
+
+def _ratio(a: list[float] | None, b: list[float] | None, pick=None) -> str:
+    if not a or not b:
+        return "-"
+    if pick is None:
+        return f"{Spread.of(a).median / Spread.of(b).median:.2f}"
+    return f"{pick(a) / pick(b):.2f}"
+
+
+def _agreement(a: list[int] | None, b: list[int] | None) -> str:
+    if not a or not b:
+        return "-"
+    if a == b:
+        return f"all {len(a)} identical"
+    same = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    return f"first {same} of {len(a)} identical"
+
+
+def report(cells: list[dict], cfg: BenchConfig, env: dict) -> str:
+    lines = ["## Offline throughput", "",
+             f"- date: {env['date']}", f"- machine: {env['machine']}", f"- duet commit: {env['engine_commit']}",
+             f"- command: `{env['command']}`",
+             f"- config: `{json.dumps(env['config'])}`", f"- versions: {env['versions']}", "",
+             "Output tokens/s, median (min-max, n=repeats), whole `generate` call incl. prefill. "
+             "Ratios are of medians; `best` ratios are of the fastest repeats (on a shared machine other "
+             "processes only ever slow a repeat down, so the fastest one is the least disturbed).", ""]
+    for cell in cells:
+        runs = cell["runs"]
+        lines += [f"### {cell['model']} / {cell['dtype']}", "",
+                  f"1-min load average before / after: {cell['load_1min'][0]} / {cell['load_1min'][1]} "
+                  f"(on {os.cpu_count()} cores).", "",
+                  "| batch | duet | HF transformers | vLLM | duet/HF | duet/vLLM | best duet/HF | best duet/vLLM |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for batch in cfg.batches:
+            get = {name: (runs.get(name) or {}).get("output_tokens_per_s", {}).get(batch) for name in ENGINES}
+            lines.append(f"| {batch} | {_fmt(get['duet'])} | {_fmt(get['hf'])} | {_fmt(get['vllm'])} "
+                         f"| {_ratio(get['duet'], get['hf'])} | {_ratio(get['duet'], get['vllm'])} "
+                         f"| {_ratio(get['duet'], get['hf'], max)} | {_ratio(get['duet'], get['vllm'], max)} |")
+        for name in ENGINES:
+            run = runs.get(name)
+            if run and run.get("error"):
+                lines.append(f"\n{name} failed: {run['error']}")
+        lines.append("")
+    lines += ["### Batch-1 decode vs the memory-bandwidth ceiling", "",
+              "Bytes per decode step = all weights read once (lm_head incl.) + K/V at the mean decode context. "
+              "Ceiling = read bandwidth (`torch.sum`, same run) / bytes per step. duet decode = tokens after "
+              "the first / time after the first.", "",
+              "| model / dtype | bytes/step (MB) | DRAM read GB/s (min-max) | ceiling tok/s | "
+              "read GB/s at weight size | ceiling at that bw | duet decode tok/s | duet / DRAM ceiling |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for cell in cells:
+        dram, cache = Spread(**cell["dram_bandwidth"]), Spread(**cell["cache_sized_bandwidth"])
+        step = cell["decode_step_bytes"]
+        duet_decode = cell["runs"].get("duet", {}).get("decode_tokens_per_s_b1") or []
+        frac = f"{Spread.of(duet_decode).median / (dram.median / step):.0%}" if duet_decode else "-"
+        lines.append(
+            f"| {cell['model']} / {cell['dtype']} | {step / 1e6:,.1f} | {dram.median / 1e9:.1f} "
+            f"({dram.min / 1e9:.1f}-{dram.max / 1e9:.1f}) | {dram.median / step:,.1f} | {cache.median / 1e9:.1f} "
+            f"| {cache.median / step:,.1f} | {_fmt(duet_decode)} | {frac} |")
+    lines += ["", "### Greedy tokens of the check prompt (first divergence)", "",
+              "| model / dtype | duet vs HF | duet vs vLLM | HF vs vLLM |", "|---|---|---|---|"]
+    for cell in cells:
+        ids = {name: (cell["runs"].get(name) or {}).get("check_token_ids") for name in ENGINES}
+        lines.append(f"| {cell['model']} / {cell['dtype']} | {_agreement(ids['duet'], ids['hf'])} "
+                     f"| {_agreement(ids['duet'], ids['vllm'])} | {_agreement(ids['hf'], ids['vllm'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def _environment(cfg: BenchConfig) -> dict:
+    model_name = platform.processor() or "unknown CPU"
+    try:
+        for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
+            if line.startswith("Model name:"):
+                model_name = line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import transformers
+
+    root = Path(__file__).resolve().parent.parent
+    try:
+        git = ["git", "-C", str(root)]
+        commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run([*git, "status", "--porcelain", "engine"], capture_output=True, text=True).stdout
+        commit = (commit or "unknown") + (" (engine/ has uncommitted changes)" if dirty.strip() else "")
+    except OSError:
+        commit = "unknown"
+    return {
+        "engine_commit": commit,
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": f"{os.cpu_count()} cores, no GPU, {model_name}",
+        "command": shlex.join([Path(sys.executable).name, *sys.argv]),
+        "config": asdict(cfg),
+        "versions": f"torch {torch.__version__}, transformers {transformers.__version__}, "
+                    f"python {platform.python_version()}",
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = parse_args(argv)
+    import engine.llm  # noqa: F401  load the engine now, so the commit recorded below is the code measured
+
+    torch.manual_seed(cfg.seed)
+    torch.set_num_threads(cfg.threads)
+    env = _environment(cfg)
+    print(f"bench event=config {json.dumps(env)}", flush=True)
+    cells = []
+    t0 = time.perf_counter()
+    for model in cfg.models:
+        for dtype in cfg.dtypes:
+            cells.append(bench_cell(model, dtype, cfg))
+    env["elapsed_s"] = round(time.perf_counter() - t0)
+    text = report(cells, cfg, env) + f"\nTotal run time: {env['elapsed_s']} s.\n"
+    print(text, flush=True)
+    if cfg.json_out:
+        Path(cfg.json_out).write_text(json.dumps({"env": env, "cells": cells}, indent=1))
+    if cfg.markdown:
+        with open(cfg.markdown, "a", encoding="utf-8") as f:
+            f.write("\n" + text)
+
+
+if __name__ == "__main__":
+    main()

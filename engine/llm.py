@@ -40,24 +40,26 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion as one continuously batched workload; outputs in prompt order."""
-        final: dict[str, RequestOutput] = {}
-        order = []
-        for out in self.generate_stream(prompts, sampling_params, _order=order):
-            if out.finished:
-                final[out.request_id] = out
-        return [final[rid] for rid in order]
+        request_ids = self._admit(prompts, sampling_params)
+        final = {out.request_id: out for out in self._drain(request_ids) if out.finished}
+        return [final[rid] for rid in request_ids]
 
     def generate_stream(
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        _order: list[str] | None = None,
     ) -> Iterator[RequestOutput]:
         """Yield each step's `RequestOutput` (with `new_text` / `new_token_ids` deltas) as tokens arrive.
 
         Every prompt is validated before any is admitted: a bad one raises `InvalidRequestError`
         naming `prompts[i]` and nothing runs. Closing the iterator early aborts what is left.
         """
+        yield from self._drain(self._admit(prompts, sampling_params))
+
+    def _admit(
+        self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams] | None
+    ) -> list[str]:
+        """Validate every prompt, then admit them all; their request ids in prompt order."""
         batch = _as_batch(prompts)
         params = _params_for(batch, sampling_params)
         requests = []
@@ -66,11 +68,11 @@ class LLM:
                 requests.append(self.engine.make_request(prompt, p))
             except InvalidRequestError as e:
                 raise InvalidRequestError(f"prompts[{i}].{e.field}", e.value, e.allowed) from None
-        live = set()
-        for request in requests:
-            live.add(self.engine.add(request))
-            if _order is not None:
-                _order.append(request.request_id)
+        return [self.engine.add(request) for request in requests]
+
+    def _drain(self, request_ids: list[str]) -> Iterator[RequestOutput]:
+        """Step the engine until these requests finish; abort the rest if the consumer stops early."""
+        live = set(request_ids)
         try:
             while live:
                 for out in self.engine.step():

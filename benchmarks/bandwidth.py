@@ -3,7 +3,8 @@
 At batch 1 every decode step reads all the weights once (lm_head included; of the embedding only one row)
 plus the KV cache so far, and does ~2 FLOPs per weight, far below the cores' FLOP rate. So
 `read bandwidth / bytes per step` bounds decode tokens/s, and an engine's share of that bound says how much
-is left to win. The bandwidth is measured in the same run, because this machine is shared and noisy.
+is left to win. The bandwidth is measured in the same run, because this machine is shared and noisy; the
+report takes the fastest sample (other processes only ever slow a sample down).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ class Spread:
         return cls(min(values), statistics.median(values), max(values))
 
 
-def measure_read_bandwidth(num_bytes: int, repeats: int = 7) -> Spread:
+def measure_read_bandwidth(num_bytes: int, repeats: int = 11) -> Spread:
     """Bytes/s of `torch.sum` over a float32 tensor of `num_bytes` (one untimed pass first).
 
     Sized well past the last-level cache this is DRAM bandwidth; sized like a small model's weights it is

@@ -57,7 +57,8 @@ MODEL_SPECS = {
 }
 # Cells that take 0.5-3 min per repeat per engine on 2 cores (bf16 has no native units on AVX-512 parts
 # without avx512_bf16): model -> the smallest batch from which `--slow-repeats` replaces `--repeats`.
-# With the defaults a full run takes ~35 min on a quiet 2-core Xeon, two thirds of it in qwen05b / bf16.
+# With the defaults a full run should take ~35 min on a quiet 2-core Xeon (estimated from benchmarks/RESULTS.md's
+# cell timings; two thirds of it qwen05b / bf16).
 SLOW_CELLS = {"qwen05b": 8}
 
 
@@ -375,6 +376,11 @@ def report(cells: list[dict], cfg: BenchConfig, env: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _short_path(path: str) -> str:
+    rel = os.path.relpath(path)
+    return path if rel.startswith("..") else rel
+
+
 def _environment(cfg: BenchConfig) -> dict:
     model_name = platform.processor() or "unknown CPU"
     try:
@@ -397,7 +403,7 @@ def _environment(cfg: BenchConfig) -> dict:
         "engine_commit": commit,
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": f"{os.cpu_count()} cores, no GPU, {model_name}",
-        "command": shlex.join([Path(sys.executable).name, *sys.argv]),
+        "command": shlex.join([_short_path(sys.executable), *sys.argv]),
         "config": asdict(cfg),
         "versions": f"torch {torch.__version__}, transformers {transformers.__version__}, "
                     f"python {platform.python_version()}",

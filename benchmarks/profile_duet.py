@@ -120,7 +120,8 @@ def main(argv: list[str] | None = None) -> None:
         profiler.disable()
         out = io.StringIO()
         pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(args.top)
-        print("\n== cProfile, by self time\n" + out.getvalue().split("\n", 6)[-1].strip())
+        text = out.getvalue()
+        print("\n== cProfile, by self time\n" + text[text.index("ncalls") :].rstrip())
 
     if args.torch_profiler:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:

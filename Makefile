@@ -12,6 +12,7 @@ STAMP  := $(VENV)/.duet-installed
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
+	command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[test]'

@@ -1,1 +1,1 @@
-"""deploy: the local cluster launcher (`duet up`), a private redis-server for it and for tests; later Ray, autoscaler."""
+"""deploy: the local cluster launcher (`duet up`) and a private redis-server for it and for tests."""

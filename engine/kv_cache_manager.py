@@ -93,6 +93,14 @@ class KVCacheManager:
         if needed > 0:
             table.extend(self.pool.allocate(needed))
 
+    def adopt(self, request: Request, block_ids: list[int]) -> None:
+        """Make blocks already allocated from this pool, and holding the request's computed KV (written
+        by a KV transfer), the request's block table. The table owns them from now on."""
+        rid = request.request_id
+        assert rid not in self._block_ids, f"{rid} already holds blocks"
+        assert len(block_ids) * self.block_size >= request.num_computed_tokens, "blocks too few for the KV"
+        self._block_ids[rid] = list(block_ids)
+
     def cache_computed_blocks(self, request: Request) -> None:
         """Register the request's full blocks whose KV is now computed in the prefix cache."""
         if not self.pool.enable_caching:

@@ -12,21 +12,15 @@ import logging
 import time
 from pathlib import Path
 
-import torch
-
-from engine.block_pool import BlockPool
-from engine.config import EngineConfig, ModelConfig, parse_dtype
+from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.errors import InvalidRequestError, ModelLoadError
-from engine.kv_cache_manager import KVCacheManager, cdiv
-from engine.model_runner import ModelRunner, allocate_kv_caches, kv_bytes_per_block
+from engine.errors import InvalidRequestError
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
-from engine.sampler import Sampler, TokenLogprobs
+from engine.runtime import build_runtime
+from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
-from engine.tokenizer import Tokenizer
-from engine.weights import build_model
+from engine.validation import check_request
 
 log = logging.getLogger("duet.engine")
 
@@ -46,47 +40,22 @@ class _Tracked:
 class LLMEngine:
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None):
         self.config = config = config or EngineConfig()
-        self.model_dir = Path(model_dir)
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
-        self.model_config = model_config = ModelConfig.from_dir(self.model_dir)
-        self.dtype = parse_dtype(config.dtype) if config.dtype else model_config.torch_dtype
-        self.tokenizer = Tokenizer.from_dir(self.model_dir)
-        self.model_id = config.model_id or self.model_dir.resolve().name
+        self.runtime = rt = build_runtime(model_dir, config)
+        self.model_dir = rt.model_dir
+        self.model_config = rt.model_config
+        self.dtype = rt.dtype
+        self.tokenizer = rt.tokenizer
+        self.model_id = rt.model_id
         self.block_size = config.block_size
-
-        max_model_len = config.max_model_len or model_config.max_position_embeddings
-        if config.max_model_len and config.max_model_len > model_config.max_position_embeddings:
-            raise ModelLoadError(
-                f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings="
-                f"{model_config.max_position_embeddings}"
-            )
-        if model_config.sliding_window and model_config.sliding_window < max_model_len:
-            max_model_len = model_config.sliding_window  # full attention is exact only inside the window
-        self.model = build_model(model_config, self.model_dir, self.dtype, max_positions=max_model_len)
-
-        block_bytes = kv_bytes_per_block(self.model, config.block_size, self.dtype)
-        num_blocks = config.num_kv_blocks or max(
-            1, min(config.kv_cache_bytes // block_bytes, config.max_num_seqs * cdiv(max_model_len, config.block_size))
-        )
-        if num_blocks * config.block_size < max_model_len:
-            max_model_len = num_blocks * config.block_size  # one sequence must always fit
-        self.max_model_len = max_model_len
-        self.num_kv_blocks = num_blocks
-
-        self.block_pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.kv_cache = KVCacheManager(self.block_pool, self.model_id)
-        self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_model_len), self.kv_cache
-        )
-        kv_caches = allocate_kv_caches(self.model, num_blocks, config.block_size, self.dtype)
-        self.runner = ModelRunner(self.model, kv_caches, config.block_size, Sampler(config.seed))
+        self.model = rt.model
+        self.max_model_len = rt.max_model_len
+        self.num_kv_blocks = rt.num_kv_blocks
+        self.block_pool = rt.block_pool
+        self.kv_cache = rt.kv_cache
+        self.scheduler = rt.scheduler
+        self.runner = rt.runner
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
-        log.info(
-            "engine model=%s dtype=%s blocks=%d block_size=%d max_model_len=%d",
-            self.model_id, str(self.dtype).removeprefix("torch."), num_blocks, config.block_size, max_model_len,
-        )
 
     # -- requests --------------------------------------------------------------------------------
 
@@ -101,18 +70,12 @@ class LLMEngine:
             token_ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)):
             token_ids = list(prompt)
-            if not token_ids:
-                raise InvalidRequestError("prompt_token_ids", token_ids, "must hold at least one token id")
-            self.check_token_ids("prompt_token_ids", token_ids)
         else:
             raise InvalidRequestError("prompt", prompt, "must be a string or a list of token ids")
-        if len(token_ids) > self.max_model_len:
-            raise InvalidRequestError(
-                "prompt", f"{len(token_ids)} tokens", f"must be at most max_model_len={self.max_model_len} tokens"
-            )
-        self.check_token_ids("stop_token_ids", params.stop_token_ids)
-        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
-            raise InvalidRequestError("logprobs", params.logprobs, f"must be in [0, {self.config.max_logprobs}]")
+        check_request(
+            token_ids, params, vocab_size=self.model_config.vocab_size, max_model_len=self.max_model_len,
+            max_logprobs=self.config.max_logprobs,
+        )
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
         elif request_id in self._tracked:
@@ -124,12 +87,6 @@ class LLMEngine:
             eos_token_ids=self.tokenizer.eos_token_ids,
             cache_salt=cache_salt,
         )
-
-    def check_token_ids(self, field: str, token_ids: list[int]) -> None:
-        vocab = self.model_config.vocab_size
-        for i, t in enumerate(token_ids):
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                raise InvalidRequestError(f"{field}[{i}]", t, f"must be a token id in [0, {vocab})")
 
     def add_request(
         self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None, cache_salt: str = ""

@@ -8,6 +8,8 @@ one matmul (`qkv_proj`) and gate/up are one matmul (`gate_up_proj`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -96,12 +98,19 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,  # [T]
         kv_caches: list[KVCache],  # one (k_cache, v_cache) per layer
         meta: AttentionMetadata,
+        on_layer_done: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
-        """Hidden states [T, hidden] after the final norm; the step's K/V are written to the cache."""
+        """Hidden states [T, hidden] after the final norm; the step's K/V are written to the cache.
+
+        `on_layer_done(i)` runs once layer i's K/V are in the cache (a prefill worker ships them from
+        there while the later layers compute).
+        """
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             x = layer(x, cos, sin, kv_cache, meta)
+            if on_layer_done is not None:
+                on_layer_done(i)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,7 @@ in, and a token (plus logprobs) per sampled request out. It owns the KV cache te
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -43,13 +44,18 @@ class ModelRunner:
         self.sampler = sampler
 
     @torch.inference_mode()
-    def execute(self, chunks: list[ScheduledChunk]) -> dict[str, SampledToken]:
-        """Compute the chunks' KV (written to the cache) and sample for the chunks that ask for it."""
+    def execute(
+        self, chunks: list[ScheduledChunk], on_layer_done: Callable[[int], None] | None = None
+    ) -> dict[str, SampledToken]:
+        """Compute the chunks' KV (written to the cache) and sample for the chunks that ask for it.
+
+        `on_layer_done(i)` is called as soon as layer i's K/V for every chunk is in the cache.
+        """
         if not chunks:
             return {}
         ordered = [c for c in chunks if len(c.token_ids) == 1] + [c for c in chunks if len(c.token_ids) > 1]
         input_ids, positions, meta = self.prepare_inputs(ordered)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, on_layer_done)
 
         sample_rows, sample_chunks, offset = [], [], 0
         for chunk in ordered:

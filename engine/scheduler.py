@@ -88,6 +88,17 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
+    def add_transferred(self, request: Request, block_ids: list[int]) -> None:
+        """A request whose KV for all but its last token arrived in `block_ids` (allocated from this pool)
+        joins the running batch: its next step computes the last token and samples the one after."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id={request.request_id!r} is already in use")
+        assert request.num_computed_tokens == request.num_tokens - 1, "exactly one token left to compute"
+        self.kv_cache.adopt(request, block_ids)
+        request.status = RequestStatus.RUNNING
+        self.requests[request.request_id] = request
+        self.running.append(request)
+
     def finish_request(self, request_id: str, status: RequestStatus, stop_reason: int | str | None = None) -> bool:
         """End a request now (abort, or a stop string found by the engine); frees its blocks."""
         request = self.requests.pop(request_id, None)

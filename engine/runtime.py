@@ -1,0 +1,93 @@
+"""The model runtime one worker holds: model, tokenizer, KV pool, block tables, scheduler, runner.
+
+`LLMEngine` (offline), the prefill worker and the decode worker each build one with `build_runtime` and
+drive it their own way; the parts, and how their sizes are derived, are the same everywhere.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.block_pool import BlockPool
+from engine.config import EngineConfig, ModelConfig, parse_dtype
+from engine.errors import ModelLoadError
+from engine.kv_cache_manager import KVCacheManager, cdiv
+from engine.model import KVCache, LlamaForCausalLM
+from engine.model_runner import ModelRunner, allocate_kv_caches, kv_bytes_per_block
+from engine.sampler import Sampler
+from engine.scheduler import Scheduler, SchedulerConfig
+from engine.tokenizer import Tokenizer
+from engine.weights import build_model
+
+log = logging.getLogger("duet.engine")
+
+
+@dataclass
+class Runtime:
+    config: EngineConfig
+    model_dir: Path
+    model_config: ModelConfig
+    model_id: str
+    dtype: torch.dtype
+    tokenizer: Tokenizer
+    model: LlamaForCausalLM
+    max_model_len: int  # prompt + output tokens of one sequence
+    num_kv_blocks: int
+    block_pool: BlockPool
+    kv_cache: KVCacheManager
+    scheduler: Scheduler
+    kv_caches: list[KVCache]
+    runner: ModelRunner
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+
+def build_runtime(model_dir: str | Path, config: EngineConfig) -> Runtime:
+    """Load the checkpoint and size the KV cache. Raises `ModelLoadError` naming what is wrong."""
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    model_dir = Path(model_dir)
+    model_config = ModelConfig.from_dir(model_dir)
+    dtype = parse_dtype(config.dtype) if config.dtype else model_config.torch_dtype
+    tokenizer = Tokenizer.from_dir(model_dir)
+    model_id = config.model_id or model_dir.resolve().name
+
+    max_model_len = config.max_model_len or model_config.max_position_embeddings
+    if config.max_model_len and config.max_model_len > model_config.max_position_embeddings:
+        raise ModelLoadError(
+            f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings="
+            f"{model_config.max_position_embeddings}"
+        )
+    if model_config.sliding_window and model_config.sliding_window < max_model_len:
+        max_model_len = model_config.sliding_window  # full attention is exact only inside the window
+    model = build_model(model_config, model_dir, dtype, max_positions=max_model_len)
+
+    block_bytes = kv_bytes_per_block(model, config.block_size, dtype)
+    num_blocks = config.num_kv_blocks or max(
+        1, min(config.kv_cache_bytes // block_bytes, config.max_num_seqs * cdiv(max_model_len, config.block_size))
+    )
+    if num_blocks * config.block_size < max_model_len:
+        max_model_len = num_blocks * config.block_size  # one sequence must always fit
+
+    block_pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
+    kv_cache = KVCacheManager(block_pool, model_id)
+    scheduler = Scheduler(
+        SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_model_len), kv_cache
+    )
+    kv_caches = allocate_kv_caches(model, num_blocks, config.block_size, dtype)
+    runner = ModelRunner(model, kv_caches, config.block_size, Sampler(config.seed))
+    log.info(
+        "engine model=%s dtype=%s blocks=%d block_size=%d max_model_len=%d",
+        model_id, str(dtype).removeprefix("torch."), num_blocks, config.block_size, max_model_len,
+    )
+    return Runtime(
+        config=config, model_dir=model_dir, model_config=model_config, model_id=model_id, dtype=dtype,
+        tokenizer=tokenizer, model=model, max_model_len=max_model_len, num_kv_blocks=num_blocks,
+        block_pool=block_pool, kv_cache=kv_cache, scheduler=scheduler, kv_caches=kv_caches, runner=runner,
+    )

@@ -1,0 +1,37 @@
+"""Checks on a tokenized request that need the model's limits; shared by the offline engine, the router
+and the workers, so a request is judged the same everywhere. Each raises `InvalidRequestError`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from engine.errors import InvalidRequestError
+from engine.sampling_params import SamplingParams
+
+
+def check_token_ids(field: str, token_ids: Sequence[int], vocab_size: int) -> None:
+    for i, t in enumerate(token_ids):
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+            raise InvalidRequestError(f"{field}[{i}]", t, f"must be a token id in [0, {vocab_size})")
+
+
+def check_request(
+    token_ids: Sequence[int],
+    params: SamplingParams,
+    *,
+    vocab_size: int,
+    max_model_len: int,
+    max_logprobs: int,
+    prompt_field: str = "prompt_token_ids",
+) -> None:
+    """The prompt fits the context and the vocabulary; stop ids and logprobs are within the model's limits."""
+    if not token_ids:
+        raise InvalidRequestError(prompt_field, list(token_ids), "must hold at least one token id")
+    check_token_ids(prompt_field, token_ids, vocab_size)
+    if len(token_ids) > max_model_len:
+        raise InvalidRequestError(
+            "prompt", f"{len(token_ids)} tokens", f"must be at most max_model_len={max_model_len} tokens"
+        )
+    check_token_ids("stop_token_ids", params.stop_token_ids, vocab_size)
+    if params.logprobs is not None and params.logprobs > max_logprobs:
+        raise InvalidRequestError("logprobs", params.logprobs, f"must be in [0, {max_logprobs}]")

@@ -7,6 +7,40 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class StatsRequest(_message.Message):
+    __slots__ = ("check_integrity",)
+    CHECK_INTEGRITY_FIELD_NUMBER: _ClassVar[int]
+    check_integrity: bool
+    def __init__(self, check_integrity: _Optional[bool] = ...) -> None: ...
+
+class WorkerStats(_message.Message):
+    __slots__ = ("worker_id", "role", "num_kv_blocks", "num_free_blocks", "num_running", "num_waiting", "num_waiting_tokens", "num_reservations", "integrity_error", "prefix_query_tokens", "prefix_hit_tokens", "num_kv_events_published")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
+    INTEGRITY_ERROR_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_EVENTS_PUBLISHED_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    role: str
+    num_kv_blocks: int
+    num_free_blocks: int
+    num_running: int
+    num_waiting: int
+    num_waiting_tokens: int
+    num_reservations: int
+    integrity_error: str
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    num_kv_events_published: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_kv_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_waiting_tokens: _Optional[int] = ..., num_reservations: _Optional[int] = ..., integrity_error: _Optional[str] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., num_kv_events_published: _Optional[int] = ...) -> None: ...
+
 class KVTarget(_message.Message):
     __slots__ = ("kv_address", "reservation_id")
     KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]

@@ -39,12 +39,23 @@ class PrefillWorkerStub:
                 request_serializer=duet_dot_internal_dot_v1_dot_workers__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=duet_dot_internal_dot_v1_dot_workers__pb2.PrefillResponse.FromString,
                 _registered_method=True)
+        self.Stats = channel.unary_unary(
+                '/duet.internal.v1.PrefillWorker/Stats',
+                request_serializer=duet_dot_internal_dot_v1_dot_workers__pb2.StatsRequest.SerializeToString,
+                response_deserializer=duet_dot_internal_dot_v1_dot_workers__pb2.WorkerStats.FromString,
+                _registered_method=True)
 
 
 class PrefillWorkerServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Prefill(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Stats(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -57,6 +68,11 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.Prefill,
                     request_deserializer=duet_dot_internal_dot_v1_dot_workers__pb2.PrefillRequest.FromString,
                     response_serializer=duet_dot_internal_dot_v1_dot_workers__pb2.PrefillResponse.SerializeToString,
+            ),
+            'Stats': grpc.unary_unary_rpc_method_handler(
+                    servicer.Stats,
+                    request_deserializer=duet_dot_internal_dot_v1_dot_workers__pb2.StatsRequest.FromString,
+                    response_serializer=duet_dot_internal_dot_v1_dot_workers__pb2.WorkerStats.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -96,6 +112,33 @@ class PrefillWorker:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def Stats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/duet.internal.v1.PrefillWorker/Stats',
+            duet_dot_internal_dot_v1_dot_workers__pb2.StatsRequest.SerializeToString,
+            duet_dot_internal_dot_v1_dot_workers__pb2.WorkerStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class DecodeWorkerStub:
     """Missing associated documentation comment in .proto file."""
@@ -121,6 +164,11 @@ class DecodeWorkerStub:
                 request_serializer=duet_dot_internal_dot_v1_dot_workers__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=duet_dot_internal_dot_v1_dot_workers__pb2.DecodeResponse.FromString,
                 _registered_method=True)
+        self.Stats = channel.unary_unary(
+                '/duet.internal.v1.DecodeWorker/Stats',
+                request_serializer=duet_dot_internal_dot_v1_dot_workers__pb2.StatsRequest.SerializeToString,
+                response_deserializer=duet_dot_internal_dot_v1_dot_workers__pb2.WorkerStats.FromString,
+                _registered_method=True)
 
 
 class DecodeWorkerServicer:
@@ -144,6 +192,12 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Stats(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -161,6 +215,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=duet_dot_internal_dot_v1_dot_workers__pb2.DecodeRequest.FromString,
                     response_serializer=duet_dot_internal_dot_v1_dot_workers__pb2.DecodeResponse.SerializeToString,
+            ),
+            'Stats': grpc.unary_unary_rpc_method_handler(
+                    servicer.Stats,
+                    request_deserializer=duet_dot_internal_dot_v1_dot_workers__pb2.StatsRequest.FromString,
+                    response_serializer=duet_dot_internal_dot_v1_dot_workers__pb2.WorkerStats.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -244,6 +303,33 @@ class DecodeWorker:
             '/duet.internal.v1.DecodeWorker/Decode',
             duet_dot_internal_dot_v1_dot_workers__pb2.DecodeRequest.SerializeToString,
             duet_dot_internal_dot_v1_dot_workers__pb2.DecodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Stats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/duet.internal.v1.DecodeWorker/Stats',
+            duet_dot_internal_dot_v1_dot_workers__pb2.StatsRequest.SerializeToString,
+            duet_dot_internal_dot_v1_dot_workers__pb2.WorkerStats.FromString,
             options,
             channel_credentials,
             insecure,

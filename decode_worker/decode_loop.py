@@ -1,0 +1,144 @@
+"""The decode worker's engine loop: reservations for arriving KV, then continuous batching.
+
+    Reserve   ─▶ blocks allocated for the prompt's KV, held by a reservation (admission control: refused
+                 when they would not fit next to the running requests)
+    (KV arrives through kvtransfer into those blocks; the reservation completes)
+    Decode    ─▶ the reservation's blocks become the request's block table; it joins the running batch
+                 with the prefill worker's first token as output token 0, one token left to compute
+    Release / expiry ─▶ the blocks go back to the pool
+
+Everything here runs on the engine thread (see duet.engine_thread); gRPC handlers post calls and read
+each request's events from its own queue.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+from dataclasses import dataclass
+
+from duet.engine_thread import EngineThread
+from engine.kv_cache_manager import cdiv
+from engine.request import Request, RequestStatus
+from engine.runtime import Runtime
+from engine.sampler import TokenLogprobs
+from kvtransfer.errors import ReservationExpired
+from kvtransfer.reservation import Reservation, ReservationTable
+
+log = logging.getLogger("duet.decode")
+
+
+@dataclass(frozen=True)
+class DecodeEvent:
+    token_id: int | None  # None on an abort with nothing new
+    logprobs: TokenLogprobs | None
+    finish_reason: str | None
+    stop_token_id: int | None = None
+
+
+class DecodeLoop:
+    def __init__(self, runtime: Runtime, reservations: ReservationTable):
+        self.rt = runtime
+        self.reservations = reservations
+        self._live: dict[str, tuple[Request, queue.SimpleQueue]] = {}
+        self._num_reserved_blocks = 0
+        self.thread = EngineThread(
+            "decode-engine", runtime.scheduler.has_unfinished_requests, self._step, tick=self._expire
+        )
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.thread.stop()
+
+    # -- engine thread: reservations -------------------------------------------------------------
+
+    def reserve(self, request_id: str, num_prompt_tokens: int, ttl_s: float) -> Reservation | None:
+        """Blocks for the prompt's KV, or None when admitting it would crowd out running requests."""
+        scheduler, pool = self.rt.scheduler, self.rt.block_pool
+        num_blocks = cdiv(num_prompt_tokens, self.rt.block_size)
+        if len(scheduler.requests) + len(self.reservations) >= scheduler.config.max_num_seqs:
+            return None
+        # keep one free block per running request so the batch can grow without preempting at once
+        if pool.num_free_blocks - num_blocks < len(scheduler.running) + 1:
+            return None
+        block_ids = pool.allocate(num_blocks)
+        self._num_reserved_blocks += num_blocks
+        return self.reservations.add(request_id, block_ids, num_prompt_tokens, ttl_s)
+
+    def release(self, reservation_id: int) -> bool:
+        reservation = self.reservations.pop(reservation_id)
+        if reservation is None:
+            return False
+        self._free(reservation)
+        return True
+
+    def _free(self, reservation: Reservation) -> None:
+        self.rt.block_pool.free(reversed(reservation.block_ids))
+        self._num_reserved_blocks -= len(reservation.block_ids)
+        self._check_idle()
+
+    def _expire(self) -> None:
+        for reservation in self.reservations.pop_expired():
+            log.info("request=%s event=reservation_expired reservation=%d", reservation.request_id,
+                     reservation.reservation_id)
+            self._free(reservation)
+
+    # -- engine thread: requests -----------------------------------------------------------------
+
+    def start_request(self, request: Request, reservation_id: int, sink: queue.SimpleQueue) -> None:
+        """The request, holding its prompt and first token, takes over a complete reservation's blocks."""
+        reservation = self.reservations.pop(reservation_id)
+        if reservation is None:
+            raise ReservationExpired(f"reservation {reservation_id} is unknown, released or expired")
+        self._num_reserved_blocks -= len(reservation.block_ids)
+        if not reservation.complete or reservation.num_tokens != request.num_prompt_tokens:
+            self._num_reserved_blocks += len(reservation.block_ids)  # _free takes them off again
+            self._free(reservation)
+            raise ReservationExpired(
+                f"reservation {reservation_id} is not usable: complete={reservation.complete}, "
+                f"holds {reservation.num_tokens} prompt tokens, request has {request.num_prompt_tokens}"
+            )
+        try:
+            self.rt.scheduler.add_transferred(request, reservation.block_ids)
+        except ValueError:
+            self.rt.block_pool.free(reversed(reservation.block_ids))
+            raise
+        self._live[request.request_id] = (request, sink)
+
+    def abort(self, request_id: str) -> None:
+        live = self._live.pop(request_id, None)
+        if live is None:
+            return
+        sink = live[1]
+        self.rt.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+        sink.put(DecodeEvent(None, None, RequestStatus.FINISHED_ABORTED.finish_reason))
+        self._check_idle()
+
+    def _step(self) -> None:
+        scheduler = self.rt.scheduler
+        scheduled = scheduler.schedule()
+        sampled = self.rt.runner.execute(scheduled.chunks)
+        updates = scheduler.update_from_output(scheduled, {rid: s.token_id for rid, s in sampled.items()})
+        for update in updates:
+            request, sink = self._live[update.request_id]
+            finish_reason = None
+            stop_token_id = None
+            if update.status.finished:
+                del self._live[update.request_id]
+                finish_reason = update.status.finish_reason
+                stop_token_id = request.stop_reason if isinstance(request.stop_reason, int) else None
+            sink.put(DecodeEvent(update.token_id, sampled[update.request_id].logprobs, finish_reason, stop_token_id))
+        self._check_idle()
+
+    def _check_idle(self) -> None:
+        if self.rt.scheduler.has_unfinished_requests() or len(self.reservations):
+            return
+        pool = self.rt.block_pool
+        if pool.num_free_blocks != pool.num_blocks:
+            log.error("decode idle with %d blocks held: a leak", pool.num_blocks - pool.num_free_blocks)
+
+    @property
+    def num_reserved_blocks(self) -> int:
+        return self._num_reserved_blocks

@@ -1,0 +1,184 @@
+"""The decode worker's gRPC service: Reserve / Release blocks for a prompt's KV, then Decode streams the
+rest of the answer from the running batch.
+
+Status codes: RESOURCE_EXHAUSTED with `grpc-retry-pushback-ms` (no room to reserve), INVALID_ARGUMENT,
+FAILED_PRECONDITION (reservation unknown, expired or released), DATA_LOSS (KV checksum mismatch),
+DEADLINE_EXCEEDED (the KV did not arrive in time). A cancelled Decode aborts the request and frees its blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+
+import grpc
+
+from decode_worker.decode_loop import DecodeLoop
+from duet.internal.v1 import workers_pb2 as wpb
+from duet.internal.v1 import workers_pb2_grpc as wpb_grpc
+from duet.wire import logprobs_to_proto, sampling_from_proto
+from duet.worker_process import WorkerConfig, WorkerProcess, abort_with, remaining_s
+from engine.errors import InvalidRequestError
+from engine.request import Request
+from engine.validation import check_request
+from kvtransfer.errors import ChecksumMismatch, ReservationExpired, TransferError, TransferTimeout
+from kvtransfer.receiver import KVReceiver
+from kvtransfer.reservation import ReservationTable
+from router.registry import WorkerLoad
+
+log = logging.getLogger("duet.decode")
+MAX_RESERVATION_TTL_S = 300.0
+DEFAULT_RESERVATION_TTL_S = 30.0
+RETRY_PUSHBACK_MS = 200
+DEFAULT_TIMEOUT_S = 3600.0
+
+
+class DecodeWorker(WorkerProcess, wpb_grpc.DecodeWorkerServicer):
+    service_names = ("duet.internal.v1.DecodeWorker",)
+
+    def __init__(self, config: WorkerConfig):
+        super().__init__(config)
+        self.reservations = ReservationTable(self.layout.num_layers)
+        self.receiver = KVReceiver(self.layout, self.rt.kv_caches, self.reservations, host=config.host)
+        self.loop = DecodeLoop(self.rt, self.reservations)
+
+    def add_services(self, server: grpc.Server) -> None:
+        wpb_grpc.add_DecodeWorkerServicer_to_server(self, server)
+
+    def start_engine(self) -> None:
+        self.receiver.start()
+        self.loop.start()
+
+    def stop_engine(self) -> None:
+        self.loop.stop()
+        self.receiver.close()
+
+    def engine_alive(self) -> bool:
+        return self.loop.thread.alive
+
+    def kv_address(self) -> str:
+        return self.receiver.address
+
+    def load(self) -> WorkerLoad:
+        s = self.rt.scheduler
+        return WorkerLoad(
+            num_waiting=len(s.waiting) + len(self.reservations), num_running=len(s.running),
+            num_free_blocks=self.rt.block_pool.num_free_blocks,
+        )
+
+    # -- RPCs ------------------------------------------------------------------------------------
+
+    def Reserve(self, request: wpb.ReserveRequest, context: grpc.ServicerContext) -> wpb.ReserveResponse:
+        n = request.num_prompt_tokens
+        if not 1 <= n <= self.rt.max_model_len - 1:
+            abort_with(context, grpc.StatusCode.INVALID_ARGUMENT,
+                       f"num_prompt_tokens={n} is invalid: must be in [1, {self.rt.max_model_len - 1}]")
+        ttl_s = request.ttl_s or DEFAULT_RESERVATION_TTL_S
+        if not 0 < ttl_s <= MAX_RESERVATION_TTL_S:
+            abort_with(context, grpc.StatusCode.INVALID_ARGUMENT,
+                       f"ttl_s={ttl_s} is invalid: must be in (0, {MAX_RESERVATION_TTL_S}]")
+        reservation = self.loop.thread.call(self.loop.reserve, request.request_id, n, ttl_s)
+        if reservation is None:
+            context.set_trailing_metadata((("grpc-retry-pushback-ms", str(RETRY_PUSHBACK_MS)),))
+            abort_with(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                       f"decode worker {self.worker_id} has no room for {n} prompt tokens now; retry later")
+        return wpb.ReserveResponse(reservation_id=reservation.reservation_id, kv_address=self.receiver.address,
+                                   num_blocks=len(reservation.block_ids))
+
+    def Release(self, request: wpb.ReleaseRequest, context: grpc.ServicerContext) -> wpb.ReleaseResponse:
+        return wpb.ReleaseResponse(found=self.loop.thread.call(self.loop.release, request.reservation_id))
+
+    def Decode(self, request: wpb.DecodeRequest, context: grpc.ServicerContext):
+        rid, reservation_id = request.request_id, request.reservation_id
+        try:
+            params = sampling_from_proto(request.sampling)
+            prompt = list(request.prompt_token_ids)
+            check_request(prompt, params, vocab_size=self.rt.model_config.vocab_size,
+                          max_model_len=self.rt.max_model_len, max_logprobs=self.rt.config.max_logprobs)
+            check_request([request.first_token_id], params, vocab_size=self.rt.model_config.vocab_size,
+                          max_model_len=self.rt.max_model_len, max_logprobs=self.rt.config.max_logprobs,
+                          prompt_field="first_token_id")
+        except InvalidRequestError as e:
+            self.loop.thread.post(self.loop.release, reservation_id)
+            abort_with(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        try:
+            self.reservations.wait_complete(reservation_id, remaining_s(context, DEFAULT_RESERVATION_TTL_S))
+        except TransferError as e:
+            self.loop.thread.post(self.loop.release, reservation_id)
+            code = {
+                ChecksumMismatch: grpc.StatusCode.DATA_LOSS,
+                TransferTimeout: grpc.StatusCode.DEADLINE_EXCEEDED,
+                ReservationExpired: grpc.StatusCode.FAILED_PRECONDITION,
+            }.get(type(e), grpc.StatusCode.ABORTED)
+            abort_with(context, code, f"request {rid}: KV of reservation {reservation_id} not usable: {e}")
+
+        engine_request = Request(
+            request_id=rid, prompt_token_ids=prompt, sampling_params=params,
+            eos_token_ids=self.rt.tokenizer.eos_token_ids, cache_salt=request.cache_salt,
+            output_token_ids=[request.first_token_id], num_computed_tokens=len(prompt),
+        )
+        sink: queue.SimpleQueue = queue.SimpleQueue()
+        try:
+            self.loop.thread.call(self.loop.start_request, engine_request, reservation_id, sink)
+        except ReservationExpired as e:
+            abort_with(context, grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except ValueError as e:
+            self.loop.thread.post(self.loop.release, reservation_id)
+            abort_with(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        context.add_callback(lambda: self.loop.thread.post(self.loop.abort, rid))
+
+        while True:
+            try:
+                event = sink.get(timeout=min(1.0, remaining_s(context, DEFAULT_TIMEOUT_S)) or 0.001)
+            except queue.Empty:
+                if not context.is_active() or not self.loop.thread.alive:
+                    self.loop.thread.post(self.loop.abort, rid)
+                    abort_with(context, grpc.StatusCode.UNAVAILABLE, f"request {rid}: decode stopped")
+                if remaining_s(context, DEFAULT_TIMEOUT_S) <= 0:
+                    self.loop.thread.post(self.loop.abort, rid)
+                    abort_with(context, grpc.StatusCode.DEADLINE_EXCEEDED, f"request {rid}: deadline passed")
+                continue
+            reply = wpb.DecodeResponse(finish_reason=event.finish_reason or "")
+            events = [event]
+            while not event.finish_reason:  # coalesce what is already there into one message
+                try:
+                    event = sink.get_nowait()
+                except queue.Empty:
+                    break
+                events.append(event)
+                reply.finish_reason = event.finish_reason or ""
+            for ev in events:
+                if ev.token_id is not None:
+                    reply.token_ids.append(ev.token_id)
+                    if ev.logprobs is not None:
+                        reply.logprobs.append(logprobs_to_proto(ev.logprobs))
+                if ev.stop_token_id is not None:
+                    reply.stop_token_id = ev.stop_token_id
+            yield reply
+            if reply.finish_reason:
+                return
+
+    def Stats(self, request: wpb.StatsRequest, context: grpc.ServicerContext) -> wpb.WorkerStats:
+        return self.loop.thread.call(self._stats, request.check_integrity)
+
+    def _stats(self, check: bool) -> wpb.WorkerStats:
+        rt = self.rt
+        error = ""
+        if check:
+            try:
+                rt.scheduler.check_integrity()
+                held = rt.block_pool.num_blocks - rt.block_pool.num_free_blocks
+                table_blocks = sum(len(rt.kv_cache.block_ids(r)) for r in rt.scheduler.requests)
+                if held > table_blocks + self.loop.num_reserved_blocks:  # shared prefix blocks count once
+                    error = (f"{held} blocks in use but requests hold {table_blocks} and reservations "
+                             f"{self.loop.num_reserved_blocks}")
+            except AssertionError as e:
+                error = str(e) or "integrity check failed"
+        return wpb.WorkerStats(
+            worker_id=self.worker_id, role="decode", num_kv_blocks=rt.num_kv_blocks,
+            num_free_blocks=rt.block_pool.num_free_blocks, num_running=len(rt.scheduler.running),
+            num_waiting=len(rt.scheduler.waiting), num_reservations=len(self.reservations), integrity_error=error,
+            prefix_query_tokens=rt.scheduler.num_prefix_query_tokens,
+            prefix_hit_tokens=rt.scheduler.num_prefix_hit_tokens,
+            num_kv_events_published=self.publisher.num_published,
+        )

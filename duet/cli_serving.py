@@ -1,0 +1,150 @@
+"""The serving commands of `duet`: prefill, decode, router, up, client, demo."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from duet.cli_common import _parse_ids, add_engine_args, add_sampling_args, engine_kwargs, sampling_params
+
+
+def _engine_argv(args: argparse.Namespace) -> list[str]:
+    """The engine flags of `duet up` as they are passed on to each worker."""
+    argv = ["--block-size", str(args.block_size), "--max-num-seqs", str(args.max_num_seqs),
+            "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    for flag, value in (("--dtype", args.dtype), ("--num-kv-blocks", args.num_kv_blocks),
+                        ("--max-model-len", args.max_model_len), ("--threads", args.threads)):
+        if value is not None:
+            argv += [flag, str(value)]
+    if args.no_prefix_caching:
+        argv.append("--no-prefix-caching")
+    return argv
+
+
+def add_worker_args(p: argparse.ArgumentParser) -> None:
+    add_engine_args(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="gRPC port (0: a free one)")
+    p.add_argument("--redis-url", required=True, help="redis://[:password@]host:port/db")
+    p.add_argument("--kv-transport", choices=["tcp", "torch"], default="tcp",
+                   help="KV transfer: plain TCP, or torch.distributed (gloo on CPU, NCCL on CUDA)")
+    p.add_argument("--kv-checksum", action="store_true", help="xxh3 checksum on every KV message")
+    p.add_argument("--layer-group-size", type=int, default=4, help="layers per KV message")
+    p.add_argument("--heartbeat-ttl", type=float, default=6.0, help="registry entry TTL in seconds")
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from duet.worker_process import WorkerConfig
+    from engine.config import EngineConfig
+
+    config = WorkerConfig(
+        role=args.command, redis_url=args.redis_url, model_dir=args.model, host=args.host, port=args.port,
+        engine=EngineConfig(**engine_kwargs(args), model_id=args.model_id), kv_transport=args.kv_transport,
+        kv_checksum=args.kv_checksum, layer_group_size=args.layer_group_size, heartbeat_ttl_s=args.heartbeat_ttl,
+    )
+    if args.command == "prefill":
+        from prefill_worker.server import PrefillWorker as Worker
+    else:
+        from decode_worker.server import DecodeWorker as Worker
+    return Worker(config).serve_until_signal()
+
+
+def cmd_router(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from router.server import RouterConfig, RouterServer
+
+    server = RouterServer(RouterConfig(
+        redis_url=args.redis_url, model_dir=args.model, model_id=args.model_id, host=args.host, port=args.port,
+        max_model_len=args.max_model_len, auth_token=args.auth_token, tls_cert=args.tls_cert, tls_key=args.tls_key,
+    ))
+    done = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: done.set())
+    server.start()
+    print(f"router serving at {server.address}", flush=True)
+    done.wait()
+    server.stop()
+    return 0
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from deploy.local_cluster import ClusterConfig, run_up
+
+    worker_args = _engine_argv(args) + ["--kv-transport", args.kv_transport]
+    config = ClusterConfig(
+        model_dir=str(args.model) if args.model else None, num_prefill=args.prefill, num_decode=args.decode,
+        port=args.port, worker_args=worker_args,
+    )
+    return run_up(config)
+
+
+def cmd_client(args: argparse.Namespace) -> int:
+    from duet.client import Client, stream_to_record
+
+    prompts = [*args.prompt, *args.prompt_ids]
+    if len(prompts) != 1:
+        print("error: give exactly one --prompt TEXT or --prompt-ids 1,2,3", file=sys.stderr)
+        return 2
+    with Client(args.addr, auth_token=args.auth_token) as client:
+        stream = client.generate(prompts[0], sampling_params(args), timeout_s=args.timeout)
+        record = stream_to_record(stream, on_text=None if args.json else lambda t: print(t, end="", flush=True))
+    if args.json:
+        print(json.dumps(record, ensure_ascii=False))
+    else:
+        print(f"\n[{record['finish_reason']}] tokens={len(record['token_ids'])} "
+              f"cached_tokens={record['cached_tokens']} ttft={1000 * record['ttft_s']:.1f}ms")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from duet.demo import run_demo
+
+    return run_demo(args.model, max_tokens=args.max_tokens, worker_args=_engine_argv(args))
+
+
+def add_serving_commands(sub: argparse._SubParsersAction) -> None:
+    for role in ("prefill", "decode"):
+        p = sub.add_parser(role, help=f"run a {role} worker")
+        add_worker_args(p)
+        p.add_argument("--model-id", default=None, help="the name routers know the model by (default: dir name)")
+        p.set_defaults(func=cmd_worker)
+
+    p = sub.add_parser("router", help="run the router (public gRPC API)")
+    p.add_argument("--model", type=Path, default=None, help="checkpoint dir for tokenizer and limits")
+    p.add_argument("--model-id", default=None)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--redis-url", required=True)
+    p.add_argument("--auth-token", default=None, help="require 'authorization: Bearer TOKEN' on every call")
+    p.add_argument("--tls-cert", type=Path, default=None)
+    p.add_argument("--tls-key", type=Path, default=None)
+    p.set_defaults(func=cmd_router)
+
+    p = sub.add_parser("up", help="start a local cluster: redis, router, prefill and decode workers")
+    add_engine_args(p)
+    p.add_argument("--prefill", type=int, default=1, help="prefill workers")
+    p.add_argument("--decode", type=int, default=1, help="decode workers")
+    p.add_argument("--port", type=int, default=50051, help="router port (0: a free one)")
+    p.add_argument("--kv-transport", choices=["tcp", "torch"], default="tcp")
+    p.set_defaults(func=cmd_up)
+
+    p = sub.add_parser("client", help="stream one request from a router")
+    p.add_argument("--addr", required=True, help="router host:port")
+    add_sampling_args(p)
+    p.add_argument("--prompt", action="append", default=[])
+    p.add_argument("--prompt-ids", action="append", type=_parse_ids, default=[])
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--auth-token", default=None)
+    p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    p.set_defaults(func=cmd_client)
+
+    p = sub.add_parser("demo", help="the main job: a local cluster on the embedded model, a few streamed requests")
+    add_engine_args(p)
+    p.add_argument("--max-tokens", type=int, default=24)
+    p.set_defaults(func=cmd_demo)
+

@@ -1,0 +1,115 @@
+"""gRPC plumbing shared by the router and the workers: servers with bounded messages, health, reflection,
+an optional bearer-token check, TLS, and channels to peers.
+
+Message sizes are bounded on both ends: a message over the limit is refused by gRPC itself with
+RESOURCE_EXHAUSTED before any of our code runs.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import Iterable
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+log = logging.getLogger("duet.serving")
+
+PUBLIC_MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # a 32k-token prompt as ids is ~0.3 MB
+INTERNAL_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+_UNAUTHENTICATED_PATHS = ("/grpc.health.v1.Health/", "/grpc.reflection.")  # probes carry no token
+
+
+class BearerTokenInterceptor(grpc.ServerInterceptor):
+    """Refuse calls without `authorization: Bearer <token>` (UNAUTHENTICATED), except health and reflection."""
+
+    def __init__(self, token: str):
+        self._expected = f"Bearer {token}".encode()
+
+        def deny(request, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token in 'authorization'")
+
+        self._deny_unary = grpc.unary_unary_rpc_method_handler(deny)
+        self._deny_stream = grpc.unary_stream_rpc_method_handler(deny)
+
+    def intercept_service(self, continuation, handler_call_details):
+        if handler_call_details.method.startswith(_UNAUTHENTICATED_PATHS):
+            return continuation(handler_call_details)
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == "authorization" and hmac.compare_digest(value.encode(), self._expected):
+                return continuation(handler_call_details)
+        handler = continuation(handler_call_details)
+        if handler is not None and handler.response_streaming:
+            return self._deny_stream
+        return self._deny_unary
+
+
+def make_server(max_workers: int, max_message_bytes: int, auth_token: str | None = None) -> grpc.Server:
+    interceptors = [BearerTokenInterceptor(auth_token)] if auth_token else []
+    return grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers),
+        interceptors=interceptors,
+        maximum_concurrent_rpcs=max_workers,  # beyond it: RESOURCE_EXHAUSTED at once, not a silent queue
+        options=[
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.so_reuseport", 0),  # two servers must never share a port by accident
+        ],
+    )
+
+
+def bind(server: grpc.Server, host: str, port: int, tls_cert: Path | None = None, tls_key: Path | None = None) -> int:
+    """Listen on host:port (0 picks a free port); TLS when a certificate and key are given. Returns the port."""
+    address = f"{host}:{port}"
+    if tls_cert or tls_key:
+        if not (tls_cert and tls_key):
+            raise ValueError("TLS needs both --tls-cert and --tls-key")
+        creds = grpc.ssl_server_credentials([(Path(tls_key).read_bytes(), Path(tls_cert).read_bytes())])
+        bound = server.add_secure_port(address, creds)
+    else:
+        bound = server.add_insecure_port(address)
+    if bound == 0:
+        raise OSError(f"cannot listen on {address}: the port is in use or the host is not local")
+    return bound
+
+
+def add_health_and_reflection(server: grpc.Server, service_names: Iterable[str]) -> health.HealthServicer:
+    """Serve grpc.health.v1 (NOT_SERVING until `set_serving`) and server reflection."""
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    names = [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
+    for name in ["", *names]:
+        servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    reflection.enable_server_reflection([*names, reflection.SERVICE_NAME], server)
+    return servicer
+
+
+def set_serving(servicer: health.HealthServicer, service_names: Iterable[str], serving: bool) -> None:
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ["", *service_names]:
+        servicer.set(name, status)
+
+
+def channel(address: str, max_message_bytes: int = INTERNAL_MAX_MESSAGE_BYTES) -> grpc.Channel:
+    return grpc.insecure_channel(
+        address,
+        options=[
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.enable_retries", 0),  # the router decides what to retry
+        ],
+    )
+
+
+def health_check(address: str, timeout_s: float = 1.0) -> bool:
+    """True if the server at `address` says SERVING."""
+    with grpc.insecure_channel(address) as ch:
+        try:
+            reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+        except grpc.RpcError:
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING

@@ -1,0 +1,67 @@
+"""Conversions between protobuf messages and engine objects, shared by the router and the workers.
+
+Absent optional fields take the engine's defaults; a bad value raises `InvalidRequestError` whose field
+names the proto path (e.g. `sampling.top_p`), which servers turn into INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+from duet.v1 import generation_pb2 as pb
+from engine.errors import InvalidRequestError
+from engine.sampler import TokenLogprobs
+from engine.sampling_params import SamplingParams
+
+_OPTIONAL = (
+    "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+    "frequency_penalty", "seed", "logprobs", "skip_special_tokens",
+)
+
+
+def sampling_from_proto(msg: pb.SamplingParams, prefix: str = "sampling.") -> SamplingParams:
+    kwargs: dict = {name: getattr(msg, name) for name in _OPTIONAL if msg.HasField(name)}
+    kwargs.update(
+        stop=list(msg.stop),
+        stop_token_ids=list(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+        include_stop_str_in_output=msg.include_stop_str_in_output,
+    )
+    try:
+        return SamplingParams(**kwargs)
+    except InvalidRequestError as e:
+        raise InvalidRequestError(prefix + e.field, e.value, e.allowed) from None
+
+
+def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
+    msg = pb.SamplingParams(
+        max_tokens=params.max_tokens,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        min_p=params.min_p,
+        repetition_penalty=params.repetition_penalty,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        stop=params.stop,
+        stop_token_ids=params.stop_token_ids,
+        ignore_eos=params.ignore_eos,
+        include_stop_str_in_output=params.include_stop_str_in_output,
+        skip_special_tokens=params.skip_special_tokens,
+    )
+    if params.seed is not None:
+        msg.seed = params.seed
+    if params.logprobs is not None:
+        msg.logprobs = params.logprobs
+    return msg
+
+
+def logprobs_to_proto(lp: TokenLogprobs) -> pb.TokenLogprob:
+    return pb.TokenLogprob(
+        token_id=lp.token_id,
+        logprob=lp.logprob,
+        rank=lp.rank,
+        top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
+    )
+
+
+def logprobs_from_proto(msg: pb.TokenLogprob) -> TokenLogprobs:
+    return TokenLogprobs(msg.token_id, msg.logprob, msg.rank, [(t.token_id, t.logprob) for t in msg.top])

@@ -1,0 +1,156 @@
+"""What every worker process does around its engine: load the runtime, serve gRPC with health and
+reflection, register in Redis with a heartbeat carrying its load, publish KV events, stop cleanly on
+SIGTERM/SIGINT.
+
+    start:  runtime ─▶ gRPC server (NOT_SERVING) ─▶ heartbeat registered ─▶ SERVING
+    stop:   NOT_SERVING ─▶ deregister ─▶ server.stop(grace) ─▶ engine, kvtransfer, publisher stopped
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import redis
+
+from duet import serving
+from duet.kv_event_publisher import KVEventPublisher
+from engine.config import EngineConfig
+from engine.runtime import Runtime, build_runtime
+from kvtransfer.layout import KVLayout
+from router.registry import Heartbeat, WorkerInfo, WorkerLoad, WorkerRegistry
+
+log = logging.getLogger("duet.worker")
+
+
+@dataclass
+class WorkerConfig:
+    """A worker's settings; `duet prefill` / `duet decode` flags map onto these fields."""
+
+    role: str  # "prefill" | "decode"
+    redis_url: str
+    model_dir: Path | None = None  # None: the embedded tiny model
+    host: str = "127.0.0.1"
+    port: int = 0
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    kv_transport: str = "tcp"  # "tcp" | "torch" (torch.distributed: gloo on CPU, NCCL on CUDA)
+    kv_checksum: bool = False
+    layer_group_size: int = 4  # layers per KV message
+    heartbeat_ttl_s: float = 6.0
+    max_concurrent_rpcs: int = 256
+
+
+class WorkerProcess:
+    """Shared lifecycle; a role supplies its servicer (`add_services`) and its load (`load`)."""
+
+    service_names: tuple[str, ...] = ()
+
+    def __init__(self, config: WorkerConfig):
+        self.config = config
+        self.worker_id = f"{config.role}-{uuid.uuid4().hex[:8]}"
+        model_dir = config.model_dir
+        if model_dir is None:
+            from engine.tiny_model import default_model_dir
+
+            model_dir = default_model_dir()
+        self.rt: Runtime = build_runtime(model_dir, config.engine)
+        self.layout = KVLayout.for_caches(self.rt.model_id, self.rt.kv_caches)
+        self.redis = redis.Redis.from_url(config.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        self.registry = WorkerRegistry(self.redis, ttl_s=config.heartbeat_ttl_s)
+        self.publisher = KVEventPublisher(self.redis, self.rt.model_id, self.worker_id)
+        self.rt.block_pool.subscribe(self.publisher.on_event)
+        self.server = serving.make_server(config.max_concurrent_rpcs, serving.INTERNAL_MAX_MESSAGE_BYTES)
+        self.add_services(self.server)
+        self.health = serving.add_health_and_reflection(self.server, self.service_names)
+        self.port = serving.bind(self.server, config.host, config.port)
+        self.address = f"{config.host}:{self.port}"
+        self.heartbeat: Heartbeat | None = None
+        self._stopped = threading.Event()
+
+    # -- role hooks ------------------------------------------------------------------------------
+
+    def add_services(self, server: grpc.Server) -> None:
+        raise NotImplementedError
+
+    def load(self) -> WorkerLoad:
+        raise NotImplementedError
+
+    def kv_address(self) -> str:
+        return ""
+
+    def start_engine(self) -> None:
+        raise NotImplementedError
+
+    def stop_engine(self) -> None:
+        raise NotImplementedError
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def info(self) -> WorkerInfo:
+        return WorkerInfo(
+            worker_id=self.worker_id, role=self.config.role, address=self.address, model_id=self.rt.model_id,
+            block_size=self.rt.block_size, num_kv_blocks=self.rt.num_kv_blocks, tp_size=1,
+            kv_address=self.kv_address(), kv_layout=self.layout.fingerprint(),
+        )
+
+    def start(self) -> None:
+        self.start_engine()
+        self.publisher.start()
+        self.server.start()
+        self.heartbeat = Heartbeat(self.registry, self.info(), self.load)
+        self.heartbeat.start()
+        if not self.heartbeat.wait_registered(30.0):
+            log.warning("worker=%s registry unreachable at start; serving anyway, retrying", self.worker_id)
+        serving.set_serving(self.health, self.service_names, True)
+        log.info("worker=%s role=%s address=%s model=%s event=serving", self.worker_id, self.config.role,
+                 self.address, self.rt.model_id)
+
+    def stop(self, grace_s: float = 2.0) -> None:
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        serving.set_serving(self.health, self.service_names, False)
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+        self.server.stop(grace_s).wait(grace_s + 1)
+        self.stop_engine()
+        self.publisher.stop()
+        log.info("worker=%s event=stopped", self.worker_id)
+
+    def serve_until_signal(self) -> int:
+        """Run until SIGTERM/SIGINT or the engine thread dies; returns the exit code."""
+        done = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: done.set())
+        self.start()
+        code = 0
+        while not done.wait(0.5):
+            if not self.engine_alive():
+                log.error("worker=%s engine thread died: stopping", self.worker_id)
+                code = 1
+                break
+        self.stop()
+        return code
+
+    def engine_alive(self) -> bool:
+        return True
+
+
+def abort_with(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> None:
+    """context.abort, logged; never returns."""
+    log.info("rpc status=%s message=%s", code.name, message)
+    context.abort(code, message)
+
+
+def remaining_s(context: grpc.ServicerContext, default_s: float) -> float:
+    remaining = context.time_remaining()
+    return default_s if remaining is None else max(0.0, min(remaining, default_s))
+
+
+OnCancel = Callable[[], None]

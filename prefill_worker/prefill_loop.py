@@ -1,0 +1,204 @@
+"""The prefill worker's engine loop: batched, chunked prefill over the prefix cache, KV shipped out as it
+is computed, the first token sampled with the request's own parameters and seed.
+
+A request's prompt blocks go to the decode worker's reservation in block-table order. Each step, right
+after layer group g of the forward pass has written its K/V, one message per request carries layers of
+group g for the blocks that became final this step:
+
+    step with a request's chunk [start, end)       blocks sent (all layers of group g, one message)
+    not its last chunk                             [sent, end // block_size)        full blocks only
+    its last chunk                                 [sent, ceil(prompt / block_size)) incl. the partial tail
+    first chunk after a prefix hit                 sent = 0: the cached prefix blocks go with it
+
+So each block is sent once, messages grow with layer groups and chunks (never with blocks), and the
+network works while later layers compute. The sender copies the blocks out synchronously, so the pool may
+free or reuse them as soon as the step ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from duet.engine_thread import EngineThread
+from engine.kv_cache_manager import cdiv
+from engine.request import Request, RequestStatus
+from engine.runtime import Runtime
+from engine.sampler import TokenLogprobs
+
+log = logging.getLogger("duet.prefill")
+
+
+class RequestAborted(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class KVTarget:
+    endpoint: str  # the decode worker's kvtransfer receiver
+    reservation_id: int
+
+
+@dataclass
+class PrefillResult:
+    token_id: int
+    logprobs: TokenLogprobs | None
+    num_cached_tokens: int
+    finish_reason: str | None  # set when the first token already ends the request
+    stop_token_id: int | None
+    queue_s: float
+    prefill_s: float
+    transfers: list[Future]  # each resolves once the decode worker has written that message
+    kv_bytes: int
+
+
+@dataclass
+class _Job:
+    request: Request
+    target: KVTarget | None
+    result: Future
+    enqueued_s: float = field(default_factory=time.monotonic)
+    started_s: float | None = None
+    num_sent_blocks: int = 0
+    transfers: list[Future] = field(default_factory=list)
+    kv_bytes: int = 0
+    error: BaseException | None = None
+
+
+SendFn = Callable[[str, int, int, int, int, list[int]], Future]  # KVSender.send
+
+
+class PrefillLoop:
+    def __init__(self, runtime: Runtime, send: SendFn | None, kv_bytes_per_block_layer: int, layer_group_size: int = 4):
+        if layer_group_size < 1:
+            raise ValueError(f"layer_group_size={layer_group_size} is invalid: must be >= 1")
+        self.rt = runtime
+        self._send = send
+        self._block_layer_bytes = kv_bytes_per_block_layer
+        self.layer_group_size = layer_group_size
+        self._jobs: dict[str, _Job] = {}
+        self.num_waiting_tokens = 0  # prompt tokens not yet computed, updated on the engine thread
+        self.thread = EngineThread("prefill-engine", self.rt.scheduler.has_unfinished_requests, self._step)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.thread.stop()
+
+    # -- called from any thread ------------------------------------------------------------------
+
+    def submit(self, request: Request, target: KVTarget | None) -> Future:
+        """Queue a validated request; the future gives a `PrefillResult` or raises (aborted, KV send failed)."""
+        result: Future = Future()
+        self.thread.post(self._add, _Job(request, target, result)).add_done_callback(
+            lambda f: f.exception() and result.set_exception(f.exception())
+        )
+        return result
+
+    def abort(self, request_id: str) -> None:
+        self.thread.post(self._abort, request_id, RequestAborted(f"request {request_id} aborted"))
+
+    # -- engine thread ---------------------------------------------------------------------------
+
+    def _add(self, job: _Job) -> None:
+        self.rt.scheduler.add_request(job.request)
+        self._jobs[job.request.request_id] = job
+        self.num_waiting_tokens += job.request.num_prompt_tokens
+
+    def _abort(self, request_id: str, error: BaseException) -> None:
+        job = self._jobs.pop(request_id, None)
+        if job is None:
+            return
+        self.rt.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+        if job.started_s is None:
+            self.num_waiting_tokens -= job.request.num_prompt_tokens
+        job.result.set_exception(error)
+        self._check_idle()
+
+    def _step(self) -> None:
+        scheduler, bs = self.rt.scheduler, self.rt.block_size
+        out = scheduler.schedule()
+        now = time.monotonic()
+        sends: list[tuple[_Job, int, list[int]]] = []  # (job, first block index, block ids)
+        for chunk in out.chunks:
+            job = self._jobs[chunk.request_id]
+            if job.started_s is None:
+                job.started_s = now
+            request = job.request
+            self.num_waiting_tokens -= len(chunk.token_ids)
+            if job.target is None:
+                continue
+            end = chunk.start_position + len(chunk.token_ids)
+            end_blocks = cdiv(request.num_prompt_tokens, bs) if end >= request.num_prompt_tokens else end // bs
+            if end_blocks > job.num_sent_blocks:
+                sends.append((job, job.num_sent_blocks, chunk.block_ids[job.num_sent_blocks : end_blocks]))
+                job.num_sent_blocks = end_blocks
+
+        try:
+            sampled = self.rt.runner.execute(out.chunks, self._layer_sender(sends) if sends else None)
+        except Exception as e:
+            log.exception("prefill step failed")
+            for chunk in out.chunks:
+                self._abort(chunk.request_id, e)
+            return
+        updates = scheduler.update_from_output(out, {rid: s.token_id for rid, s in sampled.items()})
+        now = time.monotonic()
+        for update in updates:
+            job = self._jobs.pop(update.request_id)
+            request = job.request
+            if not update.status.finished:
+                scheduler.finish_request(request.request_id, RequestStatus.FINISHED_HANDED_OFF)
+            if job.error is not None:
+                job.result.set_exception(job.error)
+                continue
+            job.result.set_result(
+                PrefillResult(
+                    token_id=update.token_id,
+                    logprobs=sampled[request.request_id].logprobs,
+                    num_cached_tokens=max(request.num_cached_tokens, 0),
+                    finish_reason=update.status.finish_reason if update.status.finished else None,
+                    stop_token_id=request.stop_reason if isinstance(request.stop_reason, int) else None,
+                    queue_s=job.started_s - job.enqueued_s,
+                    prefill_s=now - job.started_s,
+                    transfers=job.transfers,
+                    kv_bytes=job.kv_bytes,
+                )
+            )
+        for job in [j for j in self._jobs.values() if j.error is not None]:
+            self._abort(job.request.request_id, job.error)  # a send failed mid-prompt: stop computing it
+        self._check_idle()
+
+    def _layer_sender(self, sends: list[tuple[_Job, int, list[int]]]) -> Callable[[int], None]:
+        num_layers = self.rt.model_config.num_layers
+        group = self.layer_group_size
+        state = {"start": 0}
+
+        def on_layer_done(layer: int) -> None:
+            end = layer + 1
+            if end % group and end != num_layers:
+                return
+            start, state["start"] = state["start"], end
+            for job, first_block, block_ids in sends:
+                if job.error is not None:
+                    continue
+                try:
+                    target = job.target
+                    future = self._send(target.endpoint, target.reservation_id, start, end, first_block, block_ids)
+                except Exception as e:  # noqa: BLE001 - the request fails, the worker goes on
+                    job.error = e
+                    continue
+                job.transfers.append(future)
+                job.kv_bytes += (end - start) * len(block_ids) * self._block_layer_bytes
+
+        return on_layer_done
+
+    def _check_idle(self) -> None:
+        if self.rt.scheduler.has_unfinished_requests():
+            return
+        pool = self.rt.block_pool
+        if pool.num_free_blocks != pool.num_blocks:
+            log.error("prefill idle with %d blocks held: a leak", pool.num_blocks - pool.num_free_blocks)

@@ -1,0 +1,157 @@
+"""The prefill worker's gRPC service: `Prefill` runs a prompt through the prefill loop, streams its KV to
+the decode worker's reservation, and answers with the first token once the decode worker holds all of it.
+
+Status codes: INVALID_ARGUMENT (bad request, field named), FAILED_PRECONDITION (layout mismatch or an
+expired reservation), DATA_LOSS (checksum mismatch), UNAVAILABLE (decode worker gone), DEADLINE_EXCEEDED,
+CANCELLED (the caller went away: the request is aborted and its blocks freed).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import TimeoutError as FutureTimeout
+
+import grpc
+
+from duet.internal.v1 import workers_pb2 as wpb
+from duet.internal.v1 import workers_pb2_grpc as wpb_grpc
+from duet.wire import logprobs_to_proto, sampling_from_proto
+from duet.worker_process import WorkerConfig, WorkerProcess, abort_with, remaining_s
+from engine.errors import InvalidRequestError
+from engine.request import Request
+from engine.validation import check_request
+from kvtransfer.errors import (
+    ChecksumMismatch,
+    LayoutMismatch,
+    PeerGone,
+    ReservationExpired,
+    TransferError,
+    TransferTimeout,
+)
+from kvtransfer.sender import KVSender
+from prefill_worker.prefill_loop import KVTarget, PrefillLoop, RequestAborted
+from router.registry import WorkerLoad
+
+log = logging.getLogger("duet.prefill")
+DEFAULT_TIMEOUT_S = 600.0
+
+_TRANSFER_STATUS = {
+    LayoutMismatch: grpc.StatusCode.FAILED_PRECONDITION,
+    ReservationExpired: grpc.StatusCode.FAILED_PRECONDITION,
+    ChecksumMismatch: grpc.StatusCode.DATA_LOSS,
+    PeerGone: grpc.StatusCode.UNAVAILABLE,
+    TransferTimeout: grpc.StatusCode.DEADLINE_EXCEEDED,
+}
+
+
+def transfer_status(error: TransferError) -> grpc.StatusCode:
+    return _TRANSFER_STATUS.get(type(error), grpc.StatusCode.UNAVAILABLE)
+
+
+class PrefillWorker(WorkerProcess, wpb_grpc.PrefillWorkerServicer):
+    service_names = ("duet.internal.v1.PrefillWorker",)
+
+    def __init__(self, config: WorkerConfig):
+        super().__init__(config)
+        self.sender = KVSender(self.layout, self.rt.kv_caches, transport=config.kv_transport,
+                               checksum=config.kv_checksum)
+        self.loop = PrefillLoop(self.rt, self.sender.send, 2 * self.layout.block_bytes(), config.layer_group_size)
+
+    def add_services(self, server: grpc.Server) -> None:
+        wpb_grpc.add_PrefillWorkerServicer_to_server(self, server)
+
+    def start_engine(self) -> None:
+        self.loop.start()
+
+    def stop_engine(self) -> None:
+        self.loop.stop()
+        self.sender.close()
+
+    def engine_alive(self) -> bool:
+        return self.loop.thread.alive
+
+    def load(self) -> WorkerLoad:
+        s = self.rt.scheduler
+        return WorkerLoad(
+            num_waiting=len(s.waiting), num_running=len(s.running), num_free_blocks=self.rt.block_pool.num_free_blocks,
+            num_waiting_tokens=max(self.loop.num_waiting_tokens, 0),
+        )
+
+    # -- RPCs ------------------------------------------------------------------------------------
+
+    def Prefill(self, request: wpb.PrefillRequest, context: grpc.ServicerContext) -> wpb.PrefillResponse:
+        try:
+            params = sampling_from_proto(request.sampling)
+            token_ids = list(request.prompt_token_ids)
+            check_request(token_ids, params, vocab_size=self.rt.model_config.vocab_size,
+                          max_model_len=self.rt.max_model_len, max_logprobs=self.rt.config.max_logprobs)
+        except InvalidRequestError as e:
+            abort_with(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        target = None
+        if request.HasField("target"):
+            target = KVTarget(request.target.kv_address, request.target.reservation_id)
+            try:
+                self.sender.connect(target.endpoint)
+            except TransferError as e:
+                abort_with(context, transfer_status(e), f"kv connect to {target.endpoint}: {e}")
+        engine_request = Request(
+            request_id=request.request_id, prompt_token_ids=token_ids, sampling_params=params,
+            eos_token_ids=self.rt.tokenizer.eos_token_ids, cache_salt=request.cache_salt,
+        )
+        future = self.loop.submit(engine_request, target)
+        context.add_callback(lambda: future.done() or self.loop.abort(request.request_id))
+        try:
+            result = future.result(timeout=remaining_s(context, DEFAULT_TIMEOUT_S))
+        except FutureTimeout:
+            self.loop.abort(request.request_id)
+            abort_with(context, grpc.StatusCode.DEADLINE_EXCEEDED, f"prefill of {request.request_id} timed out")
+        except RequestAborted as e:
+            abort_with(context, grpc.StatusCode.CANCELLED, str(e))
+        except TransferError as e:
+            abort_with(context, transfer_status(e), f"kv transfer to {target.endpoint}: {e}")
+        except ValueError as e:
+            abort_with(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+        computed_s = time.monotonic()
+        for transfer in result.transfers:
+            try:
+                transfer.result(timeout=remaining_s(context, DEFAULT_TIMEOUT_S))
+            except FutureTimeout:
+                abort_with(context, grpc.StatusCode.DEADLINE_EXCEEDED, "kv transfer timed out")
+            except TransferError as e:
+                abort_with(context, transfer_status(e), f"kv transfer to {target.endpoint}: {e}")
+        reply = wpb.PrefillResponse(
+            first_token_id=result.token_id,
+            cached_tokens=result.num_cached_tokens,
+            finish_reason=result.finish_reason or "",
+            queue_s=result.queue_s,
+            prefill_s=result.prefill_s,
+            transfer_s=time.monotonic() - computed_s,
+            kv_bytes=result.kv_bytes,
+        )
+        if result.stop_token_id is not None:
+            reply.stop_token_id = result.stop_token_id
+        if result.logprobs is not None:
+            reply.logprob.CopyFrom(logprobs_to_proto(result.logprobs))
+        return reply
+
+    def Stats(self, request: wpb.StatsRequest, context: grpc.ServicerContext) -> wpb.WorkerStats:
+        return self.loop.thread.call(self._stats, request.check_integrity)
+
+    def _stats(self, check: bool) -> wpb.WorkerStats:
+        rt = self.rt
+        error = ""
+        if check:
+            try:
+                rt.scheduler.check_integrity()
+            except AssertionError as e:
+                error = str(e) or "integrity check failed"
+        return wpb.WorkerStats(
+            worker_id=self.worker_id, role="prefill", num_kv_blocks=rt.num_kv_blocks,
+            num_free_blocks=rt.block_pool.num_free_blocks, num_running=len(rt.scheduler.running),
+            num_waiting=len(rt.scheduler.waiting), num_waiting_tokens=max(self.loop.num_waiting_tokens, 0),
+            integrity_error=error, prefix_query_tokens=rt.scheduler.num_prefix_query_tokens,
+            prefix_hit_tokens=rt.scheduler.num_prefix_hit_tokens,
+            num_kv_events_published=self.publisher.num_published,
+        )

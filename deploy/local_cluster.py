@@ -1,0 +1,413 @@
+"""The process supervisor behind `duet up`: redis-server, prefill and decode workers and a router on one host.
+
+    launcher (this process)            each child: its own session (Ctrl-C reaches only the launcher),
+      ├─ redis-server   private port     PYTHONUNBUFFERED=1, stdout+stderr → <log_dir>/<name>.log,
+      ├─ prefill-0..N   gRPC :port       PR_SET_PDEATHSIG on Linux (dies if the launcher is SIGKILLed)
+      ├─ decode-0..M    gRPC :port
+      └─ router         gRPC :port       ← clients
+
+Start order: redis, workers, router; ready when every gRPC component answers grpc.health.v1 Check("") with
+SERVING. Stop order: router, then workers (which can still deregister from Redis), then redis; a component
+that ignores SIGTERM for timeout_s is SIGKILLed together with its whole process group, so nothing it spawned
+(e.g. tensor-parallel ranks) is left behind.
+
+Signals: run_up() and wait() turn SIGINT/SIGTERM into an orderly stop while they run. A program that drives
+LocalCluster itself should stop it in a `with` block or `finally`; PR_SET_PDEATHSIG covers a launcher that
+dies outright (Linux, when started from the main thread).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from deploy.redis_server import RedisServer, parent_death_preexec, tail_file
+
+log = logging.getLogger(__name__)
+
+_POLL_INTERVAL_S = 0.2
+_HEALTH_RPC_TIMEOUT_S = 0.5
+# Retry a refused connection quickly: gRPC's default backoff grows to minutes while a model loads.
+_PROBE_CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 500),
+]
+
+
+class ClusterInterrupted(RuntimeError):
+    """start() was interrupted by SIGINT/SIGTERM (or request_stop()); everything has been stopped."""
+
+
+@dataclass
+class ClusterConfig:
+    model_dir: str | None = None
+    num_prefill: int = 1
+    num_decode: int = 1
+    host: str = "127.0.0.1"  # the router's bind host; workers always bind 127.0.0.1
+    port: int = 0  # router port, 0 = pick a free one
+    redis_password: str | None = None
+    worker_args: list[str] = field(default_factory=list)  # extra args for prefill+decode
+    router_args: list[str] = field(default_factory=list)
+    ready_timeout_s: float = 180.0
+    log_dir: str | None = None  # component stdout/stderr go to files here (default: inside the cluster's temp dir)
+
+    def __post_init__(self):
+        if self.num_prefill < 0 or self.num_decode < 0 or self.num_prefill + self.num_decode < 1:
+            raise ValueError(f"num_prefill={self.num_prefill}, num_decode={self.num_decode} are invalid: "
+                             "each must be >= 0 and together >= 1")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port={self.port} is invalid: must be in [0, 65535] (0 picks a free one)")
+        if self.ready_timeout_s <= 0:
+            raise ValueError(f"ready_timeout_s={self.ready_timeout_s} is invalid: must be > 0")
+
+
+@dataclass(frozen=True)
+class ComponentInfo:
+    name: str  # "redis", "prefill-0", "decode-1", "router"
+    pid: int
+    address: str  # host:port
+    log_path: str
+
+
+class _Process:
+    """One supervised child, leader of its own process group.
+
+    Exit is detected with waitid(WNOWAIT), which leaves the child a zombie: while it is unreaped its pid (and
+    so its process group id) cannot be reused, so killpg() in kill_group_and_reap() can never hit a stranger.
+    """
+
+    def __init__(self, name: str, address: str, log_path: Path, popen: subprocess.Popen):
+        self.name = name
+        self.address = address
+        self.log_path = log_path
+        self.popen = popen
+        self._exit: os.waitid_result | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def exited(self) -> bool:
+        if self._exit is None and self.popen.returncode is None:
+            try:
+                self._exit = os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            except ChildProcessError:
+                return True
+        return self._exit is not None or self.popen.returncode is not None
+
+    def describe_exit(self) -> str:
+        if self._exit is None:
+            return "exited" if self.popen.returncode is None else _describe_returncode(self.popen.returncode)
+        if self._exit.si_code == os.CLD_EXITED:
+            return f"exited with code {self._exit.si_status}"
+        return f"was killed by {_signal_name(self._exit.si_status)}"
+
+    def terminate(self) -> None:
+        if not self.exited():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGTERM)
+
+    def kill_group_and_reap(self) -> None:
+        if self.popen.returncode is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.pid, signal.SIGKILL)
+        self.popen.wait()
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def _describe_returncode(code: int) -> str:
+    return f"exited with code {code}" if code >= 0 else f"was killed by {_signal_name(-code)}"
+
+
+def _pick_free_ports(n: int) -> list[int]:
+    """n distinct ports that were free a moment ago (all sockets held open together, so no duplicates)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            socks.append(s)
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _probe_address(address: str) -> str:
+    host, _, port = address.rpartition(":")
+    return f"127.0.0.1:{port}" if host in ("0.0.0.0", "::", "[::]", "") else address
+
+
+def _is_serving(channel: grpc.Channel) -> bool:
+    try:
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""),
+                                                          timeout=_HEALTH_RPC_TIMEOUT_S)
+    except grpc.RpcError:
+        return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+class LocalCluster:
+    """redis-server + workers + router as local processes. Not restartable: after stop(), make a new one."""
+
+    def __init__(self, config: ClusterConfig):
+        self.config = config
+        self._redis: RedisServer | None = None
+        self._redis_info: ComponentInfo | None = None
+        self._workers: list[_Process] = []
+        self._router: _Process | None = None
+        self._tmp_dir: Path | None = None
+        self._router_port: int | None = None
+        self._started = False
+        self._stopped = False
+        self._stop_signal: int | None = None  # set by request_stop(); plain int so a signal handler may set it
+
+    # ------------------------------------------------------------------------------------------------ start
+
+    def start(self) -> LocalCluster:
+        """Start redis, the workers, then the router, and wait until every component reports SERVING.
+
+        On failure everything is stopped and RuntimeError names the component and shows its log tail; on
+        request_stop() (e.g. from a signal handler) during the wait, ClusterInterrupted is raised instead.
+        """
+        if self._started:
+            raise RuntimeError("LocalCluster.start() called twice: make a new LocalCluster")
+        self._started = True
+        cfg = self.config
+        try:
+            self._tmp_dir = Path(tempfile.mkdtemp(prefix="duet-cluster-"))
+            log_dir = Path(cfg.log_dir) if cfg.log_dir is not None else self._tmp_dir / "logs"
+            log_dir.mkdir(parents=True, exist_ok=True)
+            self._redis = RedisServer(password=cfg.redis_password).start()
+            self._redis_info = ComponentInfo("redis", self._redis.pid, f"{self._redis.host}:{self._redis.port}",
+                                             str(self._redis.log_path))
+            roles = ["prefill"] * cfg.num_prefill + ["decode"] * cfg.num_decode
+            ports = _pick_free_ports(len(roles) + (cfg.port == 0))
+            self._router_port = cfg.port or ports.pop()
+            counts = {"prefill": 0, "decode": 0}
+            for role, port in zip(roles, ports):
+                name = f"{role}-{counts[role]}"
+                counts[role] += 1
+                self._workers.append(self._launch(name, role, "127.0.0.1", port, log_dir))
+            self._router = self._launch("router", "router", cfg.host, self._router_port, log_dir)
+            self._wait_serving()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def component_command(self, role: str, host: str, port: int, redis_url: str) -> list[str]:
+        """The command line of one component (tests override it to run stand-ins)."""
+        cmd = [sys.executable, "-m", "duet", role, "--host", host, "--port", str(port), "--redis-url", redis_url]
+        if self.config.model_dir is not None:
+            cmd += ["--model", str(self.config.model_dir)]
+        return cmd + list(self.config.router_args if role == "router" else self.config.worker_args)
+
+    def _launch(self, name: str, role: str, host: str, port: int, log_dir: Path) -> _Process:
+        log_path = log_dir / f"{name}.log"
+        cmd = self.component_command(role, host, port, self.redis_url)
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        with open(log_path, "ab") as log_file:
+            popen = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
+                                     env=env, start_new_session=True, preexec_fn=parent_death_preexec())
+        log.info("local_cluster: started %s pid=%d address=%s:%d log=%s", name, popen.pid, host, port, log_path)
+        return _Process(name, f"{host}:{port}", log_path, popen)
+
+    def _wait_serving(self) -> None:
+        timeout_s = self.config.ready_timeout_s
+        pending = {p.name: p for p in self._grpc_processes()}
+        channels = {name: grpc.insecure_channel(_probe_address(p.address), options=_PROBE_CHANNEL_OPTIONS)
+                    for name, p in pending.items()}
+        deadline = time.monotonic() + timeout_s
+        try:
+            while pending:
+                if self._stop_signal is not None:
+                    raise ClusterInterrupted(f"start interrupted by {_signal_name(self._stop_signal)}; "
+                                             "all components stopped")
+                if self._redis is not None and self._redis.returncode() is not None:
+                    raise RuntimeError(self._death_report("redis").removeprefix("duet: component "))
+                for name, proc in list(pending.items()):
+                    if proc.exited():
+                        raise RuntimeError(f"{name} {proc.describe_exit()} before reporting SERVING; "
+                                           f"{self._log_tail(proc)}")
+                    if _is_serving(channels[name]):
+                        log.info("local_cluster: %s is SERVING at %s", name, proc.address)
+                        del pending[name]
+                if pending and time.monotonic() > deadline:
+                    tails = "\n".join(self._log_tail(p) for p in pending.values())
+                    raise RuntimeError(f"{', '.join(pending)} did not report SERVING within {timeout_s} s; "
+                                       f"{tails}")
+                if pending:
+                    time.sleep(_POLL_INTERVAL_S)
+        finally:
+            for channel in channels.values():
+                channel.close()
+
+    def _log_tail(self, proc: _Process, max_lines: int = 40) -> str:
+        where = f" ({proc.log_path})" if self.config.log_dir is not None else ""
+        return f"{proc.name} log tail{where}:\n{tail_file(proc.log_path, max_lines=max_lines)}"
+
+    def _grpc_processes(self) -> list[_Process]:
+        return self._workers + ([self._router] if self._router is not None else [])
+
+    # ------------------------------------------------------------------------------------------- accessors
+
+    @property
+    def router_address(self) -> str:
+        if self._router_port is None:
+            raise RuntimeError("the cluster has not been started")
+        return f"{self.config.host}:{self._router_port}"
+
+    @property
+    def redis_url(self) -> str:
+        if self._redis is None:
+            raise RuntimeError("the cluster has not been started")
+        return self._redis.url
+
+    @property
+    def components(self) -> list[ComponentInfo]:
+        """redis, then workers, then the router; pids stay listed after stop() (for post-mortems and tests)."""
+        out = [self._redis_info] if self._redis_info is not None else []
+        out += [ComponentInfo(p.name, p.pid, p.address, str(p.log_path)) for p in self._grpc_processes()]
+        return out
+
+    # ------------------------------------------------------------------------------------------ supervision
+
+    def poll(self) -> str | None:
+        """The name of a component that has died, else None."""
+        if self._redis is not None and self._redis.data_dir is not None and self._redis.returncode() is not None:
+            return "redis"
+        for proc in self._grpc_processes():
+            if proc.exited():
+                return proc.name
+        return None
+
+    def request_stop(self, signum: int = signal.SIGTERM) -> None:
+        """Ask start()/wait() to return (safe to call from a signal handler or another thread)."""
+        self._stop_signal = int(signum)
+
+    @contextlib.contextmanager
+    def handle_stop_signals(self) -> Iterator[None]:
+        """While inside, SIGINT and SIGTERM call request_stop() instead of killing the launcher.
+
+        Only the main thread can install signal handlers; elsewhere this does nothing. The previous handlers
+        are restored on exit.
+        """
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+        for sig in previous:
+            signal.signal(sig, lambda signum, _frame: self.request_stop(signum))
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def wait(self, print_fn: Callable[[str], None] = print) -> int:
+        """Block until SIGINT/SIGTERM (or request_stop()) or until a component dies. 0 for a signal; 1 when a
+        component died, after printing which, how, and its log tail. Does not stop the cluster."""
+        with self.handle_stop_signals():
+            try:
+                while self._stop_signal is None:
+                    dead = self.poll()
+                    if dead is not None:
+                        print_fn(self._death_report(dead))
+                        return 1
+                    time.sleep(_POLL_INTERVAL_S)
+            except KeyboardInterrupt:  # handlers could not be installed (not the main thread)
+                self._stop_signal = signal.SIGINT
+        return 0
+
+    def _death_report(self, name: str) -> str:
+        if name == "redis":
+            assert self._redis is not None
+            how = _describe_returncode(self._redis.returncode())
+            return f"duet: component redis {how}; redis log tail:\n{tail_file(self._redis.log_path)}"
+        proc = next(p for p in self._grpc_processes() if p.name == name)
+        return f"duet: component {name} {proc.describe_exit()}; {self._log_tail(proc)}"
+
+    # ------------------------------------------------------------------------------------------------ stop
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM the router, then the workers, then redis; SIGKILL (the whole process group of) anything
+        still running after timeout_s per stage; remove the temp dir. Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        for stage in ([self._router] if self._router is not None else [], self._workers):
+            _terminate_stage(stage, timeout_s)
+        if self._redis is not None:
+            self._redis.stop(timeout_s)
+        if self._tmp_dir is not None:
+            shutil.rmtree(self._tmp_dir, ignore_errors=True)
+            self._tmp_dir = None
+
+    def __enter__(self) -> LocalCluster:
+        return self if self._started else self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _terminate_stage(procs: list[_Process], timeout_s: float) -> None:
+    """SIGTERM all, wait up to timeout_s for them together, then SIGKILL every process group and reap."""
+    for proc in procs:
+        proc.terminate()
+    deadline = time.monotonic() + timeout_s
+    while any(not p.exited() for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for proc in procs:
+        if not proc.exited():
+            log.warning("local_cluster: %s (pid %d) ignored SIGTERM for %.1f s; killing it", proc.name, proc.pid,
+                        timeout_s)
+        proc.kill_group_and_reap()
+
+
+def run_up(config: ClusterConfig, print_fn: Callable[[str], None] = print) -> int:
+    """`duet up`: start the cluster, print one line containing `ready` and the router address, run until
+    SIGINT/SIGTERM or a component dies, stop everything. Returns the exit code (0 after a signal, 1 if a
+    component failed to start or died)."""
+    cluster = LocalCluster(config)
+    with cluster.handle_stop_signals():
+        try:
+            try:
+                cluster.start()
+            except ClusterInterrupted:
+                print_fn("duet: interrupted during startup; everything stopped")
+                return 0
+            except RuntimeError as e:
+                print_fn(f"duet up failed: {e}")
+                return 1
+            redis_address = cluster.components[0].address
+            print_fn(f"duet ready: router at {cluster.router_address} ({config.num_prefill} prefill, "
+                     f"{config.num_decode} decode, redis at {redis_address})")
+            code = cluster.wait(print_fn=print_fn)
+            if code == 0:
+                print_fn(f"duet: stopping ({_signal_name(cluster._stop_signal or signal.SIGTERM)})")
+            return code
+        finally:
+            cluster.stop()

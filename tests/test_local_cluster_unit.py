@@ -1,0 +1,235 @@
+"""deploy/local_cluster.py with stand-in components: a tiny gRPC health server takes the place of
+`python -m duet prefill|decode|router`, so supervision (readiness, failure reports, stop order, no orphans) is
+tested here without models; the end-to-end test with the real components lives elsewhere."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from deploy.local_cluster import ClusterConfig, LocalCluster, run_up
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+FAKE_COMPONENT = textwrap.dedent('''
+    import argparse, os, signal, subprocess, sys, time
+    from concurrent import futures
+    import grpc, redis
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    p = argparse.ArgumentParser()
+    p.add_argument("role")
+    for flag in ("--host", "--redis-url", "--model", "--events", "--grandchild-pidfile"):
+        p.add_argument(flag)
+    p.add_argument("--port", type=int)
+    for flag in ("--fail", "--never-serving", "--ignore-sigterm"):
+        p.add_argument(flag, action="store_true")
+    args = p.parse_args()
+    print("argv", sys.argv[1:], "unbuffered", os.environ.get("PYTHONUNBUFFERED"))
+    if args.fail:
+        print("boom: cannot load the model")
+        sys.exit(3)
+    stopping = []
+    signal.signal(signal.SIGTERM, signal.SIG_IGN if args.ignore_sigterm else lambda *a: stopping.append(1))
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    server.add_insecure_port(f"{args.host}:{args.port}")
+    server.start()
+    # grpc's HealthServicer answers SERVING for "" until told otherwise
+    servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING if args.never_serving
+                 else health_pb2.HealthCheckResponse.SERVING)
+    if args.grandchild_pidfile:
+        child = subprocess.Popen(["sleep", "600"])
+        with open(f"{args.grandchild_pidfile}.{os.getpid()}", "w") as f:
+            f.write(str(child.pid))
+    while not stopping:
+        time.sleep(0.02)
+    if args.events:
+        redis_ok = redis.Redis.from_url(args.redis_url, socket_timeout=1).ping()
+        with open(args.events, "a") as f:
+            f.write(f"{args.role} {time.monotonic()} redis_ok={redis_ok}\\n")
+    server.stop(0)
+''')
+
+
+class FakeCluster(LocalCluster):
+    fake_path: Path
+
+    def component_command(self, role, host, port, redis_url):
+        cmd = super().component_command(role, host, port, redis_url)
+        assert cmd[:3] == [sys.executable, "-m", "duet"]
+        return [sys.executable, str(self.fake_path)] + cmd[3:]
+
+
+@pytest.fixture(scope="module")
+def fake_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("fake") / "fake_component.py"
+    path.write_text(FAKE_COMPONENT)
+    FakeCluster.fake_path = path
+    return path
+
+
+def _dead(pid: int) -> bool:
+    """Gone, or a zombie nobody has reaped yet (a container's PID 1 may never reap adopted children)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def _wait_dead(pids, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not all(_dead(p) for p in pids):
+        assert time.monotonic() < deadline, f"still alive: {[p for p in pids if not _dead(p)]}"
+        time.sleep(0.02)
+
+
+def test_component_command_lines():
+    cluster = LocalCluster(ClusterConfig(model_dir="/models/tiny", worker_args=["--block-size", "8"],
+                                         router_args=["--policy", "load"]))
+    url = "redis://:pw@127.0.0.1:6400/0"
+    assert cluster.component_command("prefill", "127.0.0.1", 5001, url) == [
+        sys.executable, "-m", "duet", "prefill", "--host", "127.0.0.1", "--port", "5001", "--redis-url", url,
+        "--model", "/models/tiny", "--block-size", "8"]
+    assert cluster.component_command("router", "0.0.0.0", 5000, url) == [
+        sys.executable, "-m", "duet", "router", "--host", "0.0.0.0", "--port", "5000", "--redis-url", url,
+        "--model", "/models/tiny", "--policy", "load"]
+    no_model = LocalCluster(ClusterConfig())
+    assert "--model" not in no_model.component_command("decode", "127.0.0.1", 1, url)
+
+
+def test_config_is_validated():
+    with pytest.raises(ValueError, match="num_prefill=0, num_decode=0 are invalid"):
+        ClusterConfig(num_prefill=0, num_decode=0)
+    with pytest.raises(ValueError, match="port=70000 is invalid"):
+        ClusterConfig(port=70000)
+
+
+def test_start_serves_then_stops_in_order_without_orphans(fake_path, tmp_path):
+    events = tmp_path / "events"
+    config = ClusterConfig(num_prefill=1, num_decode=2, redis_password="pw", log_dir=str(tmp_path / "logs"),
+                           worker_args=["--events", str(events), "--grandchild-pidfile", str(tmp_path / "gc")],
+                           router_args=["--events", str(events)], ready_timeout_s=30)
+    cluster = FakeCluster(config).start()
+    components = cluster.components
+    assert [c.name for c in components] == ["redis", "prefill-0", "decode-0", "decode-1", "router"]
+    assert len({c.address for c in components}) == 5
+    assert cluster.router_address == components[-1].address
+    assert cluster.redis_url == f"redis://:pw@{components[0].address}/0"
+    assert cluster.poll() is None
+    prefill_log = Path(components[1].log_path).read_text()
+    assert f"'prefill', '--host', '127.0.0.1', '--port', '{components[1].address.split(':')[1]}'" in prefill_log
+    assert "unbuffered 1" in prefill_log
+    tmp_dir = cluster._tmp_dir
+    grandchildren = [int(p.read_text()) for p in tmp_path.glob("gc.*")]
+    assert len(grandchildren) == 3
+
+    cluster.stop()
+    _wait_dead([c.pid for c in components] + grandchildren)
+    order = [line.split() for line in events.read_text().splitlines()]
+    assert order[0][0] == "router"
+    assert sorted(o[0] for o in order[1:]) == ["decode", "decode", "prefill"]
+    assert all(o[2] == "redis_ok=True" for o in order)  # redis outlived every component
+    assert not tmp_dir.exists()
+    assert Path(components[1].log_path).exists()  # an explicit log_dir is kept
+    cluster.stop()  # idempotent
+
+
+def test_component_never_serving_times_out(fake_path):
+    config = ClusterConfig(num_prefill=0, num_decode=1, router_args=["--never-serving"], ready_timeout_s=1.0)
+    cluster = FakeCluster(config)
+    with pytest.raises(RuntimeError, match=r"(?s)^router did not report SERVING within 1.0 s.*router log tail"):
+        cluster.start()
+    _wait_dead([c.pid for c in cluster.components])
+
+
+def test_wait_reports_a_dead_component_and_stop_kills_one_ignoring_sigterm(fake_path):
+    config = ClusterConfig(num_prefill=1, num_decode=1, worker_args=["--ignore-sigterm"], ready_timeout_s=30)
+    with FakeCluster(config) as cluster:
+        pids = [c.pid for c in cluster.components]
+        os.kill(cluster.components[2].pid, signal.SIGKILL)
+        printed = []
+        assert cluster.wait(print_fn=printed.append) == 1
+        assert cluster.poll() == "decode-0"
+        t0 = time.monotonic()
+        cluster.stop(timeout_s=0.5)  # prefill-0 ignores SIGTERM
+        assert time.monotonic() - t0 < 5.0
+    assert printed[0].startswith("duet: component decode-0 was killed by SIGKILL; decode-0 log tail:")
+    _wait_dead(pids)
+
+
+def test_run_up_prints_one_ready_line_and_stops_on_sigterm(fake_path, monkeypatch):
+    monkeypatch.setattr("deploy.local_cluster.LocalCluster", FakeCluster)
+    previous_handler = signal.getsignal(signal.SIGTERM)
+    printed = []
+
+    def print_fn(line):
+        printed.append(line)
+        if "ready" in line:
+            threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()
+
+    assert run_up(ClusterConfig(num_prefill=1, num_decode=1, ready_timeout_s=30), print_fn=print_fn) == 0
+    ready = [line for line in printed if "ready" in line]
+    assert len(ready) == 1, printed
+    assert re.fullmatch(r"duet ready: router at 127\.0\.0\.1:\d+ \(1 prefill, 1 decode, redis at 127\.0\.0\.1:\d+\)",
+                        ready[0])
+    assert printed[-1] == "duet: stopping (SIGTERM)"
+    assert signal.getsignal(signal.SIGTERM) is previous_handler
+
+
+def test_run_up_names_a_failing_component_with_its_log_tail(fake_path, monkeypatch):
+    started = []
+
+    class RecordingCluster(FakeCluster):
+        def start(self):
+            started.append(self)
+            return super().start()
+
+    monkeypatch.setattr("deploy.local_cluster.LocalCluster", RecordingCluster)
+    printed = []
+    config = ClusterConfig(num_prefill=1, num_decode=0, worker_args=["--fail"], ready_timeout_s=30)
+    assert run_up(config, print_fn=printed.append) == 1
+    assert len(printed) == 1
+    assert re.match(r"(?s)duet up failed: prefill-0 exited with code 3 before reporting SERVING; prefill-0 log tail:"
+                    r".*boom: cannot load the model", printed[0])
+    _wait_dead([c.pid for c in started[0].components])
+
+
+LAUNCHER = textwrap.dedent('''
+    import json, sys
+    sys.path.insert(0, {tests!r})
+    from test_local_cluster_unit import ClusterConfig, FakeCluster
+    from pathlib import Path
+    FakeCluster.fake_path = Path({fake!r})
+    cluster = FakeCluster(ClusterConfig(num_prefill=1, num_decode=1, ready_timeout_s=30)).start()
+    print(json.dumps([c.pid for c in cluster.components]), flush=True)
+    input()
+''')
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux only")
+def test_components_die_with_a_sigkilled_launcher(fake_path, tmp_path):
+    script = tmp_path / "launcher.py"
+    script.write_text(LAUNCHER.format(tests=str(REPO_ROOT / "tests"), fake=str(fake_path)))
+    # TMPDIR: the killed launcher cannot remove its temp dirs; let pytest's tmp_path hold them
+    launcher = subprocess.Popen([sys.executable, str(script)], cwd=REPO_ROOT, stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True, env=dict(os.environ, TMPDIR=str(tmp_path)))
+    try:
+        pids = json.loads(launcher.stdout.readline())
+        assert len(pids) == 4
+        launcher.kill()
+        launcher.wait()
+        _wait_dead(pids)
+    finally:
+        launcher.kill()
+        launcher.wait()

@@ -396,8 +396,8 @@ class Router(pb_grpc.GenerationServicer):
             return ch
 
     def _remaining(self, context: grpc.ServicerContext) -> float:
-        remaining = context.time_remaining()
-        return DEFAULT_TIMEOUT_S if remaining is None else max(0.001, remaining)
+        remaining = context.time_remaining()  # None, or a huge number, when the client set no deadline
+        return DEFAULT_TIMEOUT_S if remaining is None else max(0.001, min(remaining, DEFAULT_TIMEOUT_S))
 
 
 def _downstream_code(error: grpc.RpcError) -> grpc.StatusCode:

@@ -41,7 +41,7 @@ class DecodeLoop:
         self.rt = runtime
         self.reservations = reservations
         self._live: dict[str, tuple[Request, queue.SimpleQueue]] = {}
-        self._num_reserved_blocks = 0
+        self._reserved: dict[int, list[int]] = {}  # reservation id -> its blocks (engine thread's view)
         self.thread = EngineThread(
             "decode-engine", runtime.scheduler.has_unfinished_requests, self._step, tick=self._expire
         )
@@ -64,8 +64,9 @@ class DecodeLoop:
         if pool.num_free_blocks - num_blocks < len(scheduler.running) + 1:
             return None
         block_ids = pool.allocate(num_blocks)
-        self._num_reserved_blocks += num_blocks
-        return self.reservations.add(request_id, block_ids, num_prompt_tokens, ttl_s)
+        reservation = self.reservations.add(request_id, block_ids, num_prompt_tokens, ttl_s)
+        self._reserved[reservation.reservation_id] = block_ids
+        return reservation
 
     def release(self, reservation_id: int) -> bool:
         reservation = self.reservations.pop(reservation_id)
@@ -75,8 +76,8 @@ class DecodeLoop:
         return True
 
     def _free(self, reservation: Reservation) -> None:
+        del self._reserved[reservation.reservation_id]
         self.rt.block_pool.free(reversed(reservation.block_ids))
-        self._num_reserved_blocks -= len(reservation.block_ids)
         self._check_idle()
 
     def _expire(self) -> None:
@@ -92,9 +93,7 @@ class DecodeLoop:
         reservation = self.reservations.pop(reservation_id)
         if reservation is None:
             raise ReservationExpired(f"reservation {reservation_id} is unknown, released or expired")
-        self._num_reserved_blocks -= len(reservation.block_ids)
         if not reservation.complete or reservation.num_tokens != request.num_prompt_tokens:
-            self._num_reserved_blocks += len(reservation.block_ids)  # _free takes them off again
             self._free(reservation)
             raise ReservationExpired(
                 f"reservation {reservation_id} is not usable: complete={reservation.complete}, "
@@ -103,8 +102,9 @@ class DecodeLoop:
         try:
             self.rt.scheduler.add_transferred(request, reservation.block_ids)
         except ValueError:
-            self.rt.block_pool.free(reversed(reservation.block_ids))
+            self._free(reservation)
             raise
+        del self._reserved[reservation.reservation_id]  # the request's block table holds them now
         self._live[request.request_id] = (request, sink)
 
     def abort(self, request_id: str) -> None:
@@ -133,12 +133,19 @@ class DecodeLoop:
         self._check_idle()
 
     def _check_idle(self) -> None:
-        if self.rt.scheduler.has_unfinished_requests() or len(self.reservations):
+        if self.rt.scheduler.has_unfinished_requests() or self._reserved:
             return
         pool = self.rt.block_pool
         if pool.num_free_blocks != pool.num_blocks:
             log.error("decode idle with %d blocks held: a leak", pool.num_blocks - pool.num_free_blocks)
 
     @property
-    def num_reserved_blocks(self) -> int:
-        return self._num_reserved_blocks
+    def reserved_block_ids(self) -> list[list[int]]:
+        return list(self._reserved.values())
+
+    def check_integrity(self) -> None:
+        """Every block is held exactly by the request tables and reservations that claim it."""
+        self.rt.scheduler.check_integrity(self.reserved_block_ids)
+        if len(self._reserved) != len(self.reservations):
+            raise AssertionError(f"{len(self._reserved)} reservations hold blocks, the table has "
+                                 f"{len(self.reservations)}")

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
-import redis
 
 from duet import serving
 from duet.kv_event_publisher import KVEventPublisher
@@ -61,8 +60,8 @@ class WorkerProcess:
             model_dir = default_model_dir()
         self.rt: Runtime = build_runtime(model_dir, config.engine)
         self.layout = KVLayout.for_caches(self.rt.model_id, self.rt.kv_caches)
-        self.redis = redis.Redis.from_url(config.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
-        self.registry = WorkerRegistry(self.redis, ttl_s=config.heartbeat_ttl_s)
+        self.registry = WorkerRegistry.from_url(config.redis_url, ttl_s=config.heartbeat_ttl_s)
+        self.redis = self.registry.client
         self.publisher = KVEventPublisher(self.redis, self.rt.model_id, self.worker_id)
         self.rt.block_pool.subscribe(self.publisher.on_event)
         self.server = serving.make_server(config.max_concurrent_rpcs, serving.INTERNAL_MAX_MESSAGE_BYTES)

@@ -11,6 +11,8 @@ under its chained hash (engine.hashing), so a later request with the same prefix
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+
 from engine.block_pool import BlockPool
 from engine.hashing import hash_blocks, root_hash
 from engine.request import Request
@@ -125,11 +127,12 @@ class KVCacheManager:
         self._block_hashes.pop(rid, None)
         self._roots.pop(rid, None)
 
-    def check_integrity(self) -> None:
-        """Pool accounting holds, and each block's ref_count equals the tables that hold it."""
+    def check_integrity(self, other_holders: Iterable[Sequence[int]] = ()) -> None:
+        """Pool accounting holds, and each block's ref_count equals the tables (and `other_holders`, e.g. a
+        decode worker's reservations) that hold it."""
         self.pool.check_integrity()
         refs = [0] * self.pool.num_blocks
-        for table in self._block_ids.values():
+        for table in [*self._block_ids.values(), *other_holders]:
             for block_id in table:
                 refs[block_id] += 1
         for block in self.pool.blocks:

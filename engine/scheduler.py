@@ -14,7 +14,7 @@ This module never imports torch: it hands the model runner `ScheduledChunk`s and
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -211,9 +211,9 @@ class Scheduler:
         self.waiting.appendleft(request)
         self.num_preemptions += 1
 
-    def check_integrity(self) -> None:
+    def check_integrity(self, other_holders: Iterable[Sequence[int]] = ()) -> None:
         """Scheduler and block accounting agree; called in test teardown and when idle."""
-        self.kv_cache.check_integrity()
+        self.kv_cache.check_integrity(other_holders)
         for request in self.running:
             assert request.status is RequestStatus.RUNNING, request
         for request in self.waiting:

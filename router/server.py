@@ -113,8 +113,7 @@ class Router(pb_grpc.GenerationServicer):
             max_model_len=config.max_model_len or model_config.max_position_embeddings,
             max_logprobs=config.max_logprobs,
         )
-        self.registry = WorkerRegistry(redis.Redis.from_url(config.redis_url, socket_timeout=2.0,
-                                                            socket_connect_timeout=2.0))
+        self.registry = WorkerRegistry.from_url(config.redis_url)
         self._channels: dict[str, grpc.Channel] = {}
         self._suspects: dict[str, float] = {}  # worker_id -> avoid until (monotonic)
         self._inflight: dict[str, int] = {}
@@ -339,8 +338,13 @@ class Router(pb_grpc.GenerationServicer):
             self._track(prefill.worker_id, -1)
 
     def _release(self, decode: WorkerInfo, reservation_id: int) -> None:
+        """Best effort: if the decode worker is unreachable, the reservation expires there on its own."""
         stub = wpb_grpc.DecodeWorkerStub(self._channel(decode.address))
-        stub.Release.future(wpb.ReleaseRequest(reservation_id=reservation_id), timeout=5.0)  # best effort
+        try:
+            stub.Release(wpb.ReleaseRequest(reservation_id=reservation_id), timeout=2.0)
+        except grpc.RpcError as e:
+            log.info("worker=%s event=release_failed reservation=%d status=%s", decode.worker_id, reservation_id,
+                     e.code().name)
 
     # -- workers ---------------------------------------------------------------------------------
 

@@ -1,0 +1,49 @@
+"""Helpers for tests that run a real local cluster (redis-server, router, workers as processes)."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+
+from duet import serving
+from duet.internal.v1 import workers_pb2 as wpb
+from duet.internal.v1 import workers_pb2_grpc as wpb_grpc
+
+
+def worker_stats(address: str, role: str, check: bool = True) -> wpb.WorkerStats:
+    with serving.channel(address) as ch:
+        stub = wpb_grpc.PrefillWorkerStub(ch) if role == "prefill" else wpb_grpc.DecodeWorkerStub(ch)
+        return stub.Stats(wpb.StatsRequest(check_integrity=check), timeout=10)
+
+
+def worker_components(cluster):
+    return [c for c in cluster.components if c.name.startswith(("prefill", "decode"))]
+
+
+def wait_idle(cluster, timeout_s: float = 20.0, skip: tuple[str, ...] = ()) -> dict[str, wpb.WorkerStats]:
+    """Until every live worker holds no block, request or reservation and its integrity check passes."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats, busy = {}, []
+        for c in worker_components(cluster):
+            if c.name in skip:
+                continue
+            s = worker_stats(c.address, c.name.split("-")[0])
+            stats[c.name] = s
+            assert s.integrity_error == "", f"{c.name}: {s.integrity_error}"
+            if s.num_free_blocks != s.num_kv_blocks or s.num_running or s.num_waiting or s.num_reservations:
+                busy.append((c.name, s))
+        if not busy:
+            return stats
+        if time.monotonic() > deadline:
+            raise AssertionError(f"workers not idle after {timeout_s}s: {busy}")
+        time.sleep(0.05)
+
+
+def rpc_error(fn) -> grpc.RpcError:
+    try:
+        fn()
+    except grpc.RpcError as e:
+        return e
+    raise AssertionError("expected an RpcError")

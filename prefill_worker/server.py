@@ -112,6 +112,8 @@ class PrefillWorker(WorkerProcess, wpb_grpc.PrefillWorkerServicer):
             abort_with(context, transfer_status(e), f"kv transfer to {target.endpoint}: {e}")
         except ValueError as e:
             abort_with(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except Exception as e:  # noqa: BLE001 - a failed step: say what, keep serving
+            abort_with(context, grpc.StatusCode.INTERNAL, f"prefill of {request.request_id} failed: {e!r}")
 
         computed_s = time.monotonic()
         for transfer in result.transfers:
@@ -121,6 +123,8 @@ class PrefillWorker(WorkerProcess, wpb_grpc.PrefillWorkerServicer):
                 abort_with(context, grpc.StatusCode.DEADLINE_EXCEEDED, "kv transfer timed out")
             except TransferError as e:
                 abort_with(context, transfer_status(e), f"kv transfer to {target.endpoint}: {e}")
+            except Exception as e:  # noqa: BLE001
+                abort_with(context, grpc.StatusCode.INTERNAL, f"kv transfer to {target.endpoint} failed: {e!r}")
         reply = wpb.PrefillResponse(
             first_token_id=result.token_id,
             cached_tokens=result.num_cached_tokens,

@@ -1,0 +1,97 @@
+"""`duet up` and `duet client` as a user runs them: real processes, stdout parsed, signals sent."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from engine import LLM, SamplingParams
+
+
+def children_of(pid: int) -> list[int]:
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(stat.parent.name))
+    return kids
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] if Path(f"/proc/{pid}").exists() else "X"
+    return state not in ("Z", "X")
+
+
+def start_up(model_dir: Path, tmp: Path, *extra: str) -> tuple[subprocess.Popen, str]:
+    env = dict(os.environ, TMPDIR=str(tmp), PYTHONUNBUFFERED="1")
+    up = subprocess.Popen(
+        [sys.executable, "-m", "duet", "up", "--model", str(model_dir), "--port", "0", "--num-kv-blocks", "128",
+         *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )
+    deadline = time.monotonic() + 180
+    lines = []
+    while time.monotonic() < deadline:
+        line = up.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if "ready" in line:
+            return up, re.search(r"router at (\S+)", line).group(1)
+    up.kill()
+    pytest.fail(f"duet up never printed a ready line:\n{''.join(lines)}")
+
+
+def test_up_then_client_then_sigterm_leaves_nothing_behind(tiny_llama_dir, tmp_path):
+    up, address = start_up(tiny_llama_dir, tmp_path)
+    try:
+        kids = children_of(up.pid)
+        assert len(kids) == 4  # redis, router, prefill, decode
+        out = subprocess.run(
+            [sys.executable, "-m", "duet", "client", "--addr", address, "--prompt-ids", "5,6,7,8", "--max-tokens",
+             "6", "--ignore-eos", "--json"], capture_output=True, text=True, timeout=60, check=True,
+        )
+        record = json.loads(out.stdout)
+        ref = LLM(tiny_llama_dir, num_kv_blocks=128).generate(
+            [[5, 6, 7, 8]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
+        assert record["token_ids"] == ref.token_ids and record["text"] == ref.text
+        assert record["finish_reason"] == "length" and record["cached_tokens"] == 0
+        text = subprocess.run([sys.executable, "-m", "duet", "client", "--addr", address, "--prompt", "Hi there",
+                               "--max-tokens", "3"], capture_output=True, text=True, timeout=60, check=True).stdout
+        assert "tokens=" in text and "ttft=" in text
+    finally:
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(timeout=30) == 0
+    assert not [k for k in kids if alive(k)], "orphan processes after SIGTERM"
+    assert not list(tmp_path.glob("duet-*")), "temporary dirs left behind"
+
+
+def test_up_stops_everything_when_a_component_dies(tiny_llama_dir, tmp_path):
+    up, _ = start_up(tiny_llama_dir, tmp_path)
+    kids = children_of(up.pid)
+    try:
+        worker = next(k for k in kids if "prefill" in Path(f"/proc/{k}/cmdline").read_text())
+        os.kill(worker, signal.SIGKILL)
+        assert up.wait(timeout=30) == 1
+        rest = up.stdout.read()
+        assert "prefill" in rest
+    finally:
+        if up.poll() is None:
+            up.kill()
+    assert not [k for k in kids if alive(k)]
+    assert not list(tmp_path.glob("duet-*"))

@@ -1,0 +1,442 @@
+"""kvtransfer over real sockets and real gloo groups, with senders in this process and in child processes."""
+
+import multiprocessing as mp
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+from kvtransfer import (
+    ChecksumMismatch,
+    KVLayout,
+    KVReceiver,
+    KVSender,
+    LayoutMismatch,
+    PeerGone,
+    ProtocolError,
+    ReservationExpired,
+    ReservationTable,
+    TransferError,
+    TransferTimeout,
+)
+from kvtransfer import messages as m
+
+L, H, N, BS, HD = 3, 2, 16, 4, 8
+DST = [11, 2, 7, 5]  # the receiver's reserved blocks, in block-table order
+SRC = [3, 8, 1, 14]  # the same prompt's blocks in the sender's cache
+
+
+def make_caches(seed: int, dtype=torch.float32, block_size: int = BS):
+    g = torch.Generator().manual_seed(seed)
+    return [tuple(torch.randn(H, N, block_size, HD, generator=g).to(dtype) for _ in range(2)) for _ in range(L)]
+
+
+def snapshot(caches):
+    return [tuple(t.clone() for t in pair) for pair in caches]
+
+
+def assert_transferred(recv_caches, before, send_caches, dst=DST, src=SRC):
+    """dst blocks hold the sender's src blocks exactly; every other receiver block is unchanged."""
+    others = [b for b in range(N) if b not in dst]
+    for layer in range(L):
+        for kv in range(2):
+            assert torch.equal(recv_caches[layer][kv][:, dst], send_caches[layer][kv][:, src])
+            assert torch.equal(recv_caches[layer][kv][:, others], before[layer][kv][:, others])
+
+
+@pytest.fixture
+def make_receiver():
+    made = []
+
+    def make(dtype=torch.float32, **kwargs):
+        caches = make_caches(100, dtype)
+        layout = KVLayout.for_caches("tiny", caches)
+        table = ReservationTable(L)
+        receiver = KVReceiver(layout, caches, table, **kwargs)
+        receiver.start()
+        made.append(receiver)
+        return receiver, caches, table
+
+    yield make
+    for receiver in made:
+        receiver.close()
+
+
+@pytest.fixture
+def make_sender():
+    made = []
+
+    def make(dtype=torch.float32, seed=1, **kwargs):
+        caches = make_caches(seed, dtype)
+        sender = KVSender(KVLayout.for_caches("tiny", caches), caches, **kwargs)
+        made.append(sender)
+        return sender, caches
+
+    yield make
+    for sender in made:
+        sender.close()
+
+
+# -- layout ----------------------------------------------------------------------------------------------
+
+
+def test_layout_fingerprint_dict_and_mismatch():
+    a = KVLayout("llama", "float32", 16, 2, 4, 64)
+    assert KVLayout.from_dict(a.to_dict()) == a and a.fingerprint() == KVLayout(**a.to_dict()).fingerprint()
+    for field, value in [("model_id", "qwen"), ("dtype", "bfloat16"), ("block_size", 32), ("num_layers", 3),
+                         ("num_kv_heads", 8), ("head_dim", 128), ("tp_size", 2)]:
+        b = KVLayout(**{**a.to_dict(), field: value})
+        assert b.fingerprint() != a.fingerprint()
+        assert a.mismatch(b) == f"{field}: sender {getattr(a, field)} != receiver {value}"
+    c = KVLayout("llama", "bfloat16", 32, 2, 4, 64)
+    assert a.mismatch(c) == "dtype: sender float32 != receiver bfloat16; block_size: sender 16 != receiver 32"
+    assert a.mismatch(a) is None
+    assert KVLayout.for_caches("tiny", make_caches(0, torch.float16)) == KVLayout("tiny", "float16", BS, L, H, HD)
+    with pytest.raises(ValueError, match="dtype='int8' is invalid"):
+        KVLayout("m", "int8", 16, 2, 4, 64)
+    with pytest.raises(ValueError, match="unknown fields \\['extra'\\]"):
+        KVLayout.from_dict({**a.to_dict(), "extra": 1})
+
+
+# -- reservation table -----------------------------------------------------------------------------------
+
+
+class FakeClock:
+    def __init__(self):
+        self.now_s = 1000.0
+
+    def __call__(self):
+        return self.now_s
+
+
+def test_reservation_ids_ranges_completion_and_pop():
+    table = ReservationTable(2, clock=FakeClock())
+    ids = [table.add(f"r{i}", [i], 4, 10.0).reservation_id for i in range(100)]
+    assert len(set(ids)) == 100 and all(0 < i < 2**53 for i in ids)
+    for i in ids:
+        table.pop(i)
+    assert table.add("again", [0], 4, 10.0).reservation_id not in ids
+    r = table.add("req", [5, 6, 7], 12, 10.0)
+    writes = []
+    for bad in [(0, 3, 0, 1), (1, 1, 0, 1), (0, 1, 2, 2), (0, 1, -1, 1), (0, 1, 0, 0)]:
+        with pytest.raises(ValueError, match="invalid"):
+            table.write(r.reservation_id, *bad, writes.append)
+    assert writes == []
+    table.write(r.reservation_id, 0, 2, 0, 2, writes.append)
+    table.write(r.reservation_id, 0, 2, 1, 1, writes.append)  # a rewrite counts once
+    table.write(r.reservation_id, 0, 1, 2, 1, writes.append)
+    assert writes == [[5, 6], [6], [7]] and (r.num_received, r.complete) == (5, False)
+    table.write(r.reservation_id, 1, 2, 2, 1, writes.append)
+    assert r.complete and table.wait_complete(r.reservation_id, 0.1) is r
+    assert table.pop(r.reservation_id) is r and table.pop(r.reservation_id) is None
+    with pytest.raises(ReservationExpired, match="unknown or was released"):
+        table.write(r.reservation_id, 0, 1, 0, 1, writes.append)
+    with pytest.raises(ValueError, match="distinct"):
+        table.add("dup", [1, 1], 4, 1.0)
+
+
+def test_reservation_expiry():
+    clock = FakeClock()
+    table = ReservationTable(1, clock=clock)
+    late, done = table.add("late", [1, 2], 8, 5.0), table.add("done", [3], 4, 5.0)
+    table.write(done.reservation_id, 0, 1, 0, 1, lambda ids: None)
+    clock.now_s += 5.0
+    with pytest.raises(ReservationExpired, match="expired"):
+        table.write(late.reservation_id, 0, 1, 0, 1, lambda ids: pytest.fail("wrote into an expired reservation"))
+    with pytest.raises(ReservationExpired):
+        table.wait_complete(late.reservation_id, 1.0)
+    assert table.pop_expired() == [late] and table.pop_expired() == []  # the complete one does not expire
+    assert len(table) == 1 and table.pop(late.reservation_id) is None
+
+
+def test_reservation_waits_fail_and_pop_during_write():
+    table = ReservationTable(1)
+    r = table.add("req", [1, 2], 8, 30.0)
+    started = time.monotonic()
+    with pytest.raises(TransferTimeout, match="0/2"):
+        table.wait_complete(r.reservation_id, 0.1)
+    assert 0.1 <= time.monotonic() - started < 1.0
+    in_write, release = threading.Event(), threading.Event()
+    writer = threading.Thread(target=table.write,
+                              args=(r.reservation_id, 0, 1, 0, 1, lambda ids: (in_write.set(), release.wait())))
+    writer.start()
+    in_write.wait()
+    popper = threading.Thread(target=table.pop, args=(r.reservation_id,))
+    popper.start()
+    popper.join(0.2)
+    assert popper.is_alive()  # pop waits for the write in progress: afterwards no write can land
+    release.set()
+    writer.join()
+    popper.join(1.0)
+    assert not popper.is_alive() and r.popped
+    r2 = table.add("req2", [3], 4, 30.0)
+    threading.Timer(0.05, table.fail, args=(r2.reservation_id, "bad bytes", ChecksumMismatch)).start()
+    with pytest.raises(ChecksumMismatch, match="bad bytes"):
+        table.wait_complete(r2.reservation_id, 5.0)
+
+
+# -- wire format -----------------------------------------------------------------------------------------
+
+
+def test_frames_round_trip_and_limits():
+    a, b = (m.open_socket(s) for s in socket.socketpair())
+    payload = bytes(range(256)) * 4
+    deadline = time.monotonic() + 5
+    m.send_all(a, m.encode_frame_header(m.WRITE, {"seq": 7}, len(payload), m.payload_checksum(payload)) + payload,
+               deadline)
+    frame = m.recv_frame_header(b, deadline)
+    got = bytearray(frame.inline_payload_bytes)
+    m.recv_into(b, memoryview(got), deadline)
+    assert (frame.kind, frame.meta, bytes(got), frame.checksum) == (m.WRITE, {"seq": 7}, payload,
+                                                                     m.payload_checksum(payload))
+    m.send_all(a, m.encode_frame_header(m.WRITE, {"seq": 8}, 1 << 40), deadline)
+    with pytest.raises(ProtocolError, match=f"payload of {1 << 40} bytes exceeds the limit of 1000 bytes"):
+        m.recv_frame_header(b, deadline, max_payload_bytes=1000)
+    a.close(), b.close()  # a refused frame leaves the stream unreadable: the connection must go
+    a, b = (m.open_socket(s) for s in socket.socketpair())
+    m.send_all(a, m.encode_frame_header(m.ACK, {"pad": "x" * 100}), deadline)
+    with pytest.raises(ProtocolError, match="exceeds the limit of 64 bytes"):
+        m.recv_frame_header(b, deadline, max_json_bytes=64)
+    a.send(b"HTTP/1.1 200 OK\r\n" * 2)
+    with pytest.raises(ProtocolError, match="bad magic"):
+        m.recv_frame_header(b, deadline)
+    a.close(), b.close()
+
+
+# -- transfers -------------------------------------------------------------------------------------------
+
+
+def send_prompt(sender, address, table, reservation_id):
+    """Two layer groups; the second split in two block ranges. Returns the futures in order."""
+    r = table._reservations[reservation_id]
+    sender.send(address, reservation_id, 0, 2, 0, SRC).result(10)
+    assert (r.num_received, r.complete) == (2 * len(DST), False)
+    sender.send(address, reservation_id, 2, 3, 0, SRC[:2]).result(10)
+    assert not r.complete
+    sender.send(address, reservation_id, 2, 3, 2, SRC[2:]).result(10)
+    assert r.complete
+
+
+@pytest.mark.parametrize("transport,dtype", [("tcp", torch.float32), ("tcp", torch.float16), ("tcp", torch.bfloat16),
+                                             ("torch", torch.float32), ("torch", torch.float16)])
+def test_round_trip(make_receiver, make_sender, transport, dtype):
+    receiver, recv_caches, table = make_receiver(dtype)
+    sender, send_caches = make_sender(dtype, transport=transport, checksum=dtype == torch.float16)
+    before = snapshot(recv_caches)
+    r = table.add("req-1", DST, 4 * BS - 1, ttl_s=30.0)
+    send_prompt(sender, receiver.address, table, r.reservation_id)
+    assert table.wait_complete(r.reservation_id, 1.0) is r and table.pop(r.reservation_id) is r
+    assert_transferred(recv_caches, before, send_caches)
+
+
+def _child_send(address: str, reservation_id: int, transport: str) -> None:
+    """Runs in a spawned process: the sender's caches come from the same seed the parent uses to check."""
+    caches = make_caches(1)
+    sender = KVSender(KVLayout.for_caches("tiny", caches), caches, transport=transport, checksum=True)
+    futures = [sender.send(address, reservation_id, 0, 2, 0, SRC), sender.send(address, reservation_id, 2, 3, 0, SRC)]
+    for future in futures:
+        future.result(20)
+    sender.close()
+
+
+def test_gloo_between_two_processes(make_receiver):
+    receiver, recv_caches, table = make_receiver()
+    before = snapshot(recv_caches)
+    r = table.add("req-1", DST, 4 * BS, ttl_s=60.0)
+    child = mp.get_context("spawn").Process(target=_child_send, args=(receiver.address, r.reservation_id, "torch"))
+    child.start()
+    table.wait_complete(r.reservation_id, 30.0)
+    child.join(30)
+    assert child.exitcode == 0
+    assert_transferred(recv_caches, before, make_caches(1))
+
+
+def test_layout_mismatch_refused_at_handshake(make_receiver, make_sender):
+    receiver, recv_caches, table = make_receiver(torch.float32)
+    wrong_dtype, _ = make_sender(torch.bfloat16)
+    with pytest.raises(LayoutMismatch, match="dtype: sender bfloat16 != receiver float32"):
+        wrong_dtype.connect(receiver.address)
+    caches = make_caches(1, block_size=2 * BS)
+    wrong_block = KVSender(KVLayout.for_caches("tiny", caches), caches)
+    future = wrong_block.send(receiver.address, 1, 0, 1, 0, [0])
+    with pytest.raises(LayoutMismatch, match="block_size: sender 8 != receiver 4"):
+        future.result(5)
+    wrong_block.close()
+    good, send_caches = make_sender()
+    before = snapshot(recv_caches)
+    r = table.add("req", DST, 16, 30.0)
+    send_prompt(good, receiver.address, table, r.reservation_id)
+    assert_transferred(recv_caches, before, send_caches)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "torch"])
+def test_expired_and_popped_reservations_refused(make_receiver, make_sender, transport):
+    receiver, recv_caches, table = make_receiver()
+    sender, send_caches = make_sender(transport=transport)
+    before = snapshot(recv_caches)
+    expired = table.add("late", DST, 16, ttl_s=0.01)
+    popped = table.add("gone", DST, 16, ttl_s=30.0)
+    table.pop(popped.reservation_id)
+    time.sleep(0.02)
+    for r in (expired, popped):
+        with pytest.raises(ReservationExpired, match=str(r.reservation_id)):
+            sender.send(receiver.address, r.reservation_id, 0, 3, 0, SRC).result(5)
+    assert_transferred(recv_caches, before, before, dst=[], src=[])  # untouched
+    live = table.add("live", DST, 16, ttl_s=30.0)  # the same channel keeps working
+    send_prompt(sender, receiver.address, table, live.reservation_id)
+
+
+class CorruptingProxy:
+    """Forwards a sender's frames to a receiver, flipping the first payload byte of every WRITE."""
+
+    def __init__(self, upstream: str):
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        self.upstream = upstream
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self):
+        client, _ = self.listener.accept()
+        server = socket.create_connection(m.split_endpoint(self.upstream))
+        client, server = m.open_socket(client), m.open_socket(server)
+        threading.Thread(target=self._pipe, args=(server, client), daemon=True).start()
+        try:
+            while True:
+                frame = m.recv_frame_header(client, None)
+                payload = bytearray(frame.inline_payload_bytes)
+                m.recv_into(client, memoryview(payload), time.monotonic() + 5)
+                if frame.kind == m.WRITE:
+                    payload[0] ^= 0xFF
+                header = m.encode_frame_header(frame.kind, frame.meta, frame.payload_bytes, frame.checksum)
+                m.send_all(server, header + payload, time.monotonic() + 5)
+        except TransferError:
+            server.close()
+
+    @staticmethod
+    def _pipe(src, dst):
+        try:
+            while data := src.recv(1 << 16):
+                dst.sendall(data)
+        except OSError:
+            pass
+        dst.close()
+
+
+@pytest.mark.parametrize("checksum", [True, False])
+def test_checksum_detects_corruption_in_flight(make_receiver, make_sender, checksum):
+    receiver, recv_caches, table = make_receiver()
+    sender, send_caches = make_sender(checksum=checksum)
+    before = snapshot(recv_caches)
+    r = table.add("req", DST, 16, 30.0)
+    proxy = CorruptingProxy(receiver.address)
+    future = sender.send(proxy.address, r.reservation_id, 0, 3, 0, SRC)
+    if checksum:
+        with pytest.raises(ChecksumMismatch, match="checksum"):
+            future.result(5)
+        with pytest.raises(ChecksumMismatch):
+            table.wait_complete(r.reservation_id, 1.0)
+        assert_transferred(recv_caches, before, before, dst=[], src=[])
+    else:  # unnoticed: the receiver holds a corrupted block
+        future.result(5)
+        assert table.wait_complete(r.reservation_id, 1.0).complete
+        assert not torch.equal(recv_caches[0][0][:, DST[0]], send_caches[0][0][:, SRC[0]])
+        assert torch.equal(recv_caches[2][1][:, DST], send_caches[2][1][:, SRC])
+
+
+def raw_handshake(address: str, layout: KVLayout) -> socket.socket:
+    sock = m.open_socket(socket.create_connection(m.split_endpoint(address)))
+    hello = {"layout": layout.to_dict(), "fingerprint": layout.fingerprint(), "transport": "tcp"}
+    m.send_all(sock, m.encode_frame_header(m.HELLO, hello), time.monotonic() + 5)
+    assert m.recv_frame_header(sock, time.monotonic() + 5).meta["ok"]
+    return sock
+
+
+def test_oversized_frame_refused(make_receiver, make_sender):
+    receiver, recv_caches, table = make_receiver(max_payload_bytes=1000)
+    sender, send_caches = make_sender()
+    with pytest.raises(ValueError, match="exceeds the receiver's limit of 1000 bytes"):
+        sender.send(receiver.address, 1, 0, 3, 0, SRC)
+    sock = raw_handshake(receiver.address, receiver.layout)
+    write = {"seq": 1, "reservation_id": 1, "layer_start": 0, "layer_end": 1, "block_start": 0, "num_blocks": 1}
+    m.send_all(sock, m.encode_frame_header(m.WRITE, write, 1 << 40), time.monotonic() + 5)
+    ack = m.recv_frame_header(sock, time.monotonic() + 5)
+    assert ack.meta["error"] == "ProtocolError" and "exceeds the limit of 1000 bytes" in ack.meta["message"]
+    with pytest.raises(PeerGone):  # that connection is closed ...
+        m.recv_frame_header(sock, time.monotonic() + 5)
+    r = table.add("req", [4], 4, 30.0)  # ... and the receiver keeps serving others
+    sender.send(receiver.address, r.reservation_id, 0, 1, 0, [9]).result(5)
+
+
+def fake_receiver(behaviour: str) -> tuple[str, threading.Thread]:
+    """Accepts one sender, handshakes, reads a WRITE header, then: 'vanish' mid-payload or 'mute' (never acks)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def run():
+        sock = m.open_socket(listener.accept()[0])
+        m.recv_frame_header(sock, time.monotonic() + 5)
+        reply = {"ok": True, "max_payload_bytes": 1 << 30}
+        m.send_all(sock, m.encode_frame_header(m.HELLO_REPLY, reply), time.monotonic() + 5)
+        frame = m.recv_frame_header(sock, time.monotonic() + 5)
+        if behaviour == "vanish":
+            m.recv_into(sock, memoryview(bytearray(frame.payload_bytes // 2)), time.monotonic() + 5)
+        else:
+            m.discard(sock, frame.payload_bytes, time.monotonic() + 5)
+            time.sleep(1)
+        sock.close(), listener.close()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return f"127.0.0.1:{listener.getsockname()[1]}", thread
+
+
+@pytest.mark.parametrize("behaviour,error", [("vanish", PeerGone), ("mute", TransferTimeout)])
+def test_receiver_gone_fails_future_within_deadline(make_sender, behaviour, error):
+    sender, _ = make_sender(send_timeout_s=0.5)
+    address, thread = fake_receiver(behaviour)
+    started = time.monotonic()
+    with pytest.raises(error):
+        sender.send(address, 1, 0, 3, 0, SRC).result(5)
+    assert time.monotonic() - started < 1.5
+    thread.join()
+
+
+def test_real_receiver_closed_and_unreachable(make_receiver, make_sender):
+    receiver, _, table = make_receiver()
+    sender, _ = make_sender(send_timeout_s=2.0)
+    r = table.add("req", DST, 16, 30.0)
+    sender.send(receiver.address, r.reservation_id, 0, 1, 0, SRC).result(5)
+    receiver.close()
+    started = time.monotonic()
+    with pytest.raises((PeerGone, TransferTimeout)):
+        sender.send(receiver.address, r.reservation_id, 1, 2, 0, SRC).result(5)
+    assert time.monotonic() - started < 1.0
+
+
+def _child_stall_mid_payload(address: str, layout_dict: dict, ready) -> None:
+    sock = raw_handshake(address, KVLayout.from_dict(layout_dict))
+    write = {"seq": 1, "reservation_id": 1, "layer_start": 0, "layer_end": 1, "block_start": 0, "num_blocks": 1}
+    m.send_all(sock, m.encode_frame_header(m.WRITE, write, 1000) + bytes(300), time.monotonic() + 5)
+    ready.set()
+    time.sleep(60)
+
+
+def test_sender_process_killed_mid_payload(make_receiver, make_sender):
+    receiver, recv_caches, table = make_receiver()
+    ctx = mp.get_context("spawn")
+    ready = ctx.Event()
+    child = ctx.Process(target=_child_stall_mid_payload, args=(receiver.address, receiver.layout.to_dict(), ready))
+    child.start()
+    assert ready.wait(30) and receiver.num_connections == 1
+    child.kill()
+    child.join(5)
+    deadline = time.monotonic() + 2.0
+    while receiver.num_connections and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert receiver.num_connections == 0
+    sender, send_caches = make_sender()
+    before = snapshot(recv_caches)
+    r = table.add("req", DST, 16, 30.0)
+    send_prompt(sender, receiver.address, table, r.reservation_id)
+    assert_transferred(recv_caches, before, send_caches)

@@ -20,8 +20,10 @@ from kvtransfer import (
     ReservationTable,
     TransferError,
     TransferTimeout,
+    block_copy,
 )
 from kvtransfer import messages as m
+from kvtransfer import process_group as pgs
 
 L, H, N, BS, HD = 3, 2, 16, 4, 8
 DST = [11, 2, 7, 5]  # the receiver's reserved blocks, in block-table order
@@ -177,6 +179,30 @@ def test_reservation_waits_fail_and_pop_during_write():
         table.wait_complete(r2.reservation_id, 5.0)
 
 
+# -- block copies ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype,block_size,head_dim", [(torch.float16, 4, 8), (torch.bfloat16, 1, 3),
+                                                       (torch.float32, 3, 5)])
+def test_block_copy_matches_plain_index_ops(dtype, block_size, head_dim):
+    """The int64-word fast path (and its fallback for rows that are not whole words) against the reference."""
+    g = torch.Generator().manual_seed(0)
+    caches = [tuple(torch.randn(H, N, block_size, head_dim, generator=g).to(dtype) for _ in range(2))
+              for _ in range(L)]
+    ids = torch.tensor([5, 0, 9])
+    out = torch.empty(2, 2, H, 3, block_size, head_dim, dtype=dtype)
+    block_copy.gather(caches, 1, 3, ids, out)
+    for i in range(2):
+        for kv in range(2):
+            assert torch.equal(out[i, kv], caches[1 + i][kv].index_select(1, ids))
+    expected = snapshot(caches)
+    for i in range(2):
+        for kv in range(2):
+            expected[1 + i][kv].index_copy_(1, torch.tensor([1, 2, 3]), out[i, kv])
+    block_copy.scatter(caches, 1, 3, torch.tensor([1, 2, 3]), out)
+    assert all(torch.equal(a, b) for pa, pb in zip(caches, expected) for a, b in zip(pa, pb))
+
+
 # -- wire format -----------------------------------------------------------------------------------------
 
 
@@ -229,6 +255,38 @@ def test_round_trip(make_receiver, make_sender, transport, dtype):
     send_prompt(sender, receiver.address, table, r.reservation_id)
     assert table.wait_complete(r.reservation_id, 1.0) is r and table.pop(r.reservation_id) is r
     assert_transferred(recv_caches, before, send_caches)
+
+
+def test_pipelined_sends_from_two_senders_at_once(make_receiver, make_sender):
+    """Many unacked messages per channel and two channels writing concurrently, each into its own reservation."""
+    receiver, recv_caches, table = make_receiver()
+    senders = [make_sender(seed=1, transport="tcp", checksum=True), make_sender(seed=2, transport="torch")]
+    before = snapshot(recv_caches)
+    dsts = [[0, 1, 2, 3, 4, 5], [15, 14, 13, 12, 11, 10]]
+    srcs = [[9, 8, 7, 6, 5, 4], [0, 2, 4, 6, 8, 10]]
+    reservations = [table.add(f"req-{i}", dst, 24, 30.0) for i, dst in enumerate(dsts)]
+    futures = []
+
+    def send_all_groups(i):
+        sender, _ = senders[i]
+        for layer in range(L):
+            for b in range(0, 6, 2):  # one message per (layer, 2 blocks): 9 in flight at once
+                futures.append(sender.send(receiver.address, reservations[i].reservation_id, layer, layer + 1, b,
+                                           srcs[i][b : b + 2]))
+
+    threads = [threading.Thread(target=send_all_groups, args=(i,)) for i in range(2)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    for future in futures:
+        future.result(10)
+    for i in range(2):
+        assert table.wait_complete(reservations[i].reservation_id, 1.0).complete
+        for layer in range(L):
+            for kv in range(2):
+                assert torch.equal(recv_caches[layer][kv][:, dsts[i]], senders[i][1][layer][kv][:, srcs[i]])
+    untouched = [b for b in range(N) if b not in dsts[0] + dsts[1]]
+    assert all(torch.equal(recv_caches[layer][kv][:, untouched], before[layer][kv][:, untouched])
+               for layer in range(L) for kv in range(2))
 
 
 def _child_send(address: str, reservation_id: int, transport: str) -> None:
@@ -345,11 +403,17 @@ def test_checksum_detects_corruption_in_flight(make_receiver, make_sender, check
         assert torch.equal(recv_caches[2][1][:, DST], send_caches[2][1][:, SRC])
 
 
-def raw_handshake(address: str, layout: KVLayout) -> socket.socket:
+def raw_handshake(address: str, layout: KVLayout, transport: str = "tcp"):
+    """A hand-made sender's connection (and its process group for "torch")."""
     sock = m.open_socket(socket.create_connection(m.split_endpoint(address)))
-    hello = {"layout": layout.to_dict(), "fingerprint": layout.fingerprint(), "transport": "tcp"}
+    hello = {"layout": layout.to_dict(), "fingerprint": layout.fingerprint(), "transport": transport}
     m.send_all(sock, m.encode_frame_header(m.HELLO, hello), time.monotonic() + 5)
-    assert m.recv_frame_header(sock, time.monotonic() + 5).meta["ok"]
+    reply = m.recv_frame_header(sock, time.monotonic() + 5).meta
+    assert reply["ok"]
+    if transport == "torch":
+        store = pgs.join_store(m.split_endpoint(address)[0], reply["store_port"], 5.0)
+        return sock, (store, pgs.pair_group(store, reply["store_prefix"], pgs.SENDER_RANK, "127.0.0.1",
+                                            torch.device("cpu"), 5.0))
     return sock
 
 
@@ -414,19 +478,28 @@ def test_real_receiver_closed_and_unreachable(make_receiver, make_sender):
     assert time.monotonic() - started < 1.0
 
 
-def _child_stall_mid_payload(address: str, layout_dict: dict, ready) -> None:
-    sock = raw_handshake(address, KVLayout.from_dict(layout_dict))
+def _child_stall_mid_payload(address: str, layout_dict: dict, transport: str, ready) -> None:
+    """Sends a WRITE header and only part of its payload (none of it, over gloo), then waits to be killed."""
+    layout = KVLayout.from_dict(layout_dict)
     write = {"seq": 1, "reservation_id": 1, "layer_start": 0, "layer_end": 1, "block_start": 0, "num_blocks": 1}
-    m.send_all(sock, m.encode_frame_header(m.WRITE, write, 1000) + bytes(300), time.monotonic() + 5)
+    if transport == "torch":
+        sock, group = raw_handshake(address, layout, "torch")
+        m.send_all(sock, m.encode_frame_header(m.WRITE, write, 2 * layout.block_bytes(), out_of_band=True),
+                   time.monotonic() + 5)
+    else:
+        sock = raw_handshake(address, layout)
+        m.send_all(sock, m.encode_frame_header(m.WRITE, write, 1000) + bytes(300), time.monotonic() + 5)
     ready.set()
     time.sleep(60)
 
 
-def test_sender_process_killed_mid_payload(make_receiver, make_sender):
+@pytest.mark.parametrize("transport", ["tcp", "torch"])
+def test_sender_process_killed_mid_payload(make_receiver, make_sender, transport):
     receiver, recv_caches, table = make_receiver()
     ctx = mp.get_context("spawn")
     ready = ctx.Event()
-    child = ctx.Process(target=_child_stall_mid_payload, args=(receiver.address, receiver.layout.to_dict(), ready))
+    child = ctx.Process(target=_child_stall_mid_payload,
+                        args=(receiver.address, receiver.layout.to_dict(), transport, ready))
     child.start()
     assert ready.wait(30) and receiver.num_connections == 1
     child.kill()

@@ -16,6 +16,7 @@ Gloo binds to `local_ip`, the address the control connection uses, so the payloa
 from __future__ import annotations
 
 import datetime
+import socket
 import time
 
 import torch
@@ -37,9 +38,16 @@ def _transfer_error(what: str, error: RuntimeError, started: float, timeout_s: f
     return PeerGone(f"{what} failed (peer gone?): {error}")
 
 
-def host_store(timeout_s: float) -> dist.TCPStore:
-    """The receiver's store; port 0 lets the OS pick (read it back from `.port`)."""
-    return dist.TCPStore("0.0.0.0", 0, None, True, datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+def host_store(host: str, timeout_s: float) -> dist.TCPStore:
+    """The receiver's store, listening on `host` only (port at `.port`).
+
+    TCPStore binds every interface by itself; handing it a socket we bound keeps it where the receiver listens.
+    """
+    listener = socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+    port = listener.getsockname()[1]
+    fd = listener.detach()  # the store owns (and closes) it from here on
+    return dist.TCPStore(host, port, None, True, datetime.timedelta(seconds=timeout_s), wait_for_workers=False,
+                         master_listen_fd=fd)
 
 
 def join_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:

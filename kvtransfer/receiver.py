@@ -61,7 +61,6 @@ class KVReceiver:
         self.handshake_timeout_s = handshake_timeout_s
         self.recv_timeout_s = recv_timeout_s
         self._device = kv_caches[0][0].device
-        self._num_blocks = kv_caches[0][0].shape[1]
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._listener: socket.socket | None = None
@@ -75,7 +74,8 @@ class KVReceiver:
     # -- lifecycle -------------------------------------------------------------------------------------
 
     def start(self) -> None:
-        self._listener = socket.create_server((self.host, self.port))
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        self._listener = socket.create_server((self.host, self.port), family=family)
         self._listener.settimeout(m.POLL_S)
         self.port = self._listener.getsockname()[1]
         self._accept_thread = threading.Thread(target=self._accept_loop, name="kv-recv-accept", daemon=True)
@@ -190,5 +190,5 @@ class KVReceiver:
     def _store_port(self) -> int:
         with self._lock:
             if self._store is None:
-                self._store = pgs.host_store(self.handshake_timeout_s)
+                self._store = pgs.host_store(self.host, self.handshake_timeout_s)
             return self._store.port

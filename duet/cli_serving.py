@@ -89,7 +89,8 @@ def cmd_client(args: argparse.Namespace) -> int:
     if len(prompts) != 1:
         print("error: give exactly one --prompt TEXT or --prompt-ids 1,2,3", file=sys.stderr)
         return 2
-    with Client(args.addr, auth_token=args.auth_token) as client:
+    root_cert = args.tls_ca.read_bytes() if args.tls_ca else None
+    with Client(args.addr, auth_token=args.auth_token, root_cert=root_cert) as client:
         stream = client.generate(prompts[0], sampling_params(args), timeout_s=args.timeout)
         record = stream_to_record(stream, on_text=None if args.json else lambda t: print(t, end="", flush=True))
     if args.json:
@@ -140,6 +141,7 @@ def add_serving_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt-ids", action="append", type=_parse_ids, default=[])
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--auth-token", default=None)
+    p.add_argument("--tls-ca", type=Path, default=None, help="PEM root certificate: connect with TLS")
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     p.set_defaults(func=cmd_client)
 

@@ -298,3 +298,25 @@ def test_components_are_separate_processes(cluster):
     assert names == ["decode-0", "prefill-0", "redis", "router"]
     assert len({c.pid for c in cluster.components}) == 4
     assert len(worker_components(cluster)) == 2
+
+
+def test_tls_on_the_public_endpoint(cluster, tiny_llama_dir, tmp_path):
+    import subprocess
+
+    from router.server import RouterConfig, RouterServer
+
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
+                   check=True, capture_output=True)
+    server = RouterServer(RouterConfig(redis_url=cluster.redis_url, model_dir=tiny_llama_dir, port=0, tls_cert=cert,
+                                       tls_key=key, max_model_len=2048))
+    server.start()
+    try:
+        with Client(server.address, root_cert=cert.read_bytes()) as secure:
+            assert len(run(secure, [1, 2], SamplingParams(max_tokens=2, temperature=0))["token_ids"]) == 2
+        with Client(server.address) as plaintext:
+            err = rpc_error(lambda: list(plaintext.generate([1, 2], SamplingParams(max_tokens=2), timeout_s=5)))
+            assert err.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        server.stop()

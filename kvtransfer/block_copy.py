@@ -65,11 +65,10 @@ class StagingPool:
     def take(self, num_bytes: int) -> torch.Tensor:
         """A buffer of >= num_bytes bytes, owned by the caller until `give`n back."""
         with self._lock:
-            fits = [b for b in self._idle if b.numel() >= num_bytes]
-            if fits:
-                best = min(fits, key=torch.Tensor.numel)
-                self._idle.remove(best)
-                return best
+            fits = [i for i, b in enumerate(self._idle) if b.numel() >= num_bytes]
+            if fits:  # by index: list.remove would compare tensors elementwise
+                best = min(fits, key=lambda i: self._idle[i].numel())
+                return self._idle.pop(best)
         return torch.empty(num_bytes, dtype=torch.uint8)
 
     def give(self, buffer: torch.Tensor) -> None:

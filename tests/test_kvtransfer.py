@@ -203,6 +203,15 @@ def test_block_copy_matches_plain_index_ops(dtype, block_size, head_dim):
     assert all(torch.equal(a, b) for pa, pb in zip(caches, expected) for a, b in zip(pa, pb))
 
 
+def test_staging_pool_reuses_the_smallest_fit():
+    pool = block_copy.StagingPool(max_idle_bytes=300)
+    small, big = pool.take(100), pool.take(200)
+    pool.give(small), pool.give(big)
+    assert pool.take(150) is big and pool.take(50) is small and pool.take(50) is not small
+    pool.give(pool.take(301))  # over the idle limit: dropped
+    assert pool.take(301).numel() == 301
+
+
 # -- wire format -----------------------------------------------------------------------------------------
 
 

@@ -1,0 +1,192 @@
+"""Prefill routing policies for trace replay: ours (`duet`, the real `router.prefix_policy` code) and the
+baselines it is compared with. Each reads only what its real counterpart could know; the docstrings say what.
+
+All randomness comes from a `random.Random(seed)` per policy, so a replay is deterministic.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+from bisect import bisect_right
+from collections.abc import Sequence
+
+from router.load_policy import Candidate, rank_prefill
+from router.prefix_policy import PolicyConfig, WorkerState, choose_prefill
+from router.trace_replay import ReplayConfig, ReplayResult, SimWorker, TraceRequest, simulate, simulate_oracle
+
+
+class DuetPolicy:
+    """`router.prefix_policy.choose_prefill`, fed what the real router knows: each worker's exact cached
+    prefix (the index learns it from the workers' KV events: finished prefills only), its queued tokens
+    (load report) and its prefill speed."""
+
+    name = "duet"
+
+    def __init__(self, seed: int = 0, config: PolicyConfig | None = None):
+        self.rng = random.Random(seed)
+        self.config = config or PolicyConfig()
+        self.branches: dict[str, int] = {}  # decision branch -> count, for reports
+
+    def choose(self, request: TraceRequest, workers: Sequence[SimWorker]) -> int:
+        states = [WorkerState(w.worker_id, w.cached_prefix_tokens(request), w.queued_tokens(), w.tokens_per_s)
+                  for w in workers]
+        decision = choose_prefill(request.prompt_tokens, states, self.config, self.rng)
+        self.branches[decision.branch] = self.branches.get(decision.branch, 0) + 1
+        return next(i for i, w in enumerate(workers) if w.worker_id == decision.worker_id)
+
+
+class RoundRobin:
+    """Workers in turn, 0, 1, 2, ...; reads nothing."""
+
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self.next_index = 0
+
+    def choose(self, request: TraceRequest, workers: Sequence[SimWorker]) -> int:
+        index = self.next_index % len(workers)
+        self.next_index = index + 1
+        return index
+
+
+class LeastLoaded:
+    """The router's load-only ranking (`router.load_policy.rank_prefill`): fewest queued tokens, then fewest
+    requests in flight, ties at random. Reads queued tokens and in-flight requests."""
+
+    name = "least_loaded"
+
+    def __init__(self, seed: int = 0):
+        self.rng = random.Random(seed)
+
+    def choose(self, request: TraceRequest, workers: Sequence[SimWorker]) -> int:
+        candidates = [Candidate(w.worker_id, num_waiting=len(w.waiting), num_running=int(w.running is not None),
+                                num_free_blocks=0, num_waiting_tokens=w.queued_tokens()) for w in workers]
+        best = rank_prefill(candidates, self.rng)[0]
+        return next(i for i, w in enumerate(workers) if w.worker_id == best)
+
+
+def _hash64(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+
+
+class ConsistentHashBoundedLoad:
+    """Consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam 2018).
+
+    The key is the prompt's first block id; each worker has `virtual_nodes` points on a 64-bit ring. A worker
+    may hold at most ceil(load_factor * (in-flight requests + 1) / workers) requests in flight (queued or
+    running, this one included); from the key's point, walk clockwise to the first worker under that bound.
+    Reads in-flight requests only.
+    """
+
+    name = "consistent_hash"
+
+    def __init__(self, num_workers: int, load_factor: float = 1.25, virtual_nodes: int = 100):
+        if load_factor <= 1:
+            raise ValueError(f"load_factor={load_factor} is invalid: must be > 1")
+        self.load_factor = load_factor
+        ring = sorted((_hash64(f"prefill-{i}#{v}"), i) for i in range(num_workers) for v in range(virtual_nodes))
+        self._points = [p for p, _ in ring]
+        self._owners = [i for _, i in ring]
+
+    def capacity(self, workers: Sequence[SimWorker]) -> int:
+        return math.ceil(self.load_factor * (sum(w.num_inflight for w in workers) + 1) / len(workers))
+
+    def ring_order(self, key: int) -> list[int]:
+        """Distinct workers clockwise from `key`'s point on the ring."""
+        start = bisect_right(self._points, _hash64(str(key)))
+        order: list[int] = []
+        for k in range(len(self._owners)):
+            owner = self._owners[(start + k) % len(self._owners)]
+            if owner not in order:
+                order.append(owner)
+        return order
+
+    def choose(self, request: TraceRequest, workers: Sequence[SimWorker]) -> int:
+        capacity = self.capacity(workers)
+        for index in self.ring_order(request.hash_ids[0]):
+            if workers[index].num_inflight < capacity:
+                return index
+        raise AssertionError("bounded load: some worker is always under capacity")  # sum(load) < N * capacity
+
+
+class SglangCacheAware:
+    """Approximate cache-aware routing after the SGLang router's `cache_aware` policy.
+
+    The router keeps, per worker, a tree of the prefixes it has routed there (never told what the worker
+    evicted; the SGLang router's size-based tree eviction is off here: its default limit is far above this
+    trace's tree sizes). Block ids are chained, so a worker's tree is exactly the set of block ids routed
+    there, and a prompt's match is its run of leading blocks in that set. Load = requests in flight.
+
+    1. imbalanced (max_load - min_load > balance_abs_threshold AND max_load > balance_rel_threshold * min_load):
+       the least-loaded worker;
+    2. else, if the best match ratio (matched tokens / prompt tokens) > cache_threshold: the best-matching
+       worker;
+    3. else the worker with the smallest tree (most spare cache).
+    Ties at random. The chosen worker's tree gets the whole prompt, whatever the branch.
+    """
+
+    name = "sglang_cache_aware"
+
+    def __init__(self, num_workers: int, seed: int = 0, cache_threshold: float = 0.3,
+                 balance_abs_threshold: int = 64, balance_rel_threshold: float = 1.5):
+        self.rng = random.Random(seed)
+        self.cache_threshold = cache_threshold
+        self.balance_abs_threshold = balance_abs_threshold
+        self.balance_rel_threshold = balance_rel_threshold
+        self.trees: list[set[int]] = [set() for _ in range(num_workers)]
+        self.branches = {"balance": 0, "cache": 0, "smallest_tree": 0}
+
+    def matched_blocks(self, index: int, request: TraceRequest) -> int:
+        tree, n = self.trees[index], 0
+        for h in request.hash_ids:
+            if h not in tree:
+                break
+            n += 1
+        return n
+
+    def _pick(self, indices: list[int]) -> int:
+        return indices[self.rng.randrange(len(indices))] if len(indices) > 1 else indices[0]
+
+    def choose(self, request: TraceRequest, workers: Sequence[SimWorker]) -> int:
+        loads = [w.num_inflight for w in workers]
+        max_load, min_load = max(loads), min(loads)
+        if max_load - min_load > self.balance_abs_threshold and max_load > self.balance_rel_threshold * min_load:
+            branch, index = "balance", self._pick([i for i, x in enumerate(loads) if x == min_load])
+        else:
+            matched = [request.prefix_tokens(self.matched_blocks(i, request)) for i in range(len(workers))]
+            best = max(matched)
+            if best / request.prompt_tokens > self.cache_threshold:
+                branch, index = "cache", self._pick([i for i, m in enumerate(matched) if m == best])
+            else:
+                smallest = min(len(t) for t in self.trees)
+                branch, index = "smallest_tree", self._pick([i for i, t in enumerate(self.trees) if len(t) == smallest])
+        self.branches[branch] += 1
+        self.trees[index].update(request.hash_ids)
+        return index
+
+
+POLICY_NAMES = ("duet", "round_robin", "least_loaded", "consistent_hash", "sglang_cache_aware", "oracle")
+
+
+def make_policy(name: str, config: ReplayConfig):
+    """A fresh policy by name (not `oracle`: that is a different cluster, see `simulate_oracle`)."""
+    if name == "duet":
+        return DuetPolicy(config.seed)
+    if name == "round_robin":
+        return RoundRobin()
+    if name == "least_loaded":
+        return LeastLoaded(config.seed)
+    if name == "consistent_hash":
+        return ConsistentHashBoundedLoad(config.workers)
+    if name == "sglang_cache_aware":
+        return SglangCacheAware(config.workers, config.seed)
+    raise ValueError(f"policy {name!r} is unknown: choose from {', '.join(POLICY_NAMES[:-1])}")
+
+
+def compare_policies(requests: Sequence[TraceRequest], config: ReplayConfig,
+                     names: Sequence[str] = POLICY_NAMES) -> list[ReplayResult]:
+    """Replay the same requests under each named policy (each on fresh workers), in the order given."""
+    return [simulate_oracle(requests, config) if name == "oracle" else
+            simulate(requests, make_policy(name, config), config) for name in names]

@@ -6,7 +6,8 @@
     ReservationTable.wait_complete / pop           one message per layer group, acked
 
 See layout.py (what must match), messages.py (wire format), reservation.py (decode-side bookkeeping),
-receiver.py / sender.py (the two ends), process_group.py (the torch.distributed transport).
+sender.py + channel.py and receiver.py + write_stream.py (the two ends), block_copy.py (cache <-> message
+buffer), process_group.py (the torch.distributed transport).
 """
 
 from kvtransfer.errors import (

@@ -2,6 +2,8 @@
 
 import multiprocessing as mp
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -366,6 +368,7 @@ class CorruptingProxy:
 
     def _run(self):
         client, _ = self.listener.accept()
+        self.listener.close()
         server = socket.create_connection(m.split_endpoint(self.upstream))
         client, server = m.open_socket(client), m.open_socket(server)
         threading.Thread(target=self._pipe, args=(server, client), daemon=True).start()
@@ -438,6 +441,7 @@ def test_oversized_frame_refused(make_receiver, make_sender):
     assert ack.meta["error"] == "ProtocolError" and "exceeds the limit of 1000 bytes" in ack.meta["message"]
     with pytest.raises(PeerGone):  # that connection is closed ...
         m.recv_frame_header(sock, time.monotonic() + 5)
+    sock.close()
     r = table.add("req", [4], 4, 30.0)  # ... and the receiver keeps serving others
     sender.send(receiver.address, r.reservation_id, 0, 1, 0, [9]).result(5)
 
@@ -487,17 +491,27 @@ def test_real_receiver_closed_and_unreachable(make_receiver, make_sender):
     assert time.monotonic() - started < 1.0
 
 
-def _child_stall_mid_payload(address: str, layout_dict: dict, transport: str, ready) -> None:
-    """Sends a WRITE header and only part of its payload (none of it, over gloo), then waits to be killed."""
+_WRITE_ONE_BLOCK = {"seq": 1, "reservation_id": 1, "layer_start": 0, "layer_end": 1, "block_start": 0,
+                    "num_blocks": 1}
+# A sender without torch (starts in ~50 ms): writes the frames it is given, then waits to be killed.
+_RAW_SENDER = """
+import socket, sys, time
+host, port = sys.argv[1].rsplit(":", 1)
+sock = socket.create_connection((host, int(port)))
+sock.sendall(bytes.fromhex(sys.argv[2]))
+sock.recv(1 << 16)
+sock.sendall(bytes.fromhex(sys.argv[3]))
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def _child_stall_mid_gloo_payload(address: str, layout_dict: dict, ready) -> None:
+    """Sends a WRITE header whose payload should follow over gloo, sends none of it, waits to be killed."""
     layout = KVLayout.from_dict(layout_dict)
-    write = {"seq": 1, "reservation_id": 1, "layer_start": 0, "layer_end": 1, "block_start": 0, "num_blocks": 1}
-    if transport == "torch":
-        sock, group = raw_handshake(address, layout, "torch")
-        m.send_all(sock, m.encode_frame_header(m.WRITE, write, 2 * layout.block_bytes(), out_of_band=True),
-                   time.monotonic() + 5)
-    else:
-        sock = raw_handshake(address, layout)
-        m.send_all(sock, m.encode_frame_header(m.WRITE, write, 1000) + bytes(300), time.monotonic() + 5)
+    sock, group = raw_handshake(address, layout, "torch")
+    header = m.encode_frame_header(m.WRITE, _WRITE_ONE_BLOCK, 2 * layout.block_bytes(), out_of_band=True)
+    m.send_all(sock, header, time.monotonic() + 5)
     ready.set()
     time.sleep(60)
 
@@ -505,14 +519,31 @@ def _child_stall_mid_payload(address: str, layout_dict: dict, transport: str, re
 @pytest.mark.parametrize("transport", ["tcp", "torch"])
 def test_sender_process_killed_mid_payload(make_receiver, make_sender, transport):
     receiver, recv_caches, table = make_receiver()
-    ctx = mp.get_context("spawn")
-    ready = ctx.Event()
-    child = ctx.Process(target=_child_stall_mid_payload,
-                        args=(receiver.address, receiver.layout.to_dict(), transport, ready))
-    child.start()
-    assert ready.wait(30) and receiver.num_connections == 1
-    child.kill()
-    child.join(5)
+    if transport == "tcp":
+        layout = receiver.layout
+        hello = {"layout": layout.to_dict(), "fingerprint": layout.fingerprint(), "transport": "tcp"}
+        frames = [m.encode_frame_header(m.HELLO, hello),
+                  m.encode_frame_header(m.WRITE, _WRITE_ONE_BLOCK, 2 * layout.block_bytes()) + bytes(300)]
+        child = subprocess.Popen([sys.executable, "-c", _RAW_SENDER, receiver.address, *(f.hex() for f in frames)],
+                                 stdout=subprocess.PIPE, text=True)
+        assert child.stdout.readline() == "ready\n"
+        child.stdout.close()
+
+        def kill():
+            child.kill(), child.wait(5)
+    else:
+        ctx = mp.get_context("spawn")
+        ready = ctx.Event()
+        child = ctx.Process(target=_child_stall_mid_gloo_payload, args=(receiver.address, receiver.layout.to_dict(),
+                                                                        ready))
+        child.start()
+        assert ready.wait(30)
+
+        def kill():
+            child.kill(), child.join(5)
+    time.sleep(0.1)  # let the receiver start waiting for the rest of the payload
+    assert receiver.num_connections == 1
+    kill()
     deadline = time.monotonic() + 2.0
     while receiver.num_connections and time.monotonic() < deadline:
         time.sleep(0.02)

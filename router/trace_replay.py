@@ -107,7 +107,7 @@ def load_trace(path: str | Path, limit: int | None = None, time_scale: float = 1
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue
-            requests.append(parse_trace_line(line, f"{path}:{lineno}", len(requests), block_tokens, time_scale))
+            requests.append(parse_trace_line(line, f"{path} line {lineno}", len(requests), block_tokens, time_scale))
             if limit is not None and len(requests) >= limit:
                 break
     if not requests:

@@ -157,22 +157,7 @@ class KVReceiver:
         if hello.kind != m.HELLO:
             raise ProtocolError(f"expected HELLO, got {m.KINDS[hello.kind]}")
         transport = hello.meta.get("transport")
-        reply: dict[str, Any] = {"ok": True, "max_payload_bytes": self.max_payload_bytes}
-        try:
-            sender_layout = KVLayout.from_dict(hello.meta.get("layout"))
-        except (TypeError, ValueError) as e:
-            raise ProtocolError(f"HELLO layout is invalid: {e}") from e
-        if sender_layout.fingerprint() != hello.meta.get("fingerprint"):
-            raise ProtocolError("HELLO fingerprint does not match its layout (different hashing?)")
-        if problem := sender_layout.mismatch(self.layout):
-            reply = {"ok": False, "error": LayoutMismatch.__name__, "message": f"KV layout mismatch: {problem}"}
-        elif transport not in TRANSPORTS or (transport == "torch" and not pgs.available()):
-            allowed = [t for t in TRANSPORTS if t != "torch" or pgs.available()]
-            reply = {"ok": False, "error": TransferError.__name__,
-                     "message": f"transport {transport!r} is unsupported: allowed {allowed}"}
-        elif transport == "torch":
-            reply["store_port"] = self._store_port()
-            reply["store_prefix"] = f"duet-kv/{self._instance}/{conn_id}"
+        reply = self._hello_reply(conn_id, hello.meta)
         m.send_all(sock, m.encode_frame_header(m.HELLO_REPLY, reply), deadline)
         if not reply["ok"]:
             log.info("kvtransfer receiver conn=%d event=handshake_refused reason=%s", conn_id, reply["message"])
@@ -186,6 +171,27 @@ class KVReceiver:
         if self._stop.is_set():  # close() ran while the group was forming and could not abort it
             raise ProtocolError("receiver closed during the handshake")
         return True, pg
+
+    def _hello_reply(self, conn_id: int, hello: dict[str, Any]) -> dict[str, Any]:
+        """HELLO_REPLY fields: ok (+ where to meet for "torch"), or the error the sender will raise."""
+        try:
+            sender_layout = KVLayout.from_dict(hello.get("layout"))
+            if sender_layout.fingerprint() != hello.get("fingerprint"):
+                raise ValueError("its fingerprint does not match its fields (a different canonical encoding?)")
+        except (TypeError, ValueError) as e:
+            return {"ok": False, "error": ProtocolError.__name__, "message": f"HELLO layout is invalid: {e}"}
+        if problem := sender_layout.mismatch(self.layout):
+            return {"ok": False, "error": LayoutMismatch.__name__, "message": f"KV layout mismatch: {problem}"}
+        transport = hello.get("transport")
+        allowed = [t for t in TRANSPORTS if t != "torch" or pgs.available()]
+        if transport not in allowed:
+            return {"ok": False, "error": TransferError.__name__,
+                    "message": f"transport {transport!r} is unsupported: allowed {allowed}"}
+        reply: dict[str, Any] = {"ok": True, "max_payload_bytes": self.max_payload_bytes}
+        if transport == "torch":
+            reply["store_port"] = self._store_port()
+            reply["store_prefix"] = f"duet-kv/{self._instance}/{conn_id}"
+        return reply
 
     def _store_port(self) -> int:
         with self._lock:

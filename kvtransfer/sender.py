@@ -160,15 +160,20 @@ class KVSender:
                 raise ProtocolError(f"expected HELLO_REPLY from {endpoint}, got {m.KINDS[reply.kind]}")
             if not reply.meta.get("ok"):
                 raise error_for_kind(reply.meta.get("error", "TransferError"), str(reply.meta.get("message")))
+            try:
+                max_payload_bytes = int(reply.meta["max_payload_bytes"])
+                store_port, store_prefix = (int(reply.meta["store_port"]), str(reply.meta["store_prefix"])) \
+                    if self.transport == "torch" else (0, "")
+            except (KeyError, TypeError, ValueError) as e:
+                raise ProtocolError(f"HELLO_REPLY from {endpoint} lacks a valid field: {e!r}") from e
             pg = store = None
             if self.transport == "torch":
                 remaining_s = max(deadline - time.monotonic(), 0.1)
-                store = pgs.join_store(host, int(reply.meta["store_port"]), remaining_s)
-                pg = pgs.pair_group(store, str(reply.meta["store_prefix"]), pgs.SENDER_RANK, sock.getsockname()[0],
-                                    self._device, remaining_s)
+                store = pgs.join_store(host, store_port, remaining_s)
+                pg = pgs.pair_group(store, store_prefix, pgs.SENDER_RANK, sock.getsockname()[0], self._device,
+                                    remaining_s)
         except BaseException:
             sock.close()
             raise
         log.info("kvtransfer sender endpoint=%s event=connected transport=%s", endpoint, self.transport)
-        return Channel(endpoint, sock, pg, store, int(reply.meta["max_payload_bytes"]), self.checksum,
-                        self.send_timeout_s)
+        return Channel(endpoint, sock, pg, store, max_payload_bytes, self.checksum, self.send_timeout_s)

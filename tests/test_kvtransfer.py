@@ -333,6 +333,15 @@ def test_layout_mismatch_refused_at_handshake(make_receiver, make_sender):
     with pytest.raises(LayoutMismatch, match="block_size: sender 8 != receiver 4"):
         future.result(5)
     wrong_block.close()
+    for hello, error in [({"transport": "rdma"}, "transport 'rdma' is unsupported: allowed ['tcp', 'torch']"),
+                         ({"fingerprint": "0"}, "fingerprint does not match")]:
+        sock = m.open_socket(socket.create_connection(m.split_endpoint(receiver.address)))
+        hello = {"layout": receiver.layout.to_dict(), "fingerprint": receiver.layout.fingerprint(),
+                 "transport": "tcp", **hello}
+        m.send_all(sock, m.encode_frame_header(m.HELLO, hello), time.monotonic() + 5)
+        reply = m.recv_frame_header(sock, time.monotonic() + 5)
+        assert reply.kind == m.HELLO_REPLY and not reply.meta["ok"] and error in reply.meta["message"]
+        sock.close()
     good, send_caches = make_sender()
     before = snapshot(recv_caches)
     r = table.add("req", DST, 16, 30.0)

@@ -47,7 +47,7 @@ def _positive(kind):
 
 
 def add_bench_commands(sub: argparse._SubParsersAction) -> None:
-    from router.baseline_policies import POLICY_NAMES
+    from router.baseline_policies import DUET_VARIANTS, POLICY_NAMES
 
     bench = sub.add_parser("bench", help="benchmarks that need no cluster")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
@@ -65,19 +65,20 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of every policy's tie-breaking (default: 0)")
     p.add_argument("--limit", type=_positive(int), default=None, help="replay only the first N requests")
     p.add_argument("--policies", default=",".join(POLICY_NAMES),
-                   help="comma-separated, in output order (default: all: %(default)s)")
+                   help="comma-separated, in output order (default: %(default)s; ablations of ours: "
+                        f"{', '.join(DUET_VARIANTS)})")
     p.add_argument("--json", action="store_true", help="one JSON object per policy per line, nothing else on stdout")
     p.set_defaults(func=cmd_bench_route)
 
 
 def cmd_bench_route(args: argparse.Namespace) -> int:
-    from router.baseline_policies import POLICY_NAMES, compare_policies
+    from router.baseline_policies import ALL_POLICY_NAMES, compare_policies
     from router.trace_replay import ReplayConfig, load_trace, offered_load
 
     names = [n.strip() for n in args.policies.split(",") if n.strip()]
-    unknown = [n for n in names if n not in POLICY_NAMES]
+    unknown = [n for n in names if n not in ALL_POLICY_NAMES]
     if unknown or not names:
-        print(f"error: --policies {args.policies!r} is invalid: choose from {', '.join(POLICY_NAMES)}",
+        print(f"error: --policies {args.policies!r} is invalid: choose from {', '.join(ALL_POLICY_NAMES)}",
               file=sys.stderr)
         return 2
     config = ReplayConfig(workers=args.workers, cache_blocks=args.cache_blocks, tokens_per_s=args.tokens_per_s,

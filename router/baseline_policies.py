@@ -20,17 +20,46 @@ from router.trace_replay import ReplayConfig, ReplayResult, SimWorker, TraceRequ
 class DuetPolicy:
     """`router.prefix_policy.choose_prefill`, fed what the real router knows: each worker's exact cached
     prefix (the index learns it from the workers' KV events: finished prefills only), its queued tokens
-    (load report) and its prefill speed."""
+    (load report: whole prompts of the waiting requests) and its prefill speed.
+
+    Variants, for the ablation in benchmarks/RESULTS.md (off by default; the `duet` row is the plain policy):
+    `speculative`: a worker also counts as holding the blocks of the requests this router has sent it and
+    not seen finish (the speculative index entries of ARCHITECTURE.md); `uncached_queue`: a worker's queued
+    tokens count only the waiting requests' uncached parts (as far as its cache now tells);
+    `config`: the policy's knobs (e.g. busy_queue_s=inf: no guardrail).
+    """
 
     name = "duet"
 
-    def __init__(self, seed: int = 0, config: PolicyConfig | None = None):
+    def __init__(self, seed: int = 0, config: PolicyConfig | None = None, speculative: bool = False,
+                 uncached_queue: bool = False, name: str = "duet"):
         self.rng = random.Random(seed)
         self.config = config or PolicyConfig()
+        self.speculative = speculative
+        self.uncached_queue = uncached_queue
+        self.name = name
         self.branches: dict[str, int] = {}  # decision branch -> count, for reports
 
+    def cached_tokens(self, worker: SimWorker, request: TraceRequest) -> int:
+        if not self.speculative:
+            return worker.cached_prefix_tokens(request)
+        sent = set().union(*(r.request.hash_ids for r in worker.inflight_records()))
+        n = 0
+        for h in request.hash_ids:
+            if h not in sent and h not in worker.cache:
+                break
+            n += 1
+        return request.prefix_tokens(n)
+
+    def queued_tokens(self, worker: SimWorker) -> int:
+        if not self.uncached_queue:
+            return worker.queued_tokens()
+        waiting_uncached = sum(r.request.prompt_tokens - worker.cached_prefix_tokens(r.request)
+                               for r in worker.waiting)
+        return worker.queued_tokens() - sum(r.request.prompt_tokens for r in worker.waiting) + waiting_uncached
+
     def choose(self, request: TraceRequest, workers: Sequence[SimWorker]) -> int:
-        states = [WorkerState(w.worker_id, w.cached_prefix_tokens(request), w.queued_tokens(), w.tokens_per_s)
+        states = [WorkerState(w.worker_id, self.cached_tokens(w, request), self.queued_tokens(w), w.tokens_per_s)
                   for w in workers]
         decision = choose_prefill(request.prompt_tokens, states, self.config, self.rng)
         self.branches[decision.branch] = self.branches.get(decision.branch, 0) + 1
@@ -168,12 +197,22 @@ class SglangCacheAware:
 
 
 POLICY_NAMES = ("duet", "round_robin", "least_loaded", "consistent_hash", "sglang_cache_aware", "oracle")
+# DuetPolicy variants for ablations: not in the default comparison, selectable by name (`--policies`).
+DUET_VARIANTS = {
+    "duet_speculative": {"speculative": True},
+    "duet_uncached_queue": {"uncached_queue": True},
+    "duet_no_guardrail": {"config": PolicyConfig(busy_queue_s=math.inf)},
+    "duet_all_three": {"speculative": True, "uncached_queue": True, "config": PolicyConfig(busy_queue_s=math.inf)},
+}
+ALL_POLICY_NAMES = (*POLICY_NAMES, *DUET_VARIANTS)
 
 
 def make_policy(name: str, config: ReplayConfig):
     """A fresh policy by name (not `oracle`: that is a different cluster, see `simulate_oracle`)."""
     if name == "duet":
         return DuetPolicy(config.seed)
+    if name in DUET_VARIANTS:
+        return DuetPolicy(config.seed, name=name, **DUET_VARIANTS[name])
     if name == "round_robin":
         return RoundRobin()
     if name == "least_loaded":
@@ -182,7 +221,8 @@ def make_policy(name: str, config: ReplayConfig):
         return ConsistentHashBoundedLoad(config.workers)
     if name == "sglang_cache_aware":
         return SglangCacheAware(config.workers, config.seed)
-    raise ValueError(f"policy {name!r} is unknown: choose from {', '.join(POLICY_NAMES[:-1])}")
+    allowed = ", ".join(n for n in ALL_POLICY_NAMES if n != "oracle")
+    raise ValueError(f"policy {name!r} is unknown: choose from {allowed}")
 
 
 def compare_policies(requests: Sequence[TraceRequest], config: ReplayConfig,

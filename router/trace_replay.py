@@ -181,7 +181,8 @@ class SimWorker:
     """One prefill worker: FCFS queue, one prefill at a time, an LRU block cache.
 
     Policies may read: `cached_prefix_tokens(request)` (what the worker's KV events report: finished
-    prefills only), `queued_tokens()` (its load report), `num_inflight` (requests sent there, not finished),
+    prefills only), `queued_tokens()` (its load report), `num_inflight` and `inflight_records()` (requests sent there,
+    not finished: the router knows them),
     `index`, `worker_id`, `tokens_per_s`. Everything else is the simulator's.
     """
 
@@ -202,6 +203,10 @@ class SimWorker:
     @property
     def num_inflight(self) -> int:
         return len(self.waiting) + (self.running is not None)
+
+    def inflight_records(self) -> list[RequestRecord]:
+        """Requests sent here and not finished (the router's own in-flight table), oldest first."""
+        return ([self.running] if self.running is not None else []) + list(self.waiting)
 
     def cached_prefix_tokens(self, request: TraceRequest) -> int:
         return request.prefix_tokens(self.cache.peek_prefix_blocks(request.hash_ids))

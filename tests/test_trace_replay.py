@@ -337,3 +337,15 @@ def test_bench_route_table_and_errors(capsys, tmp_path):
     assert bench_main(["bench", "route", str(TRACE), "--policies", "duet,nope"]) == 2
     with pytest.raises(SystemExit):
         bench_main(["bench", "route", str(TRACE), "--cache-blocks", "0"])
+
+
+def test_duet_variants_see_inflight_blocks_and_uncached_queues():
+    workers = workers_with(2)
+    workers[1].submit(RequestRecord(req(0, 0.0, 2048, (1, 2, 3, 4)), 1))  # running on 1, nothing stored yet
+    workers[1].cache.store([7, 8])
+    workers[1].submit(RequestRecord(req(1, 0.0, 1024, (7, 8)), 1))  # waiting on 1, whole prompt cached there
+    r = req(2, 0.0, 2048, (1, 2, 3, 5))
+    plain, spec = DuetPolicy(seed=0), DuetPolicy(seed=0, speculative=True, uncached_queue=True)
+    assert plain.cached_tokens(workers[1], r) == 0 and spec.cached_tokens(workers[1], r) == 1536
+    assert plain.queued_tokens(workers[1]) == 2048 + 1024 and spec.queued_tokens(workers[1]) == 2048
+    assert make_policy("duet_all_three", ReplayConfig()).config.busy_queue_s == math.inf

@@ -13,7 +13,7 @@ from deploy.redis_server import RedisServer
 from engine.block_pool import BlockPool
 from engine.hashing import prompt_block_hashes, root_hash
 from engine.kv_events import BlocksStored
-from router.prefix_index import ApplyResult, PrefixIndex, hash_keys
+from router.prefix_index import ApplyResult, PrefixIndex, chain_hex, hash_keys
 from router.registry import WorkerInfo, WorkerLoad, WorkerRegistry
 
 MODEL = "org/tiny:v1"
@@ -150,6 +150,39 @@ def test_lookup_walks_long_chains_and_many_workers(r):
             expected[f"w{i}"] = n
     assert index.lookup(chain) == expected
     some = [f"w{i}" for i in range(0, 60, 7)]
+    assert index.lookup(chain, workers=some) == {w: n for w, n in expected.items() if w in some}
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_lookup_matches_a_reference_with_holes_and_speculative_runs(r, seed):
+    """40 workers (so the walk goes block by block first, then worker by worker), each holding a prefix with
+    maybe a hole, blocks past it, and maybe a speculative extension: lookup == the leading run of each."""
+    r.flushall()
+    index = PrefixIndex(r, MODEL)
+    rng = random.Random(seed)
+    chain = [rng.getrandbits(64) for _ in range(300)]
+    held = {}
+    for i in range(40):
+        run = rng.choice([0, 1, rng.randrange(300), rng.randrange(150, 301), 300])
+        blocks = set(chain[:run]) | set(rng.sample(chain, 20))
+        if run > 2 and rng.random() < 0.3:
+            blocks.discard(chain[rng.randrange(run)])  # a hole: the worker lost an inner block
+        index.resync(f"w{i}", 1, 0, blocks)
+        if rng.random() < 0.3:
+            extra = rng.randrange(1, 40)
+            index.add_speculative(f"w{i}", chain[: min(300, run + extra)])
+            blocks |= set(chain[: min(300, run + extra)])
+        held[f"w{i}"] = blocks
+
+    def leading(blocks):
+        n = 0
+        while n < len(chain) and chain[n] in blocks:
+            n += 1
+        return n
+
+    expected = {w: n for w, blocks in held.items() if (n := leading(blocks))}
+    assert index.lookup(chain) == expected
+    some = rng.sample(sorted(held), 25)
     assert index.lookup(chain, workers=some) == {w: n for w, n in expected.items() if w in some}
 
 
@@ -329,7 +362,7 @@ def _stage_call(r, index, worker_id, gen, hashes):
     script = prefix_index._UPDATE
     r.script_load(script.text)
     return (script.sha, 1, index.prefix + "iworkers", "stage", index.prefix, worker_id, gen, "60000",
-            *hash_keys(hashes))
+            chain_hex(hashes))
 
 
 def view_of(r, worker_id: str) -> dict:

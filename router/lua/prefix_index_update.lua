@@ -4,7 +4,8 @@
 -- ARGV[1]  op: apply | speculate | stage | commit | purge | collect
 -- ARGV[2]  <prefix>            "duet:{<model_id>}:"
 -- ARGV[3]  worker id
--- ARGV[4..] op arguments (see each op below)
+-- ARGV[4..] op arguments (see each op below); a list of block hashes is one argument, 16 hex chars per
+--           hash, concatenated (one argument instead of thousands is much cheaper for client and server)
 --
 -- A block entry is the field <worker> of <prefix>blk:<hash16>: "<gen>" (confirmed) or "<gen>:<expiry_ms>"
 -- (speculative). Only entries of the worker's current generation count, so replacing a worker's whole
@@ -25,13 +26,13 @@ local function now_ms()
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
--- cmd key member... over ARGV[first..last], in slices unpack() can take
-local function members_call(cmd, key, first, last)
-  for i = first, last, MAX_ARGS do
-    redis.call(cmd, key, unpack(ARGV, i, math.min(i + MAX_ARGS - 1, last)))
-  end
+local function split_hashes(concatenated)
+  local hashes = {}
+  for i = 1, #concatenated, 16 do hashes[#hashes + 1] = string.sub(concatenated, i, i + 15) end
+  return hashes
 end
 
+-- cmd key member... in slices unpack() can take
 local function list_call(cmd, key, list)
   for i = 1, #list, MAX_ARGS do
     redis.call(cmd, key, unpack(list, i, math.min(i + MAX_ARGS - 1, #list)))
@@ -57,7 +58,7 @@ local function retire(tag, ttl_ms)
 end
 
 -- apply: ttl_ms, k, k fresh generations (one per clear event), then events as
---        kind ("s" stored | "r" removed | "c" cleared), epoch, sequence, n, n hashes
+--        kind ("s" stored | "r" removed | "c" cleared), epoch, sequence, hashes
 -- returns {applied, skipped, code ("ok" | "unknown" | "gap" | "epoch"), detail1, detail2, garbage queued}
 if op == 'apply' then
   local ttl_ms = ARGV[4]
@@ -72,8 +73,7 @@ if op == 'apply' then
   local applied, skipped, garbage = 0, 0, 0
   local code, detail1, detail2 = 'ok', '', ''
   while pos <= #ARGV do
-    local kind, ev_epoch, seq, n = ARGV[pos], ARGV[pos + 1], tonumber(ARGV[pos + 2]), tonumber(ARGV[pos + 3])
-    local first, last_hash = pos + 4, pos + 3 + n
+    local kind, ev_epoch, seq = ARGV[pos], ARGV[pos + 1], tonumber(ARGV[pos + 2])
     if ev_epoch ~= epoch then
       code, detail1, detail2 = 'epoch', ev_epoch, epoch
       break
@@ -86,21 +86,19 @@ if op == 'apply' then
       skipped = skipped + 1
     else
       if kind == 's' then
-        for i = first, last_hash do
-          local key = BLK .. ARGV[i]
+        local hashes = split_hashes(ARGV[pos + 3])
+        for _, h in ipairs(hashes) do
+          local key = BLK .. h
           redis.call('HSET', key, worker, gen)
           redis.call('PEXPIRE', key, ttl_ms)
         end
-        if n > 0 then
-          members_call('SADD', WBLK, first, last_hash)
-          members_call('ZREM', WSPEC, first, last_hash)
-        end
+        list_call('SADD', WBLK, hashes)
+        list_call('ZREM', WSPEC, hashes)
       elseif kind == 'r' then
-        for i = first, last_hash do redis.call('HDEL', BLK .. ARGV[i], worker) end
-        if n > 0 then
-          members_call('SREM', WBLK, first, last_hash)
-          members_call('ZREM', WSPEC, first, last_hash)
-        end
+        local hashes = split_hashes(ARGV[pos + 3])
+        for _, h in ipairs(hashes) do redis.call('HDEL', BLK .. h, worker) end
+        list_call('SREM', WBLK, hashes)
+        list_call('ZREM', WSPEC, hashes)
       else
         local new_gen = ARGV[fresh]
         fresh = fresh + 1
@@ -113,7 +111,7 @@ if op == 'apply' then
       last, last_text = seq, ARGV[pos + 2]
       applied = applied + 1
     end
-    pos = last_hash + 1
+    pos = pos + 4
   end
   redis.call('HSET', WSEQ, 'sequence', last_text)
   for _, key in ipairs({WSEQ, WBLK, WSPEC, IWORKERS}) do redis.call('PEXPIRE', key, ttl_ms) end
@@ -128,14 +126,15 @@ if op == 'speculate' then
   local gen = redis.call('HGET', IWORKERS, worker)
   if not gen then
     gen = ARGV[6]
+    retire(gen, ttl_ms)  -- sets left from a lost generation must not count under the new one
     redis.call('HSET', IWORKERS, worker, gen)
   end
   redis.call('PEXPIRE', IWORKERS, ttl_ms)
   local expiry = string.format('%d', now + tonumber(spec_ttl_ms))
   local value = gen .. ':' .. expiry
   local scored = {}
-  for i = 7, #ARGV do
-    local key = BLK .. ARGV[i]
+  for _, h in ipairs(split_hashes(ARGV[7])) do
+    local key = BLK .. h
     if redis.call('HGET', key, worker) ~= gen then
       redis.call('HSET', key, worker, value)
       -- a key made here lives spec_ttl; an existing key's TTL only ever grows
@@ -143,7 +142,7 @@ if op == 'speculate' then
         redis.call('PEXPIRE', key, spec_ttl_ms, 'GT')
       end
       scored[#scored + 1] = expiry
-      scored[#scored + 1] = ARGV[i]
+      scored[#scored + 1] = h
     end
   end
   list_call('ZADD', WSPEC, scored)
@@ -171,13 +170,14 @@ if op == 'stage' then
   local stage = prefix .. 'stage:' .. worker .. ':' .. new_gen
   redis.call('SADD', GCQ, stage)
   redis.call('PEXPIRE', GCQ, ttl_ms)
-  for i = 6, #ARGV do
-    local key = BLK .. ARGV[i]
+  local hashes = split_hashes(ARGV[6])
+  for _, h in ipairs(hashes) do
+    local key = BLK .. h
     redis.call('HSET', key, worker, new_gen)
     redis.call('PEXPIRE', key, ttl_ms)
   end
-  if #ARGV >= 6 then
-    members_call('SADD', stage, 6, #ARGV)
+  if #hashes > 0 then
+    list_call('SADD', stage, hashes)
     redis.call('PEXPIRE', stage, ttl_ms)
   end
   return 0

@@ -4,29 +4,36 @@ Workers' KV events (engine/kv_events.py) keep it current; the router asks it onc
 round trip (one EVALSHA of router/lua/prefix_index_lookup.lua); every write is one call of
 router/lua/prefix_index_update.lua, so each is atomic. Key layout (every key carries the hash tag
 `{<model_id>}`, so on Redis Cluster one model's index lives in one slot and the scripts may touch any of
-its keys; `<h>` is a block hash as 16 lowercase hex chars, `<w>` a worker id):
+its keys; `<h>` is a block hash as 16 lowercase hex chars, `<w>` a worker id, `<gen>` 12 hex chars):
 
-    duet:{<model_id>}:iworkers        HASH  w -> gen             the worker's current generation (random hex)
-         │                                                       no field: the index knows nothing of w
-         │  an entry counts only if it carries the current gen of its worker
-         ▼
-    duet:{<model_id>}:blk:<h>         HASH  w -> "<gen>"                 confirmed (a Stored event, a resync)
-                                            w -> "<gen>:<expiry_ms>"     speculative (routed there), until
-                                                                         expiry_ms on Redis's clock (TIME)
-    duet:{<model_id>}:wseq:<w>        HASH  epoch, sequence      last event applied (epoch as a decimal
-                                                                 string: Lua numbers are doubles)
-    duet:{<model_id>}:wblk:<w>        SET   <h>...               w's confirmed blocks (for clear / resync /
-                                                                 purge, and to compare with a real cache)
-    duet:{<model_id>}:wspec:<w>       ZSET  <h> -> expiry_ms     w's speculative entries (lazy cleanup)
-    duet:{<model_id>}:gcq:<w>         SET   names of retired sets whose entries are still to be deleted:
-    duet:{<model_id>}:gc:<w>:<gen>:blk|spec    old wblk / wspec, renamed when w's state was replaced
+    duet:{<model_id>}:iworkers        HASH  w -> gen        w's current generation; no field: w is unknown
+         │                                                  (only entries of the current gen ever count)
+         │  lookup: 1. candidates = the workers with a current-gen entry in blk:<h_1>
+         ▼          2. per candidate, chunks of h_2.. against wblk:<w>, then wwin:<w>:<gen>:*, to its
+                       first block held neither way (one SMISMEMBER / HMGET per chunk, doubling chunks)
+    duet:{<model_id>}:blk:<h>         HASH  w -> "<gen>"              confirmed (a Stored event, a resync)
+                                            w -> "<gen>:<expiry_ms>"  speculative, first block of a routed
+                                                                      chain only; expiry on Redis's clock
+    duet:{<model_id>}:wblk:<w>        SET   <h>...           w's confirmed blocks: what lookups scan, what a
+                                                             clear / resync / purge retires, what tests
+                                                             compare with the worker's real cache
+    duet:{<model_id>}:wwin:<w>:<gen>:<j>  HASH  <h> -> expiry_ms   w's speculative blocks written in window j
+                                                             (= now_ms // speculative_ttl_ms); a lookup reads
+                                                             windows j and j-1; each expires on its own
+    duet:{<model_id>}:wspec:<w>       ZSET  <h_1> -> expiry_ms   w's speculative first-block entries in blk,
+                                                             swept once expired
+    duet:{<model_id>}:wseq:<w>        HASH  epoch, sequence  last event applied (decimal strings: Lua
+                                                             numbers are doubles, epochs are 63-bit)
+    duet:{<model_id>}:gcq:<w>         SET   names of retired sets whose blk entries are still to be deleted:
+    duet:{<model_id>}:gc:<w>:<gen>:blk|spec    an old wblk / wspec, renamed when w's state was replaced
     duet:{<model_id>}:stage:<w>:<gen> SET   a resync in progress (becomes wblk:<w> at its commit)
 
 Why generations: replacing everything the index says about a worker (a resync, an AllBlocksCleared, a
 purge) must look atomic even for a 100k-block cache, without one Lua call blocking Redis for that long.
-Setting a new generation (or deleting it) is O(1) and makes every old entry invisible at once; the old
-entries are then deleted in bounded steps (`_collect`). It also means an entry whose bookkeeping was lost
-(a state key expired or evicted) can never produce a false hit: it just stops counting.
+Setting a new generation (or deleting it) and renaming its sets away is O(1) and makes every old entry
+invisible at once; the old blk entries are then deleted in bounded steps (`_collect`). An entry whose
+bookkeeping was lost (a state key expired or evicted) therefore never produces a false hit: it stops
+counting.
 
 Consistency: each worker's events must be applied in order by one caller at a time (the consumer of that
 worker's event stream, or a lock around it), and `resync` of a worker must not run concurrently with
@@ -34,16 +41,17 @@ worker's event stream, or a lock around it), and `resync` of a worker must not r
 state returns `resync_needed`; the caller then takes a snapshot of the worker's cache (epoch, sequence,
 cached hashes) and calls `resync`; events up to that sequence are then skipped as duplicates. A dropped
 *last* event is only seen when the next one arrives: compare `state(w)` with the worker's reported
-(epoch, sequence) to catch it sooner. During a resync the blocks staged so far are briefly invisible
-(misses, never false hits) until its commit.
+(epoch, sequence) to catch it sooner. During a resync the blocks staged so far are briefly invisible as
+first blocks (misses, never false hits) until its commit. Every PrefixIndex of one model must use the same
+`speculative_ttl_s` (it is the window width).
 
-Memory: every key has a TTL. Block keys get `entry_ttl_s` on each store (speculative-only keys get
-`speculative_ttl_s`), the per-worker keys `entry_ttl_s` on each event batch, so a worker that stays quiet
-for longer than `entry_ttl_s` is forgotten and resyncs on its next event. Removed events delete entries,
-so confirmed entries track the workers' own (LRU-bounded) caches. The deployment must run Redis with a
-`maxmemory` and `maxmemory-policy volatile-lru` (deploy/redis_server.py's default: 256mb): every index
-key is volatile, and LRU keeps the hot `iworkers` hash, which every lookup reads. An evicted block key is
-a miss; an evicted state key makes that worker resync; neither gives a false hit.
+Memory: every key has a TTL. Block keys get `entry_ttl_s` on each store (a key made only by a speculative
+first block gets `speculative_ttl_s`), the per-worker keys `entry_ttl_s` on each event batch, windows live
+two window widths. A worker that stays quiet for longer than `entry_ttl_s` is forgotten and resyncs on its
+next event. Removed events delete entries, so confirmed entries track the workers' own (LRU-bounded)
+caches. The deployment must run Redis with a `maxmemory` and `maxmemory-policy volatile-lru`
+(deploy/redis_server.py's default: 256mb): every index key is volatile, and LRU keeps the hot `iworkers`
+hash, which every lookup reads. An evicted key costs misses or a resync, never a false hit.
 """
 
 from __future__ import annotations
@@ -157,7 +165,8 @@ class PrefixIndex:
             return {}
         filter_ids = list(workers) if workers is not None else []
         reply = _LOOKUP(self.client, [self._iworkers],
-                        [self.prefix, len(filter_ids), *filter_ids, chain_hex(block_hashes)])
+                        [self.prefix, self._speculative_ttl_ms, len(filter_ids), *filter_ids,
+                         chain_hex(block_hashes)])
         return {_text(reply[i]): int(reply[i + 1]) for i in range(0, len(reply), 2)}
 
     def add_speculative(self, worker_id: str, block_hashes: Sequence[int]) -> None:
@@ -167,9 +176,7 @@ class PrefixIndex:
         self._check_worker(worker_id)
         if not block_hashes:
             return
-        _UPDATE(self.client, [self._iworkers],
-                ["speculate", self.prefix, worker_id, self._speculative_ttl_ms, self._entry_ttl_ms,
-                 _new_generation(), chain_hex(block_hashes)])
+        self._update("speculate", worker_id, _new_generation(), chain_hex(block_hashes))
 
     # ------------------------------------------------------------------------------------ the event consumer
 
@@ -195,9 +202,8 @@ class PrefixIndex:
                 raise TypeError(f"unknown KV event {event!r}: expected BlocksStored, BlocksRemoved or "
                                 "AllBlocksCleared")
             encoded += [kind, str(event.epoch), str(event.sequence), hashes]
-        applied, skipped, code, detail1, detail2, garbage = _UPDATE(
-            self.client, [self._iworkers],
-            ["apply", self.prefix, worker_id, self._entry_ttl_ms, len(fresh), *fresh, *encoded])
+        applied, skipped, code, detail1, detail2, garbage = self._update("apply", worker_id, len(fresh), *fresh,
+                                                                         *encoded)
         if garbage:
             self._collect(worker_id)
         code, detail1, detail2 = _text(code), _text(detail1), _text(detail2)
@@ -225,10 +231,8 @@ class PrefixIndex:
         hashes = chain_hex(list(cached_hashes))
         step = 16 * self.resync_chunk_hashes
         for start in range(0, len(hashes), step):
-            _UPDATE(self.client, [self._iworkers],
-                    ["stage", self.prefix, worker_id, gen, self._entry_ttl_ms, hashes[start : start + step]])
-        _UPDATE(self.client, [self._iworkers],
-                ["commit", self.prefix, worker_id, gen, self._entry_ttl_ms, str(epoch), str(sequence)])
+            self._update("stage", worker_id, gen, hashes[start : start + step])
+        self._update("commit", worker_id, gen, str(epoch), str(sequence))
         self._collect(worker_id)
 
     def state(self, worker_id: str) -> tuple[int, int] | None:
@@ -243,8 +247,7 @@ class PrefixIndex:
     def purge(self, worker_id: str) -> None:
         """Forget the worker entirely: its entries stop counting at once, then every key of it is deleted."""
         self._check_worker(worker_id)
-        _UPDATE(self.client, [self._iworkers],
-                ["purge", self.prefix, worker_id, _new_generation(), self._entry_ttl_ms])
+        self._update("purge", worker_id, _new_generation())
         self._collect(worker_id)
 
     def purge_missing(self, live_worker_ids: Iterable[str]) -> list[str]:
@@ -263,20 +266,33 @@ class PrefixIndex:
         """Sizes, for metrics and tests. Scans the model's block keys: O(keys), not for the hot path."""
         num_block_keys = sum(1 for _ in self.client.scan_iter(match=_glob_escape(self.prefix) + "blk:*",
                                                               count=1000))
-        per_worker, speculative = {}, {}
-        for worker_id in sorted(self.workers()):
+        seconds, micros = self.client.time()
+        window = (seconds * 1000 + micros // 1000) // int(self._speculative_ttl_ms)
+        gens = {_text(w): _text(g) for w, g in self.client.hgetall(self._iworkers).items()}
+        per_worker, speculative_blocks, speculative_first = {}, {}, {}
+        for worker_id, gen in sorted(gens.items()):
             per_worker[worker_id] = self.client.scard(self.prefix + "wblk:" + worker_id)
-            speculative[worker_id] = self.client.zcard(self.prefix + "wspec:" + worker_id)
-        return {"num_block_keys": num_block_keys, "per_worker": per_worker, "speculative": speculative,
-                "used_memory_bytes": int(self.client.info("memory")["used_memory"])}
+            windows = [f"{self.prefix}wwin:{worker_id}:{gen}:{j}" for j in (window, window - 1)]
+            speculative_blocks[worker_id] = sum(self.client.hlen(k) for k in windows)
+            speculative_first[worker_id] = self.client.zcard(self.prefix + "wspec:" + worker_id)
+        return {
+            "num_block_keys": num_block_keys,
+            "per_worker": per_worker,  # confirmed blocks
+            "speculative_blocks": speculative_blocks,  # in the live windows (some may have expired)
+            "speculative_first_blocks": speculative_first,  # blk entries awaiting confirmation or a sweep
+            "used_memory_bytes": int(self.client.info("memory")["used_memory"]),
+        }
 
     # ------------------------------------------------------------------------------------------- internals
 
     def _collect(self, worker_id: str) -> None:
         """Delete the worker's stale entries (older generations), _COLLECT_BUDGET per call, until none."""
-        while _UPDATE(self.client, [self._iworkers],
-                      ["collect", self.prefix, worker_id, _COLLECT_BUDGET]):
+        while self._update("collect", worker_id, _COLLECT_BUDGET):
             pass
+
+    def _update(self, op: str, worker_id: str, *args) -> object:
+        return _UPDATE(self.client, [self._iworkers],
+                       [op, self.prefix, worker_id, self._entry_ttl_ms, self._speculative_ttl_ms, *args])
 
     @staticmethod
     def _check_worker(worker_id: str) -> None:

@@ -12,7 +12,7 @@ from redis.crc import key_slot
 from deploy.redis_server import RedisServer
 from engine.block_pool import BlockPool
 from engine.hashing import prompt_block_hashes, root_hash
-from engine.kv_events import BlocksStored
+from engine.kv_events import BlocksRemoved, BlocksStored
 from router.prefix_index import ApplyResult, PrefixIndex, chain_hex, hash_keys
 from router.registry import WorkerInfo, WorkerLoad, WorkerRegistry
 
@@ -340,7 +340,8 @@ def test_large_resync_is_chunked_and_replaces_the_old_state_completely(r):
     assert index.lookup(new[:2_048]) == {"big": 2_048}
     assert index.lookup(old[2_000:2_010]) == {}
     stats = index.stats()
-    assert stats["num_block_keys"] == 20_000 and stats["speculative"] == {"big": 0}
+    assert stats["num_block_keys"] == 20_000
+    assert stats["speculative_blocks"] == stats["speculative_first_blocks"] == {"big": 0}
     assert [k for k in all_keys(r) if ":stage:" in k or ":gc" in k] == []
 
 
@@ -348,7 +349,7 @@ def test_interrupted_resync_leaves_no_false_hit_and_is_collected_later(r):
     index = PrefixIndex(r, MODEL)
     index.resync("w", 1, 0, [1, 2])
     # a resync that died after staging, before its commit
-    r.evalsha(*_stage_call(r, index, "w", "deadbeef0000", [7, 8, 9]))
+    stage_only(index, "w", "deadbeef0000", [7, 8, 9])
     assert index.lookup([7, 8, 9]) == {} and index.lookup([1, 2]) == {"w": 2}
     index.resync("w", 1, 3, [1])
     assert index.lookup([7]) == {} and index.lookup([1, 2]) == {"w": 1}
@@ -356,13 +357,9 @@ def test_interrupted_resync_leaves_no_false_hit_and_is_collected_later(r):
     assert [k for k in all_keys(r) if ":stage:" in k or ":gc" in k] == []
 
 
-def _stage_call(r, index, worker_id, gen, hashes):
-    from router import prefix_index
-
-    script = prefix_index._UPDATE
-    r.script_load(script.text)
-    return (script.sha, 1, index.prefix + "iworkers", "stage", index.prefix, worker_id, gen, "60000",
-            chain_hex(hashes))
+def stage_only(index, worker_id, gen, hashes):
+    """The first half of a resync: staged, never committed (a router that died mid-resync)."""
+    index._update("stage", worker_id, gen, chain_hex(hashes))
 
 
 def view_of(r, worker_id: str) -> dict:
@@ -426,17 +423,37 @@ def test_speculative_entries_count_until_they_expire_unless_confirmed(r):
     index.add_speculative("spec", chain[:4])  # a worker the index has no state for yet
     index.add_speculative("conf", chain[:5])  # on top of its one confirmed block
     assert index.lookup(chain) == {"spec": 4, "conf": 5}
-    assert 0 < r.pttl(index.prefix + "blk:" + hash_keys([chain[4]])[0]) <= 300
+    index.add_speculative("spec2", [500, 501])
+    assert 0 < r.pttl(index.prefix + "blk:" + hash_keys([500])[0]) <= 300  # made by a speculative entry
+    assert not r.exists(index.prefix + "blk:" + hash_keys([501])[0])  # only first blocks go into blk
+    assert all(0 < r.pttl(k) <= 600 for k in all_keys(r) if ":wwin:" in k)
     assert index.apply_events("conf", [stored(9, 1, chain[1:3])]).applied == 1  # confirms 2 of them
+    assert index.apply_events("conf", [BlocksRemoved(epoch=9, sequence=2, block_hashes=(chain[3],))]).applied
+    assert index.lookup(chain) == {"spec": 4, "conf": 3}  # a removed block no longer counts, speculative or not
     index.add_speculative("conf", chain[:3])  # confirmed entries stay confirmed
     time.sleep(0.4)
     assert index.lookup(chain) == {"conf": 3}
     assert indexed(r, index, "conf") == set(chain[:3])
-    index.add_speculative("spec", [999])  # sweeps the expired entries of spec
-    # conf's expired entries are swept by its next add_speculative: counted until then
-    assert index.stats()["speculative"] == {"conf": 2, "spec": 1}
-    assert not [k for k in all_keys(r) if r.type(k) == b"hash" and ":blk:" in k and r.hexists(k, "spec")
-                and k != index.prefix + "blk:" + hash_keys([999])[0]]
+    index.add_speculative("spec", [999])  # sweeps spec's expired first-block entry
+    assert index.stats()["speculative_first_blocks"] == {"conf": 0, "spec": 1, "spec2": 1}
+    assert [k for k in all_keys(r) if ":blk:" in k and r.hexists(k, "spec")] == [
+        index.prefix + "blk:" + hash_keys([999])[0]]
+
+
+def test_speculative_blocks_expire_on_time_while_their_window_lives(r):
+    index = PrefixIndex(r, MODEL, speculative_ttl_s=0.5)
+    chain = list(range(200, 208))
+    index.resync("w", 1, 0, chain[:2])
+    while True:  # start right after a window begins, so the window outlives the entries by ~0.45 s
+        seconds, micros = r.time()
+        if (seconds * 1000 + micros // 1000) % 500 < 20:
+            break
+        time.sleep(0.005)
+    index.add_speculative("w", chain)
+    assert index.lookup(chain) == {"w": 8}
+    time.sleep(0.55)
+    assert [k for k in all_keys(r) if ":wwin:" in k]  # the window is still there ...
+    assert index.lookup(chain) == {"w": 2}  # ... but its entries have expired
 
 
 # ------------------------------------------------------------------------------------------- layout, memory
@@ -450,12 +467,12 @@ def test_every_key_is_hash_tagged_by_model_and_has_a_ttl(r):
     worker.serve(list(range(3 * BLOCK_SIZE)))
     index.apply_events("prefill-0", worker.events)
     index.add_speculative("prefill-1", [1, 2])
-    r.evalsha(*_stage_call(r, index, "prefill-0", "0123456789ab", [5]))  # a resync in progress
+    stage_only(index, "prefill-0", "0123456789ab", [5])  # a resync in progress
     other.resync("prefill-0", 1, 0, [1])
     slot = key_slot(f"{{{MODEL}}}".encode())
     keys = [k for k in all_keys(r) if "other-model" not in k]
     kinds = {k[len(index.prefix) :].split(":")[0] for k in keys}
-    assert kinds == {"blk", "iworkers", "wseq", "wblk", "wspec", "stage", "gcq"}
+    assert kinds == {"blk", "iworkers", "wseq", "wblk", "wspec", "wwin", "stage", "gcq"}
     assert {key_slot(k.encode()) for k in keys} == {slot}
     assert key_slot(b"duet:{other-model}:iworkers") != slot
     assert all(r.pttl(k) > 0 for k in all_keys(r))
@@ -481,7 +498,7 @@ def test_index_stays_bounded_under_a_churn_of_unique_prefixes(r):
         if step % 100 == 99:
             stats = index.stats()
             cached = set().union(*(w.pool.cached_hashes() for w in workers))
-            pending = sum(stats["speculative"].values())  # routed but never stored (pool was full)
+            pending = sum(stats["speculative_first_blocks"].values())  # routed, not stored (yet)
             assert stats["num_block_keys"] <= len(cached) + pending <= capacity + pending
             assert len(all_keys(r)) <= stats["num_block_keys"] + 1 + 3 * len(workers)
             for w in workers:

@@ -4,15 +4,16 @@
 -- ARGV[1]  op: apply | speculate | stage | commit | purge | collect
 -- ARGV[2]  <prefix>            "duet:{<model_id>}:"
 -- ARGV[3]  worker id
--- ARGV[4..] op arguments (see each op below); a list of block hashes is one argument, 16 hex chars per
+-- ARGV[4]  entry_ttl_ms        ARGV[5]  speculative_ttl_ms (also the width of a speculative window)
+-- ARGV[6..] op arguments (see each op below); a list of block hashes is one argument, 16 hex chars per
 --           hash, concatenated (one argument instead of thousands is much cheaper for client and server)
 --
--- A block entry is the field <worker> of <prefix>blk:<hash16>: "<gen>" (confirmed) or "<gen>:<expiry_ms>"
--- (speculative). Only entries of the worker's current generation count, so replacing a worker's whole
--- state (resync, clear, purge) is O(1) here: a new generation (or none) makes every old entry invisible at
--- once, and the old entries are collected afterwards in bounded steps (op collect).
+-- Only entries of a worker's current generation count, so replacing a worker's whole state (resync,
+-- clear, purge) is O(1) here: a new generation (or none) makes every old entry invisible at once, and the
+-- old entries are deleted afterwards in bounded steps (op collect).
 
 local op, prefix, worker = ARGV[1], ARGV[2], ARGV[3]
+local ttl_ms, spec_ttl_ms = ARGV[4], tonumber(ARGV[5])
 local IWORKERS = KEYS[1]
 local BLK = prefix .. 'blk:'
 local WSEQ = prefix .. 'wseq:' .. worker
@@ -26,13 +27,21 @@ local function now_ms()
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
+-- The speculative window hashes of a generation that may still hold live entries: an entry written in
+-- window k expires by (k + 2) * spec_ttl_ms, so at time now only windows j and j - 1 can (j = now's).
+local function window_keys(gen, now)
+  local j = math.floor(now / spec_ttl_ms)
+  local base = prefix .. 'wwin:' .. worker .. ':' .. gen .. ':'
+  return {base .. string.format('%d', j), base .. string.format('%d', j - 1)}
+end
+
 local function split_hashes(concatenated)
   local hashes = {}
   for i = 1, #concatenated, 16 do hashes[#hashes + 1] = string.sub(concatenated, i, i + 15) end
   return hashes
 end
 
--- cmd key member... in slices unpack() can take
+-- cmd key item... in slices unpack() can take (MAX_ARGS is even: field/value pairs stay together)
 local function list_call(cmd, key, list)
   for i = 1, #list, MAX_ARGS do
     redis.call(cmd, key, unpack(list, i, math.min(i + MAX_ARGS - 1, #list)))
@@ -44,8 +53,9 @@ local function is_current(value, gen)
   return value == gen or string.sub(value, 1, #gen + 1) == gen .. ':'
 end
 
--- Move the worker's block sets out of the way (O(1) renames) and queue them for collection.
-local function retire(tag, ttl_ms)
+-- The worker's state moves out of the way: its sets are renamed (O(1)) and queued for collection, the
+-- windows of its old generation dropped (their block entries are in the renamed wspec).
+local function retire(old_gen, tag)
   for _, pair in ipairs({{WBLK, 'blk'}, {WSPEC, 'spec'}}) do
     if redis.call('EXISTS', pair[1]) == 1 then
       local garbage = prefix .. 'gc:' .. worker .. ':' .. tag .. ':' .. pair[2]
@@ -55,16 +65,16 @@ local function retire(tag, ttl_ms)
       redis.call('PEXPIRE', GCQ, ttl_ms)
     end
   end
+  if old_gen then redis.call('DEL', unpack(window_keys(old_gen, now_ms()))) end
 end
 
--- apply: ttl_ms, k, k fresh generations (one per clear event), then events as
+-- apply: k, k fresh generations (one per clear event), then events as
 --        kind ("s" stored | "r" removed | "c" cleared), epoch, sequence, hashes
 -- returns {applied, skipped, code ("ok" | "unknown" | "gap" | "epoch"), detail1, detail2, garbage queued}
 if op == 'apply' then
-  local ttl_ms = ARGV[4]
-  local num_fresh = tonumber(ARGV[5])
-  local fresh = 6
-  local pos = 6 + num_fresh
+  local num_fresh = tonumber(ARGV[6])
+  local fresh = 7
+  local pos = 7 + num_fresh
   local state = redis.call('HMGET', WSEQ, 'epoch', 'sequence')
   local gen = redis.call('HGET', IWORKERS, worker)
   if not state[1] or not state[2] or not gen then return {0, 0, 'unknown', '', '', 0} end
@@ -99,11 +109,12 @@ if op == 'apply' then
         for _, h in ipairs(hashes) do redis.call('HDEL', BLK .. h, worker) end
         list_call('SREM', WBLK, hashes)
         list_call('ZREM', WSPEC, hashes)
+        for _, window in ipairs(window_keys(gen, now_ms())) do list_call('HDEL', window, hashes) end
       else
         local new_gen = ARGV[fresh]
         fresh = fresh + 1
         if new_gen == gen then new_gen = new_gen .. '0' end
-        retire(new_gen, ttl_ms)
+        retire(gen, new_gen)
         gen = new_gen
         redis.call('HSET', IWORKERS, worker, gen)
         garbage = 1
@@ -118,59 +129,64 @@ if op == 'apply' then
   return {applied, skipped, code, detail1, detail2, garbage}
 end
 
--- speculate: speculative_ttl_ms, entry_ttl_ms, fresh generation (used if the worker has none), hashes
--- Writes "<gen>:<expiry_ms>" where the worker has no confirmed entry; sweeps some expired ones.
+-- speculate: fresh generation (used if the worker has none), hashes (a chain from its first block)
+-- Every block goes into the current window hash (block -> expiry_ms), which the lookup reads per chunk
+-- and which expires on its own. The first block also gets an entry in its blk hash, unless confirmed
+-- there, so the lookup finds the worker as a candidate; those entries are tracked in wspec (first block ->
+-- expiry) and swept once expired, a bounded number per call.
 if op == 'speculate' then
-  local spec_ttl_ms, ttl_ms = ARGV[4], ARGV[5]
   local now = now_ms()
   local gen = redis.call('HGET', IWORKERS, worker)
   if not gen then
     gen = ARGV[6]
-    retire(gen, ttl_ms)  -- sets left from a lost generation must not count under the new one
+    retire(nil, gen)  -- sets left from a lost generation must not count under the new one
     redis.call('HSET', IWORKERS, worker, gen)
   end
   redis.call('PEXPIRE', IWORKERS, ttl_ms)
-  local expiry = string.format('%d', now + tonumber(spec_ttl_ms))
-  local value = gen .. ':' .. expiry
-  local scored = {}
-  for _, h in ipairs(split_hashes(ARGV[7])) do
-    local key = BLK .. h
-    if redis.call('HGET', key, worker) ~= gen then
-      redis.call('HSET', key, worker, value)
-      -- a key made here lives spec_ttl; an existing key's TTL only ever grows
-      if redis.call('PEXPIRE', key, spec_ttl_ms, 'NX') == 0 then
-        redis.call('PEXPIRE', key, spec_ttl_ms, 'GT')
-      end
-      scored[#scored + 1] = expiry
-      scored[#scored + 1] = h
+  local hashes = split_hashes(ARGV[7])
+  local expiry = string.format('%d', now + spec_ttl_ms)
+  local first_key = BLK .. hashes[1]
+  if redis.call('HGET', first_key, worker) ~= gen then
+    redis.call('HSET', first_key, worker, gen .. ':' .. expiry)
+    -- a key made here lives spec_ttl; an existing key's TTL only ever grows
+    if redis.call('PEXPIRE', first_key, spec_ttl_ms, 'NX') == 0 then
+      redis.call('PEXPIRE', first_key, spec_ttl_ms, 'GT')
     end
+    redis.call('ZADD', WSPEC, expiry, hashes[1])
   end
-  list_call('ZADD', WSPEC, scored)
-  -- lazy sweep of expired speculative entries, a bounded number per call
-  local expired = redis.call('ZRANGEBYSCORE', WSPEC, '-inf', now, 'LIMIT', 0, #scored + 64)
+  local window = window_keys(gen, now)[1]
+  local pairs_list = {}
+  for _, h in ipairs(hashes) do
+    pairs_list[#pairs_list + 1] = h
+    pairs_list[#pairs_list + 1] = expiry
+  end
+  list_call('HSET', window, pairs_list)
+  redis.call('PEXPIREAT', window, (math.floor(now / spec_ttl_ms) + 2) * spec_ttl_ms)
+  local expired = redis.call('ZRANGEBYSCORE', WSPEC, '-inf', now, 'LIMIT', 0, 16)
   for _, h in ipairs(expired) do
     local key = BLK .. h
     local v = redis.call('HGET', key, worker)
     if v and v ~= gen then
       local n = #gen
-      local speculative_now = string.sub(v, 1, n + 1) == gen .. ':' and tonumber(string.sub(v, n + 2)) > now
-      if not speculative_now then redis.call('HDEL', key, worker) end
+      if not (string.sub(v, 1, n + 1) == gen .. ':' and tonumber(string.sub(v, n + 2)) > now) then
+        redis.call('HDEL', key, worker)
+      end
     end
   end
   list_call('ZREM', WSPEC, expired)
   if redis.call('EXISTS', WSPEC) == 1 then redis.call('PEXPIRE', WSPEC, ttl_ms) end
-  return #scored / 2
+  return #hashes
 end
 
--- stage: new generation, ttl_ms, hashes -- one chunk of a resync, written under a generation not yet
--- current (so invisible); the staging set is queued for collection at once, so a resync that dies before
--- its commit leaves nothing that is not collected later.
+-- stage: new generation, hashes -- one chunk of a resync, written under a generation not yet current (so
+-- invisible); the staging set is queued for collection at once, so a resync that dies before its commit
+-- leaves nothing that is not collected later.
 if op == 'stage' then
-  local new_gen, ttl_ms = ARGV[4], ARGV[5]
+  local new_gen = ARGV[6]
   local stage = prefix .. 'stage:' .. worker .. ':' .. new_gen
   redis.call('SADD', GCQ, stage)
   redis.call('PEXPIRE', GCQ, ttl_ms)
-  local hashes = split_hashes(ARGV[6])
+  local hashes = split_hashes(ARGV[7])
   for _, h in ipairs(hashes) do
     local key = BLK .. h
     redis.call('HSET', key, worker, new_gen)
@@ -183,12 +199,12 @@ if op == 'stage' then
   return 0
 end
 
--- commit: new generation, ttl_ms, epoch, sequence -- the staged set becomes the worker's state, atomically.
+-- commit: new generation, epoch, sequence -- the staged set becomes the worker's state, atomically.
 -- returns the number of garbage sets queued
 if op == 'commit' then
-  local new_gen, ttl_ms = ARGV[4], ARGV[5]
+  local new_gen = ARGV[6]
   local stage = prefix .. 'stage:' .. worker .. ':' .. new_gen
-  retire(new_gen, ttl_ms)
+  retire(redis.call('HGET', IWORKERS, worker), new_gen)
   if redis.call('EXISTS', stage) == 1 then
     redis.call('RENAME', stage, WBLK)
     redis.call('PEXPIRE', WBLK, ttl_ms)
@@ -196,15 +212,16 @@ if op == 'commit' then
   redis.call('HSET', IWORKERS, worker, new_gen)
   redis.call('PEXPIRE', IWORKERS, ttl_ms)
   redis.call('DEL', WSEQ)
-  redis.call('HSET', WSEQ, 'epoch', ARGV[6], 'sequence', ARGV[7])
+  redis.call('HSET', WSEQ, 'epoch', ARGV[7], 'sequence', ARGV[8])
   redis.call('PEXPIRE', WSEQ, ttl_ms)
   return redis.call('SCARD', GCQ)
 end
 
--- purge: tag, ttl_ms -- the worker has no generation any more (every entry invisible at once)
+-- purge: tag -- the worker has no generation any more (every entry invisible at once)
 if op == 'purge' then
-  redis.call('HDEL', IWORKERS, ARGV[3])
-  retire(ARGV[4], ARGV[5])
+  local old_gen = redis.call('HGET', IWORKERS, worker)
+  redis.call('HDEL', IWORKERS, worker)
+  retire(old_gen, ARGV[6])
   redis.call('DEL', WSEQ)
   return redis.call('SCARD', GCQ)
 end
@@ -212,7 +229,7 @@ end
 -- collect: budget -- delete up to ~budget stale entries named by the queued garbage sets
 -- returns how many garbage sets are left
 if op == 'collect' then
-  local budget = tonumber(ARGV[4])
+  local budget = tonumber(ARGV[6])
   local gen = redis.call('HGET', IWORKERS, worker)
   for _, garbage in ipairs(redis.call('SMEMBERS', GCQ)) do
     if budget <= 0 then break end

@@ -125,7 +125,9 @@ class DecodeWorker(WorkerProcess, wpb_grpc.DecodeWorkerServicer):
         except ValueError as e:
             self.loop.thread.post(self.loop.release, reservation_id)
             abort_with(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        context.add_callback(lambda: self.loop.thread.post(self.loop.abort, rid))
+        if not context.add_callback(lambda: self.loop.thread.post(self.loop.abort, rid)):
+            self.loop.thread.post(self.loop.abort, rid)  # cancelled before we got here
+            return
 
         while True:
             try:

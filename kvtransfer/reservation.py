@@ -9,8 +9,9 @@ What a caller may rely on:
   below 2**52 (int64- and JSON-safe) so a sender talking to a restarted worker is unlikely to hit a live id;
 - `write` copies into the cache only while the reservation is live, and `pop` waits for a write in progress,
   so once `pop` (or `pop_expired`) returns no write can land in those blocks again;
-- a reservation expires at `expires_at_s` (the table's clock) unless it completed first: a complete
-  reservation stays until popped, so a finished transfer is never lost to a late commit;
+- a reservation expires at `expires_at_s` (the table's clock); on completion its deadline moves to at least
+  now + `complete_grace_s`, so a commit right after the transfer is not lost to the original deadline, while
+  a commit that never comes (the router died) still frees the blocks;
 - every `(layer, block)` counts once, however often it is rewritten; `complete` turns true exactly when the
   last one arrives.
 
@@ -55,10 +56,11 @@ class Reservation:
 
 
 class ReservationTable:
-    def __init__(self, num_layers: int, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, num_layers: int, clock: Callable[[], float] = time.monotonic, complete_grace_s: float = 30.0):
         if num_layers < 1:
             raise ValueError(f"num_layers={num_layers} is invalid: must be >= 1")
         self.num_layers = num_layers
+        self.complete_grace_s = complete_grace_s
         self._clock = clock
         self._lock = threading.Lock()
         self._reservations: dict[int, Reservation] = {}
@@ -95,7 +97,7 @@ class ReservationTable:
         """Under r's lock."""
         if r.popped:
             raise ReservationExpired(f"reservation {r.reservation_id} was released")
-        if not r.complete and self._clock() >= r.expires_at_s:
+        if self._clock() >= r.expires_at_s:
             raise ReservationExpired(f"reservation {r.reservation_id} (request {r.request_id}) expired "
                                      f"{self._clock() - r.expires_at_s:.3f} s ago")
         if r.error is not None:
@@ -130,6 +132,8 @@ class ReservationTable:
                         r.num_received += 1
             if r.num_received == r.num_expected and not r.complete:
                 r.complete = True
+                # the commit (Decode) gets a fresh grace period; a commit that never comes still frees the blocks
+                r.expires_at_s = max(r.expires_at_s, self._clock() + self.complete_grace_s)
                 r._cond.notify_all()
         finally:
             r._cond.release()
@@ -190,10 +194,11 @@ class ReservationTable:
         return r
 
     def pop_expired(self) -> list[Reservation]:
-        """Remove and return incomplete reservations past their deadline; the caller frees their blocks."""
+        """Remove and return reservations past their deadline (a complete one's deadline moved to
+        completion + complete_grace_s); the caller frees their blocks."""
         now = self._clock()
         with self._lock:
-            expired = [r for r in self._reservations.values() if not r.complete and now >= r.expires_at_s]
+            expired = [r for r in self._reservations.values() if now >= r.expires_at_s]
             for r in expired:
                 del self._reservations[r.reservation_id]
         for r in expired:

@@ -80,7 +80,8 @@ class PrefillLoop:
         self._block_layer_bytes = kv_bytes_per_block_layer
         self.layer_group_size = layer_group_size
         self._jobs: dict[str, _Job] = {}
-        self.num_waiting_tokens = 0  # prompt tokens not yet computed, updated on the engine thread
+        self.num_waiting_tokens = 0  # prompt tokens not computed yet (a waiting request's cache hit is not
+        # known until it is scheduled, so its whole prompt counts); recounted on the engine thread
         self.thread = EngineThread("prefill-engine", self.rt.scheduler.has_unfinished_requests, self._step)
 
     def start(self) -> None:
@@ -107,15 +108,14 @@ class PrefillLoop:
     def _add(self, job: _Job) -> None:
         self.rt.scheduler.add_request(job.request)
         self._jobs[job.request.request_id] = job
-        self.num_waiting_tokens += job.request.num_prompt_tokens
+        self._count_waiting_tokens()
 
     def _abort(self, request_id: str, error: BaseException) -> None:
         job = self._jobs.pop(request_id, None)
         if job is None:
             return
         self.rt.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
-        if job.started_s is None:
-            self.num_waiting_tokens -= job.request.num_prompt_tokens
+        self._count_waiting_tokens()
         job.result.set_exception(error)
         self._check_idle()
 
@@ -129,7 +129,6 @@ class PrefillLoop:
             if job.started_s is None:
                 job.started_s = now
             request = job.request
-            self.num_waiting_tokens -= len(chunk.token_ids)
             if job.target is None:
                 continue
             end = chunk.start_position + len(chunk.token_ids)
@@ -170,6 +169,7 @@ class PrefillLoop:
             )
         for job in [j for j in self._jobs.values() if j.error is not None]:
             self._abort(job.request.request_id, job.error)  # a send failed mid-prompt: stop computing it
+        self._count_waiting_tokens()
         self._check_idle()
 
     def _layer_sender(self, sends: list[tuple[_Job, int, list[int]]]) -> Callable[[int], None]:
@@ -195,6 +195,9 @@ class PrefillLoop:
                 job.kv_bytes += (end - start) * len(block_ids) * self._block_layer_bytes
 
         return on_layer_done
+
+    def _count_waiting_tokens(self) -> None:
+        self.num_waiting_tokens = sum(r.num_tokens - r.num_computed_tokens for r in self.rt.scheduler.requests.values())
 
     def _check_idle(self) -> None:
         if self.rt.scheduler.has_unfinished_requests():

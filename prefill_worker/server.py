@@ -75,7 +75,7 @@ class PrefillWorker(WorkerProcess, wpb_grpc.PrefillWorkerServicer):
         s = self.rt.scheduler
         return WorkerLoad(
             num_waiting=len(s.waiting), num_running=len(s.running), num_free_blocks=self.rt.block_pool.num_free_blocks,
-            num_waiting_tokens=max(self.loop.num_waiting_tokens, 0),
+            num_waiting_tokens=self.loop.num_waiting_tokens,
         )
 
     # -- RPCs ------------------------------------------------------------------------------------
@@ -100,7 +100,8 @@ class PrefillWorker(WorkerProcess, wpb_grpc.PrefillWorkerServicer):
             eos_token_ids=self.rt.tokenizer.eos_token_ids, cache_salt=request.cache_salt,
         )
         future = self.loop.submit(engine_request, target)
-        context.add_callback(lambda: future.done() or self.loop.abort(request.request_id))
+        if not context.add_callback(lambda: future.done() or self.loop.abort(request.request_id)):
+            self.loop.abort(request.request_id)  # the caller went away before we got here
         try:
             result = future.result(timeout=remaining_s(context, DEFAULT_TIMEOUT_S))
         except FutureTimeout:
@@ -154,7 +155,7 @@ class PrefillWorker(WorkerProcess, wpb_grpc.PrefillWorkerServicer):
         return wpb.WorkerStats(
             worker_id=self.worker_id, role="prefill", num_kv_blocks=rt.num_kv_blocks,
             num_free_blocks=rt.block_pool.num_free_blocks, num_running=len(rt.scheduler.running),
-            num_waiting=len(rt.scheduler.waiting), num_waiting_tokens=max(self.loop.num_waiting_tokens, 0),
+            num_waiting=len(rt.scheduler.waiting), num_waiting_tokens=self.loop.num_waiting_tokens,
             integrity_error=error, prefix_query_tokens=rt.scheduler.num_prefix_query_tokens,
             prefix_hit_tokens=rt.scheduler.num_prefix_hit_tokens,
             num_kv_events_published=self.publisher.num_published,

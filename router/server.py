@@ -56,7 +56,7 @@ class RouterConfig:
     port: int = 0
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_logprobs: int = 20
-    reservation_ttl_s: float = 30.0
+    reservation_ttl_s: float = 60.0  # reserve -> KV complete; Decode then has the worker's grace period
     max_concurrent_streams: int = 256
     auth_token: str | None = None
     tls_cert: Path | None = None
@@ -136,7 +136,8 @@ class Router(pb_grpc.GenerationServicer):
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                               f"request_id={client_id!r} is invalid: must not be the id of a live request")
             self._live[client_id] = live
-        context.add_callback(lambda: live.cancel(abort=False))
+        if not context.add_callback(lambda: live.cancel(abort=False)):
+            live.cancel(abort=False)  # the client is gone already
         try:
             yield from self._generate(client_id, built, request.cache_salt, live, context, received_s)
         except _Failed as f:
@@ -174,7 +175,8 @@ class Router(pb_grpc.GenerationServicer):
         )
         timing = pb.Timing(reserve_s=reserved_s - reserve_start_s)
         usage = pb.Usage(prompt_tokens=len(built.prompt_token_ids))
-        released = False
+        released = False  # until the decode worker ends the request, a failure path releases the reservation
+        # (idempotent: once Decode took the reservation, Release finds nothing and the worker aborts the request)
 
         def release() -> None:
             nonlocal released
@@ -204,7 +206,6 @@ class Router(pb_grpc.GenerationServicer):
                 return
             yield message
 
-            released = True  # from here the decode worker owns the blocks (Decode takes the reservation)
             decode_req = wpb.DecodeRequest(
                 request_id=internal_id, reservation_id=reservation.reservation_id,
                 prompt_token_ids=built.prompt_token_ids, first_token_id=first.first_token_id,
@@ -222,6 +223,8 @@ class Router(pb_grpc.GenerationServicer):
                         client_id, detok, list(reply.token_ids), list(reply.logprobs), reply.finish_reason,
                         reply.stop_token_id if reply.HasField("stop_token_id") else None, usage,
                     )
+                    if reply.finish_reason:
+                        released = True  # the request ran on the decode worker and ended there
                     if done:
                         stream.cancel()  # a stop string: the decode worker aborts and frees the blocks
                         timing.e2e_s = time.monotonic() - received_s

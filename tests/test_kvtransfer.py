@@ -143,7 +143,7 @@ def test_reservation_ids_ranges_completion_and_pop():
 
 def test_reservation_expiry():
     clock = FakeClock()
-    table = ReservationTable(1, clock=clock)
+    table = ReservationTable(1, clock=clock, complete_grace_s=10.0)
     late, done = table.add("late", [1, 2], 8, 5.0), table.add("done", [3], 4, 5.0)
     table.write(done.reservation_id, 0, 1, 0, 1, lambda ids: None)
     clock.now_s += 5.0
@@ -151,8 +151,10 @@ def test_reservation_expiry():
         table.write(late.reservation_id, 0, 1, 0, 1, lambda ids: pytest.fail("wrote into an expired reservation"))
     with pytest.raises(ReservationExpired):
         table.wait_complete(late.reservation_id, 1.0)
-    assert table.pop_expired() == [late] and table.pop_expired() == []  # the complete one does not expire
+    assert table.pop_expired() == [late] and table.pop_expired() == []  # the complete one has its grace period
     assert len(table) == 1 and table.pop(late.reservation_id) is None
+    clock.now_s += 10.0  # a commit that never comes: the complete reservation expires too, its blocks freed
+    assert table.pop_expired() == [done] and len(table) == 0
 
 
 def test_reservation_waits_fail_and_pop_during_write():

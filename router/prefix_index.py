@@ -11,9 +11,14 @@ its keys; `<h>` is a block hash as 16 lowercase hex chars, `<w>` a worker id, `<
          │  lookup: 1. candidates = the workers with a current-gen entry in blk:<h_1>
          ▼          2. per candidate, chunks of h_2.. against wblk:<w>, then wwin:<w>:<gen>:*, to its
                        first block held neither way (one SMISMEMBER / HMGET per chunk, doubling chunks)
-    duet:{<model_id>}:blk:<h>         HASH  w -> "<gen>"              confirmed (a Stored event, a resync)
-                                            w -> "<gen>:<expiry_ms>"  speculative, first block of a routed
-                                                                      chain only; expiry on Redis's clock
+    duet:{<model_id>}:blk:<h>         HASH  w -> "<gen>"              confirmed: the first block of a stored
+                                                                      run whose parent w lacks (so every
+                                                                      child of a root), every resynced block
+                                            w -> "<gen>:<expiry_ms>"  speculative: first block of a routed
+                                                                      chain; expiry on Redis's clock
+                                      (a block whose parent w holds is never a prompt's first block: lookups
+                                      never ask, so the inverted index skips it: one write per run, not
+                                      per block, and a fraction of the memory)
     duet:{<model_id>}:wblk:<w>        SET   <h>...           w's confirmed blocks: what lookups scan, what a
                                                              clear / resync / purge retires, what tests
                                                              compare with the worker's real cache
@@ -45,10 +50,11 @@ cached hashes) and calls `resync`; events up to that sequence are then skipped a
 first blocks (misses, never false hits) until its commit. Every PrefixIndex of one model must use the same
 `speculative_ttl_s` (it is the window width).
 
-Memory: every key has a TTL. Block keys get `entry_ttl_s` on each store (a key made only by a speculative
-first block gets `speculative_ttl_s`), the per-worker keys `entry_ttl_s` on each event batch, windows live
-two window widths. A worker that stays quiet for longer than `entry_ttl_s` is forgotten and resyncs on its
-next event. Removed events delete entries, so confirmed entries track the workers' own (LRU-bounded)
+Memory: every key has a TTL. Block keys get `entry_ttl_s` on each store and each time a request with that
+first block is routed to a holder (a key made only by a speculative first block gets `speculative_ttl_s`),
+the per-worker keys `entry_ttl_s` on each event batch and each request routed there, windows live two
+window widths. A worker neither routed to nor emitting events for `entry_ttl_s` is forgotten and resyncs on
+its next event. Removed events delete entries, so confirmed entries track the workers' own (LRU-bounded)
 caches. The deployment must run Redis with a `maxmemory` and `maxmemory-policy volatile-lru`
 (deploy/redis_server.py's default: 256mb): every index key is volatile, and LRU keeps the hot `iworkers`
 hash, which every lookup reads. An evicted key costs misses or a resync, never a false hit.
@@ -191,8 +197,9 @@ class PrefixIndex:
         fresh: list[str] = []
         encoded: list = []
         for event in events:
+            parent = ""
             if isinstance(event, BlocksStored):
-                kind, hashes = "s", chain_hex(event.block_hashes)
+                kind, hashes, parent = "s", chain_hex(event.block_hashes), chain_hex([event.parent_block_hash])
             elif isinstance(event, BlocksRemoved):
                 kind, hashes = "r", chain_hex(event.block_hashes)
             elif isinstance(event, AllBlocksCleared):
@@ -201,7 +208,7 @@ class PrefixIndex:
             else:
                 raise TypeError(f"unknown KV event {event!r}: expected BlocksStored, BlocksRemoved or "
                                 "AllBlocksCleared")
-            encoded += [kind, str(event.epoch), str(event.sequence), hashes]
+            encoded += [kind, str(event.epoch), str(event.sequence), hashes, parent]
         applied, skipped, code, detail1, detail2, garbage = self._update("apply", worker_id, len(fresh), *fresh,
                                                                          *encoded)
         if garbage:

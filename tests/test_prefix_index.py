@@ -101,8 +101,10 @@ def all_keys(r) -> list[str]:
     return sorted(k.decode() for k in r.scan_iter(count=1000))
 
 
-def stored(epoch, sequence, hashes) -> BlocksStored:
-    return BlocksStored(epoch=epoch, sequence=sequence, block_hashes=tuple(hashes), parent_block_hash=0,
+def stored(epoch, sequence, hashes, parent=None) -> BlocksStored:
+    """A Stored event; its run starts at the root unless `parent` is given."""
+    return BlocksStored(epoch=epoch, sequence=sequence, block_hashes=tuple(hashes),
+                        parent_block_hash=root_hash(MODEL) if parent is None else parent,
                         token_ids=(0,) * (BLOCK_SIZE * len(hashes)), block_size=BLOCK_SIZE)
 
 
@@ -211,6 +213,18 @@ def test_events_from_a_block_pool_mirror_its_cache(r):
             assert_index_matches(r, index, [worker], prompts)
     assert index.state(worker.worker_id) == (worker.pool.epoch, worker.sequence)
     assert any(type(e).__name__ == "BlocksRemoved" for e in worker.events)
+
+
+def test_only_first_blocks_of_stored_runs_enter_the_inverted_index(r):
+    index = PrefixIndex(r, MODEL)
+    index.resync("w", 1, 0, [])
+    assert index.apply_events("w", [stored(1, 1, [11, 12, 13]), stored(1, 2, [14], parent=13)]).applied == 2
+    assert index.apply_events("w", [stored(1, 3, [21, 22], parent=999)]).applied == 1  # a parent it lacks
+    assert sorted(k for k in all_keys(r) if ":blk:" in k) == [index.prefix + "blk:" + h
+                                                              for h in hash_keys([11, 21])]
+    assert index.lookup([11, 12, 13, 14, 15]) == {"w": 4} and index.lookup([21, 22]) == {"w": 2}
+    assert index.lookup([12, 13]) == {}  # 12 is never the first block of a prompt: not looked for
+    assert indexed(r, index, "w") == {11, 12, 13, 14, 21, 22}
 
 
 def test_gap_duplicate_and_reorder_are_detected_and_resync_removes_false_hits(r):
@@ -480,7 +494,11 @@ def test_every_key_is_hash_tagged_by_model_and_has_a_ttl(r):
 
 
 def test_index_stays_bounded_under_a_churn_of_unique_prefixes(r):
-    index = PrefixIndex(r, MODEL)
+    """600 prompts, half behind a shared system prompt, half wholly unique, over 4 small pools that keep
+    evicting: every index entry stays accounted for by a real cache, a pending speculative entry or a
+    speculative window of the last 2 x speculative_ttl_s."""
+    ttl_s = 0.05
+    index = PrefixIndex(r, MODEL, speculative_ttl_s=ttl_s)
     workers = [SimWorker(f"prefill-{i}", num_blocks=16 + 8 * i) for i in range(4)]
     for w in workers:
         sync(index, w)
@@ -488,19 +506,30 @@ def test_index_stays_bounded_under_a_churn_of_unique_prefixes(r):
     capacity = sum(w.pool.num_blocks for w in workers)
     system_prompt = [rng.randrange(50_000) for _ in range(2 * BLOCK_SIZE)]
     sent = {w.worker_id: 0 for w in workers}
+    prompts, routed = [], []  # routed: (monotonic time, blocks)
     for step in range(600):
-        tokens = system_prompt + [rng.randrange(50_000) for _ in range(rng.randrange(1, 7) * BLOCK_SIZE)]
+        head = system_prompt if step % 2 else []
+        tokens = head + [rng.randrange(50_000) for _ in range(rng.randrange(1, 7) * BLOCK_SIZE)]
         worker = workers[rng.randrange(4)]
-        index.add_speculative(worker.worker_id, prompt_block_hashes(tokens, BLOCK_SIZE, MODEL))
-        worker.serve(tokens)
+        hashes = prompt_block_hashes(tokens, BLOCK_SIZE, MODEL)
+        index.add_speculative(worker.worker_id, hashes)
+        routed.append((time.monotonic(), len(hashes)))
+        prompts.append(worker.serve(tokens))
         assert not index.apply_events(worker.worker_id, worker.events[sent[worker.worker_id] :]).resync_needed
         sent[worker.worker_id] = len(worker.events)
         if step % 100 == 99:
             stats = index.stats()
-            cached = set().union(*(w.pool.cached_hashes() for w in workers))
+            first_blocks = {h for w in workers for h in w.pool.cached_hashes()
+                            if r.hexists(index.prefix + "blk:" + hash_keys([h])[0], w.worker_id)}
             pending = sum(stats["speculative_first_blocks"].values())  # routed, not stored (yet)
-            assert stats["num_block_keys"] <= len(cached) + pending <= capacity + pending
-            assert len(all_keys(r)) <= stats["num_block_keys"] + 1 + 3 * len(workers)
-            for w in workers:
-                assert indexed(r, index, w.worker_id) == w.pool.cached_hashes()
+            assert stats["num_block_keys"] <= len(first_blocks) + pending
+            assert sum(stats["per_worker"].values()) == sum(w.pool.num_cached_blocks for w in workers) <= capacity
+            recent = sum(n for t, n in routed if t > time.monotonic() - 3 * ttl_s)
+            assert sum(stats["speculative_blocks"].values()) <= recent
+            assert len(all_keys(r)) <= stats["num_block_keys"] + 1 + 5 * len(workers)
+            assert_index_matches(r, index, workers, prompts[-30:])  # speculative entries were all stored
     assert sum(len(w.events) for w in workers) > 600  # real churn: stored and evicted over and over
+    time.sleep(2 * ttl_s)
+    stats = index.stats()
+    assert sum(stats["speculative_blocks"].values()) == 0 < sum(n for _, n in routed)
+    assert len(all_keys(r)) <= stats["num_block_keys"] + 1 + 3 * len(workers)  # no window left

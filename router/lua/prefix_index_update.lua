@@ -69,7 +69,10 @@ local function retire(old_gen, tag)
 end
 
 -- apply: k, k fresh generations (one per clear event), then events as
---        kind ("s" stored | "r" removed | "c" cleared), epoch, sequence, hashes
+--        kind ("s" stored | "r" removed | "c" cleared), epoch, sequence, hashes, parent hash ("" unless "s")
+-- A stored run gets an entry in blk:<h> (the inverted index a lookup reads for its first block only) just
+-- for its first block, and only if the worker does not hold that block's parent: a block whose parent is
+-- held is never the first block of a prompt. That always covers the children of a root.
 -- returns {applied, skipped, code ("ok" | "unknown" | "gap" | "epoch"), detail1, detail2, garbage queued}
 if op == 'apply' then
   local num_fresh = tonumber(ARGV[6])
@@ -97,8 +100,8 @@ if op == 'apply' then
     else
       if kind == 's' then
         local hashes = split_hashes(ARGV[pos + 3])
-        for _, h in ipairs(hashes) do
-          local key = BLK .. h
+        if #hashes > 0 and redis.call('SISMEMBER', WBLK, ARGV[pos + 4]) == 0 then
+          local key = BLK .. hashes[1]
           redis.call('HSET', key, worker, gen)
           redis.call('PEXPIRE', key, ttl_ms)
         end
@@ -122,7 +125,7 @@ if op == 'apply' then
       last, last_text = seq, ARGV[pos + 2]
       applied = applied + 1
     end
-    pos = pos + 4
+    pos = pos + 5
   end
   redis.call('HSET', WSEQ, 'sequence', last_text)
   for _, key in ipairs({WSEQ, WBLK, WSPEC, IWORKERS}) do redis.call('PEXPIRE', key, ttl_ms) end
@@ -133,7 +136,8 @@ end
 -- Every block goes into the current window hash (block -> expiry_ms), which the lookup reads per chunk
 -- and which expires on its own. The first block also gets an entry in its blk hash, unless confirmed
 -- there, so the lookup finds the worker as a candidate; those entries are tracked in wspec (first block ->
--- expiry) and swept once expired, a bounded number per call.
+-- expiry) and swept once expired, a bounded number per call. Being routed to keeps the worker's state and
+-- its confirmed first block alive (TTLs refreshed), as events do.
 if op == 'speculate' then
   local now = now_ms()
   local gen = redis.call('HGET', IWORKERS, worker)
@@ -146,7 +150,10 @@ if op == 'speculate' then
   local hashes = split_hashes(ARGV[7])
   local expiry = string.format('%d', now + spec_ttl_ms)
   local first_key = BLK .. hashes[1]
-  if redis.call('HGET', first_key, worker) ~= gen then
+  for _, key in ipairs({WSEQ, WBLK}) do redis.call('PEXPIRE', key, ttl_ms) end
+  if redis.call('HGET', first_key, worker) == gen then
+    redis.call('PEXPIRE', first_key, ttl_ms, 'GT')
+  else
     redis.call('HSET', first_key, worker, gen .. ':' .. expiry)
     -- a key made here lives spec_ttl; an existing key's TTL only ever grows
     if redis.call('PEXPIRE', first_key, spec_ttl_ms, 'NX') == 0 then

@@ -8,6 +8,7 @@ import logging
 import sys
 from pathlib import Path
 
+from duet.cli_bench import add_bench_commands
 from duet.cli_common import _parse_ids, add_engine_args, add_sampling_args, engine_kwargs, sampling_params
 from duet.cli_serving import add_serving_commands
 from engine.errors import InvalidRequestError, ModelLoadError
@@ -94,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_generate)
 
     add_serving_commands(sub)
+    add_bench_commands(sub)
     return parser
 
 

@@ -66,6 +66,7 @@ class _Job:
     transfers: list[Future] = field(default_factory=list)
     kv_bytes: int = 0
     error: BaseException | None = None
+    cached_tokens_at_arrival: int = 0  # prefix-cache hit it would get now: not work to queue behind
 
 
 SendFn = Callable[[str, int, int, int, int, list[int]], Future]  # KVSender.send
@@ -80,8 +81,8 @@ class PrefillLoop:
         self._block_layer_bytes = kv_bytes_per_block_layer
         self.layer_group_size = layer_group_size
         self._jobs: dict[str, _Job] = {}
-        self.num_waiting_tokens = 0  # prompt tokens not computed yet (a waiting request's cache hit is not
-        # known until it is scheduled, so its whole prompt counts); recounted on the engine thread
+        self.num_waiting_tokens = 0  # uncached prompt tokens not computed yet: the work queued here (a
+        # waiting request counts its prompt minus the cache hit it had on arrival); recounted on the engine thread
         self.thread = EngineThread("prefill-engine", self.rt.scheduler.has_unfinished_requests, self._step)
 
     def start(self) -> None:
@@ -108,6 +109,7 @@ class PrefillLoop:
     def _add(self, job: _Job) -> None:
         self.rt.scheduler.add_request(job.request)
         self._jobs[job.request.request_id] = job
+        job.cached_tokens_at_arrival = self.rt.kv_cache.get_computed_blocks(job.request)[1]
         self._count_waiting_tokens()
 
     def _abort(self, request_id: str, error: BaseException) -> None:
@@ -197,7 +199,12 @@ class PrefillLoop:
         return on_layer_done
 
     def _count_waiting_tokens(self) -> None:
-        self.num_waiting_tokens = sum(r.num_tokens - r.num_computed_tokens for r in self.rt.scheduler.requests.values())
+        total = 0
+        for job in self._jobs.values():
+            request = job.request
+            done = request.num_computed_tokens if job.started_s is not None else job.cached_tokens_at_arrival
+            total += max(request.num_tokens - done, 0)
+        self.num_waiting_tokens = total
 
     def _check_idle(self) -> None:
         if self.rt.scheduler.has_unfinished_requests():

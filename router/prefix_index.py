@@ -7,6 +7,7 @@ router/lua/prefix_index_update.lua, so each is atomic. Key layout (every key car
 its keys; `<h>` is a block hash as 16 lowercase hex chars, `<w>` a worker id, `<gen>` 12 hex chars):
 
     duet:{<model_id>}:iworkers        HASH  w -> gen        w's current generation; no field: w is unknown
+                                            "" -> "---..."  forces the hashtable encoding (see the Lua)
          │                                                  (only entries of the current gen ever count)
          │  lookup: 1. candidates = the workers with a current-gen entry in blk:<h_1>
          ▼          2. per candidate, chunks of h_2.. against wblk:<w>, then wwin:<w>:<gen>:*, to its
@@ -267,7 +268,7 @@ class PrefixIndex:
 
     def workers(self) -> set[str]:
         """Worker ids the index holds a generation for (synced, or given a speculative entry)."""
-        return {_text(w) for w in self.client.hkeys(self._iworkers)}
+        return {_text(w) for w in self.client.hkeys(self._iworkers)} - {""}  # "": the encoding marker
 
     def stats(self) -> dict:
         """Sizes, for metrics and tests. Scans the model's block keys: O(keys), not for the hot path."""
@@ -275,12 +276,12 @@ class PrefixIndex:
                                                               count=1000))
         seconds, micros = self.client.time()
         window = (seconds * 1000 + micros // 1000) // int(self._speculative_ttl_ms)
-        gens = {_text(w): _text(g) for w, g in self.client.hgetall(self._iworkers).items()}
+        gens = {_text(w): _text(g) for w, g in self.client.hgetall(self._iworkers).items() if w not in (b"", "")}
         per_worker, speculative_blocks, speculative_first = {}, {}, {}
         for worker_id, gen in sorted(gens.items()):
             per_worker[worker_id] = self.client.scard(self.prefix + "wblk:" + worker_id)
             windows = [f"{self.prefix}wwin:{worker_id}:{gen}:{j}" for j in (window, window - 1)]
-            speculative_blocks[worker_id] = sum(self.client.hlen(k) for k in windows)
+            speculative_blocks[worker_id] = sum(max(0, self.client.hlen(k) - 1) for k in windows)  # - marker
             speculative_first[worker_id] = self.client.zcard(self.prefix + "wspec:" + worker_id)
         return {
             "num_block_keys": num_block_keys,

@@ -10,9 +10,8 @@
 -- ARGV[4+n]        the chain: block hashes as 16 hex chars each, concatenated, in chain order
 -- Returns {worker, count, worker, count, ...} for the workers with count >= 1.
 --
--- Candidates: the workers whose entry in blk:<block 1> carries their current generation, "<gen>"
--- (confirmed) or "<gen>:<expiry_ms>" (speculative, until expiry_ms on Redis's clock): one HGETALL, or one
--- HMGET of the given workers. Each candidate is then scanned from block 2 on, chunk by chunk (doubling
+-- Candidates: the workers (of those given, if any) whose entry in blk:<block 1> carries their current
+-- generation, "<gen>" (confirmed) or "<gen>:<expiry_ms>" (speculative, until expiry_ms on Redis's clock). Each candidate is then scanned from block 2 on, chunk by chunk (doubling
 -- sizes): one SMISMEMBER on its confirmed set wblk:<w>, and where that misses, one HMGET of its two live
 -- speculative windows wwin:<w>:<gen>:<j>, <j-1> (block -> expiry_ms), up to its first block held neither
 -- way. Calls per worker grow with log(answer), work with the answer: the whole lookup grows with the sum of
@@ -63,15 +62,19 @@ end
 
 -- Block 1: its holders (or the given workers), then their generations.
 local candidates, values = {}, {}
-if num_filter == 0 then
-  local flat = redis.call('HGETALL', blk .. hash_at(1))
-  for i = 1, #flat, 2 do
+-- HGETALL, then the filter in Lua: an HMGET of many fields from a small (listpack-encoded) hash scans it
+-- once per field.
+local wanted = nil
+if num_filter > 0 then
+  wanted = {}
+  for i = 4, 3 + num_filter do wanted[ARGV[i]] = true end
+end
+local flat = redis.call('HGETALL', blk .. hash_at(1))
+for i = 1, #flat, 2 do
+  if not wanted or wanted[flat[i]] then
     candidates[#candidates + 1] = flat[i]
     values[#values + 1] = flat[i + 1]
   end
-else
-  for i = 4, 3 + num_filter do candidates[#candidates + 1] = ARGV[i] end
-  values = hmget(blk .. hash_at(1), candidates)
 end
 if #candidates == 0 then return {} end
 local candidate_gens = hmget(KEYS[1], candidates)

@@ -21,6 +21,16 @@ local WBLK = prefix .. 'wblk:' .. worker
 local WSPEC = prefix .. 'wspec:' .. worker
 local GCQ = prefix .. 'gcq:' .. worker
 local MAX_ARGS = 4000  -- unpack() is limited to ~8000 values
+-- Hashes with many fields must use the hashtable encoding: in a listpack (Redis's compact encoding, up to
+-- hash-max-listpack-entries fields) each field read or write scans the list, so an HMGET of 512 workers
+-- took 3.5 ms instead of 0.24, and filling a window with 256 blocks 1.5 ms instead of 0.6. A field ""
+-- (never a worker id nor a block) with a value longer than hash-max-listpack-value (64 by default) makes
+-- Redis convert at once.
+local WIDE = string.rep('-', 100)
+
+local function set_gen(gen)
+  redis.call('HSET', IWORKERS, '', WIDE, worker, gen)
+end
 
 local function now_ms()
   local t = redis.call('TIME')
@@ -119,7 +129,7 @@ if op == 'apply' then
         if new_gen == gen then new_gen = new_gen .. '0' end
         retire(gen, new_gen)
         gen = new_gen
-        redis.call('HSET', IWORKERS, worker, gen)
+        set_gen(gen)
         garbage = 1
       end
       last, last_text = seq, ARGV[pos + 2]
@@ -144,7 +154,7 @@ if op == 'speculate' then
   if not gen then
     gen = ARGV[6]
     retire(nil, gen)  -- sets left from a lost generation must not count under the new one
-    redis.call('HSET', IWORKERS, worker, gen)
+    set_gen(gen)
   end
   redis.call('PEXPIRE', IWORKERS, ttl_ms)
   local hashes = split_hashes(ARGV[7])
@@ -167,6 +177,7 @@ if op == 'speculate' then
     pairs_list[#pairs_list + 1] = h
     pairs_list[#pairs_list + 1] = expiry
   end
+  redis.call('HSET', window, '', WIDE)
   list_call('HSET', window, pairs_list)
   redis.call('PEXPIREAT', window, (math.floor(now / spec_ttl_ms) + 2) * spec_ttl_ms)
   local expired = redis.call('ZRANGEBYSCORE', WSPEC, '-inf', now, 'LIMIT', 0, 16)
@@ -216,7 +227,7 @@ if op == 'commit' then
     redis.call('RENAME', stage, WBLK)
     redis.call('PEXPIRE', WBLK, ttl_ms)
   end
-  redis.call('HSET', IWORKERS, worker, new_gen)
+  set_gen(new_gen)
   redis.call('PEXPIRE', IWORKERS, ttl_ms)
   redis.call('DEL', WSEQ)
   redis.call('HSET', WSEQ, 'epoch', ARGV[7], 'sequence', ARGV[8])

@@ -60,6 +60,7 @@ def cmd_router(args: argparse.Namespace) -> int:
     server = RouterServer(RouterConfig(
         redis_url=args.redis_url, model_dir=args.model, model_id=args.model_id, host=args.host, port=args.port,
         max_model_len=args.max_model_len, auth_token=args.auth_token, tls_cert=args.tls_cert, tls_key=args.tls_key,
+        metrics_port=args.metrics_port,
     ))
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -101,6 +102,33 @@ def cmd_client(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_route_explain(args: argparse.Namespace) -> int:
+    from google.protobuf.json_format import MessageToDict
+
+    from duet.client import Client
+
+    prompts = [*args.prompt, *args.prompt_ids]
+    if len(prompts) != 1:
+        print("error: give exactly one --prompt TEXT or --prompt-ids 1,2,3", file=sys.stderr)
+        return 2
+    with Client(args.addr, auth_token=args.auth_token) as client:
+        ex = client.explain_route(prompts[0], cache_salt=args.cache_salt)
+    if args.json:
+        fields = MessageToDict(ex, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+        print(json.dumps(fields))
+        return 0
+    index = "available" if ex.index_available else "UNAVAILABLE (load only)"
+    print(f"prompt: {ex.prompt_tokens} tokens = {ex.prompt_blocks} full blocks of {ex.block_size}; index {index}; "
+          f"lookup {1000 * ex.lookup_s:.2f} ms, decision {1000 * ex.decision_s:.2f} ms")
+    print(f"{'prefill worker':<22} {'cached':>8} {'queued':>8} {'tok/s':>9} {'est. TTFT':>10}")
+    for w in ex.prefill:
+        mark = "  <- chosen" if w.worker_id == ex.prefill_worker else ("  (busy)" if w.busy else "")
+        print(f"{w.worker_id:<22} {w.cached_tokens:>8} {w.queued_tokens:>8} {w.tokens_per_s:>9.0f} "
+              f"{1000 * w.estimated_ttft_s:>8.1f}ms{mark}")
+    print(f"choice: {ex.prefill_worker} ({ex.branch}); decode: {ex.decode_worker}")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from duet.demo import run_demo
 
@@ -124,7 +152,17 @@ def add_serving_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--auth-token", default=None, help="require 'authorization: Bearer TOKEN' on every call")
     p.add_argument("--tls-cert", type=Path, default=None)
     p.add_argument("--tls-key", type=Path, default=None)
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
     p.set_defaults(func=cmd_router)
+
+    p = sub.add_parser("route-explain", help="show how the router would route a prompt, and why")
+    p.add_argument("--addr", required=True, help="router host:port")
+    p.add_argument("--prompt", action="append", default=[])
+    p.add_argument("--prompt-ids", action="append", type=_parse_ids, default=[])
+    p.add_argument("--cache-salt", default="")
+    p.add_argument("--auth-token", default=None)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_route_explain)
 
     p = sub.add_parser("up", help="start a local cluster: redis, router, prefill and decode workers")
     add_engine_args(p)

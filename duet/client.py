@@ -50,6 +50,10 @@ class Client:
         return self.stub.Generate(self.request(prompt, params, request_id, cache_salt), timeout=timeout_s,
                                   metadata=self._metadata)
 
+    def explain_route(self, prompt: Prompt, cache_salt: str = "", timeout_s: float = 10.0) -> pb.RouteExplanation:
+        return self.stub.ExplainRoute(self.request(prompt, cache_salt=cache_salt), timeout=timeout_s,
+                                      metadata=self._metadata)
+
     def abort(self, request_id: str, timeout_s: float = 5.0) -> bool:
         return self.stub.Abort(pb.AbortRequest(request_id=request_id), timeout=timeout_s,
                                metadata=self._metadata).found

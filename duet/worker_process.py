@@ -23,6 +23,7 @@ from duet.kv_event_publisher import KVEventPublisher
 from engine.config import EngineConfig
 from engine.runtime import Runtime, build_runtime
 from kvtransfer.layout import KVLayout
+from router.prefix_index import PrefixIndex
 from router.registry import Heartbeat, WorkerInfo, WorkerLoad, WorkerRegistry
 
 log = logging.getLogger("duet.worker")
@@ -62,7 +63,12 @@ class WorkerProcess:
         self.layout = KVLayout.for_caches(self.rt.model_id, self.rt.kv_caches)
         self.registry = WorkerRegistry.from_url(config.redis_url, ttl_s=config.heartbeat_ttl_s)
         self.redis = self.registry.client
-        self.publisher = KVEventPublisher(self.redis, self.rt.model_id, self.worker_id)
+        index = snapshot = None
+        if config.role == "prefill":  # the router routes prefills by prefix; decode caches are not indexed
+            index = PrefixIndex(self.redis, self.rt.model_id)
+            snapshot = self.pool_snapshot
+        self.publisher = KVEventPublisher(self.redis, self.rt.model_id, self.worker_id, index=index,
+                                          snapshot=snapshot)
         self.rt.block_pool.subscribe(self.publisher.on_event)
         self.server = serving.make_server(config.max_concurrent_rpcs, serving.INTERNAL_MAX_MESSAGE_BYTES)
         self.add_services(self.server)
@@ -83,6 +89,13 @@ class WorkerProcess:
     def kv_address(self) -> str:
         return ""
 
+    def pool_snapshot(self) -> tuple[int, int, list[int]]:
+        """The block pool's (epoch, sequence, cached hashes), read on the engine thread."""
+        return self.engine_thread().call(self.rt.block_pool.snapshot)
+
+    def engine_thread(self):
+        raise NotImplementedError
+
     def start_engine(self) -> None:
         raise NotImplementedError
 
@@ -100,12 +113,12 @@ class WorkerProcess:
 
     def start(self) -> None:
         self.start_engine()
-        self.publisher.start()
         self.server.start()
         self.heartbeat = Heartbeat(self.registry, self.info(), self.load)
         self.heartbeat.start()
         if not self.heartbeat.wait_registered(30.0):
             log.warning("worker=%s registry unreachable at start; serving anyway, retrying", self.worker_id)
+        self.publisher.start()  # after registering: routers purge index entries of unregistered workers
         serving.set_serving(self.health, self.service_names, True)
         log.info("worker=%s role=%s address=%s model=%s event=serving", self.worker_id, self.config.role,
                  self.address, self.rt.model_id)

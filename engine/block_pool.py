@@ -71,6 +71,11 @@ class BlockPool:
     def cached_hashes(self) -> set[int]:
         return set(self._cached)
 
+    def snapshot(self) -> tuple[int, int, list[int]]:
+        """(epoch, sequence of the last event, cached hashes): the state a consumer that lost events resyncs
+        to; every event after it has a higher sequence."""
+        return self.epoch, self._sequence, list(self._cached)
+
     # -- check-then-act --------------------------------------------------------------------------
 
     def can_allocate(self, num_blocks: int) -> bool:

@@ -83,6 +83,9 @@ class PrefillLoop:
         self._jobs: dict[str, _Job] = {}
         self.num_waiting_tokens = 0  # uncached prompt tokens not computed yet: the work queued here (a
         # waiting request counts its prompt minus the cache hit it had on arrival); recounted on the engine thread
+        self._decayed_tokens = 0.0
+        self._decayed_step_s = 0.0
+        self.tokens_per_s = 0.0  # measured speed, which the router's cost model uses
         self.thread = EngineThread("prefill-engine", self.rt.scheduler.has_unfinished_requests, self._step)
 
     def start(self) -> None:
@@ -139,6 +142,7 @@ class PrefillLoop:
                 sends.append((job, job.num_sent_blocks, chunk.block_ids[job.num_sent_blocks : end_blocks]))
                 job.num_sent_blocks = end_blocks
 
+        step_start_s = time.monotonic()
         try:
             sampled = self.rt.runner.execute(out.chunks, self._layer_sender(sends) if sends else None)
         except Exception as e:
@@ -148,6 +152,7 @@ class PrefillLoop:
             return
         updates = scheduler.update_from_output(out, {rid: s.token_id for rid, s in sampled.items()})
         now = time.monotonic()
+        self._measure(out.num_batched_tokens, now - step_start_s)
         for update in updates:
             job = self._jobs.pop(update.request_id)
             request = job.request
@@ -197,6 +202,12 @@ class PrefillLoop:
                 job.kv_bytes += (end - start) * len(block_ids) * self._block_layer_bytes
 
         return on_layer_done
+
+    def _measure(self, num_tokens: int, step_s: float) -> None:
+        """Decayed sums, so the speed follows the recent mix of prompt lengths and includes step overhead."""
+        self._decayed_tokens = 0.95 * self._decayed_tokens + num_tokens
+        self._decayed_step_s = 0.95 * self._decayed_step_s + step_s
+        self.tokens_per_s = self._decayed_tokens / self._decayed_step_s if self._decayed_step_s > 0 else 0.0
 
     def _count_waiting_tokens(self) -> None:
         total = 0

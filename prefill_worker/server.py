@@ -71,11 +71,14 @@ class PrefillWorker(WorkerProcess, wpb_grpc.PrefillWorkerServicer):
     def engine_alive(self) -> bool:
         return self.loop.thread.alive
 
+    def engine_thread(self):
+        return self.loop.thread
+
     def load(self) -> WorkerLoad:
         s = self.rt.scheduler
         return WorkerLoad(
             num_waiting=len(s.waiting), num_running=len(s.running), num_free_blocks=self.rt.block_pool.num_free_blocks,
-            num_waiting_tokens=self.loop.num_waiting_tokens,
+            num_waiting_tokens=self.loop.num_waiting_tokens, prefill_tokens_per_s=round(self.loop.tokens_per_s, 1),
         )
 
     # -- RPCs ------------------------------------------------------------------------------------

@@ -90,6 +90,7 @@ class WorkerLoad:
     num_running: int = 0
     num_free_blocks: int = 0
     num_waiting_tokens: int = 0  # prompt tokens queued but not computed (prefill work)
+    prefill_tokens_per_s: float = 0.0  # measured prefill speed (decayed tokens / decayed step time); 0: unknown
 
     def __post_init__(self):
         for f in dataclasses.fields(self):

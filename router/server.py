@@ -33,7 +33,11 @@ from engine.config import ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError
 from engine.tokenizer import Tokenizer
-from router.load_policy import Candidate, rank_decode, rank_prefill, without
+from router.load_policy import Candidate, rank_decode, without
+from router.metrics import RouterMetrics
+from router.prefill_chooser import PrefillChooser
+from router.prefix_index import PrefixIndex
+from router.prefix_policy import PolicyConfig
 from router.registry import WorkerInfo, WorkerRegistry
 from router.request_builder import BuiltRequest, ModelLimits, build_request
 
@@ -59,6 +63,8 @@ class RouterConfig:
     reservation_ttl_s: float = 60.0  # reserve -> KV complete; Decode then has the worker's grace period
     max_concurrent_streams: int = 256
     auth_token: str | None = None
+    metrics_port: int | None = None  # Prometheus /metrics over HTTP; None: off
+    policy: PolicyConfig | None = None
     tls_cert: Path | None = None
     tls_key: Path | None = None
 
@@ -120,6 +126,12 @@ class Router(pb_grpc.GenerationServicer):
         self._live: dict[str, _Live] = {}
         self._lock = threading.Lock()
         self._workers_cache: tuple[float, list] = (0.0, [])
+        self._registry_down = False
+        self._last_purge_s = 0.0
+        self._inflight_tokens: dict[str, int] = {}  # prefill work this router sent and has not seen done
+        self.metrics = RouterMetrics()
+        self.index = PrefixIndex(self.registry.client, self.model_id)
+        self.chooser = PrefillChooser(self.index, self.model_id, self.metrics, config.policy)
 
     # -- public RPCs -----------------------------------------------------------------------------
 
@@ -138,14 +150,17 @@ class Router(pb_grpc.GenerationServicer):
             self._live[client_id] = live
         if not context.add_callback(lambda: live.cancel(abort=False)):
             live.cancel(abort=False)  # the client is gone already
+        status = "OK"
         try:
             yield from self._generate(client_id, built, request.cache_salt, live, context, received_s)
         except _Failed as f:
+            status = f.code.name
             if f.trailers:
                 context.set_trailing_metadata(f.trailers)
             log.info("request=%s event=failed status=%s message=%s", client_id, f.code.name, f.message)
             context.abort(f.code, f.message)
         finally:
+            self.metrics.requests.labels("CANCELLED" if live.cancelled else status).inc()
             with self._lock:
                 self._live.pop(client_id, None)
 
@@ -155,6 +170,28 @@ class Router(pb_grpc.GenerationServicer):
         if live is not None:
             live.cancel(abort=True)
         return pb.AbortResponse(found=live is not None)
+
+    def ExplainRoute(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> pb.RouteExplanation:
+        try:
+            built = build_request(request, self.tokenizer, self.limits)
+            prefills, decodes = self._workers()
+        except InvalidRequestError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except _Failed as f:
+            context.abort(f.code, f.message)
+        choice = self._choose_prefill(built.prompt_token_ids, request.cache_salt, prefills, speculate=False)
+        decode_id = rank_decode(self._candidates(decodes))[0]
+        addresses = {info.worker_id: info.address for info, _, _ in prefills}
+        return pb.RouteExplanation(
+            prefill_worker=choice.worker.worker_id, branch=choice.decision.branch, decode_worker=decode_id,
+            prompt_tokens=len(built.prompt_token_ids), block_size=choice.block_size,
+            prompt_blocks=len(choice.block_hashes), index_available=choice.index_available,
+            lookup_s=choice.lookup_s, decision_s=choice.decision_s,
+            prefill=[pb.WorkerEstimate(worker_id=e.worker_id, address=addresses[e.worker_id],
+                                       cached_tokens=e.cached_tokens, queued_tokens=e.queued_tokens,
+                                       tokens_per_s=e.tokens_per_s, estimated_ttft_s=e.cost_s, busy=e.busy)
+                     for e in choice.decision.estimates],
+        )
 
     # -- one request -----------------------------------------------------------------------------
 
@@ -168,7 +205,9 @@ class Router(pb_grpc.GenerationServicer):
         reserve_start_s = time.monotonic()
         decode, reservation = self._reserve(internal_id, len(built.prompt_token_ids), decodes, context)
         reserved_s = time.monotonic()
-        prefill = self._pick(rank_prefill, prefills, "prefill")
+        choice = self._choose_prefill(built.prompt_token_ids, cache_salt, prefills)
+        prefill = choice.worker
+        routed_tokens = len(built.prompt_token_ids) - choice.predicted_cached_tokens
         detok = IncrementalDetokenizer(
             self.tokenizer, built.prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
             stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output,
@@ -185,12 +224,20 @@ class Router(pb_grpc.GenerationServicer):
                 self._release(decode, reservation.reservation_id)
 
         try:
-            first = self._prefill(prefill, internal_id, built, sampling, cache_salt, decode, reservation, live,
-                                  context)
+            self._track_tokens(prefill.worker_id, routed_tokens)
+            try:
+                first = self._prefill(prefill, internal_id, built, sampling, cache_salt, decode, reservation, live,
+                                      context)
+            finally:
+                self._track_tokens(prefill.worker_id, -routed_tokens)
+            self.metrics.prompt_tokens.inc(len(built.prompt_token_ids))
+            self.metrics.predicted_cached.inc(choice.predicted_cached_tokens)
+            self.metrics.actual_cached.inc(first.cached_tokens)
             timing.queue_s, timing.prefill_s, timing.transfer_s = first.queue_s, first.prefill_s, first.transfer_s
             usage.cached_tokens = first.cached_tokens
             first_sent_s = time.monotonic()
             timing.ttft_s = first_sent_s - received_s
+            self.metrics.ttft_s.observe(timing.ttft_s)
             message, done = self._tokens_message(
                 client_id, detok, [first.first_token_id],
                 [first.logprob] if first.HasField("logprob") else [], first.finish_reason,
@@ -200,6 +247,7 @@ class Router(pb_grpc.GenerationServicer):
             if done:
                 release()
                 timing.e2e_s = time.monotonic() - received_s
+                self.metrics.e2e_s.observe(timing.e2e_s)
                 message.usage.CopyFrom(usage)
                 message.timing.CopyFrom(timing)
                 yield message
@@ -228,6 +276,7 @@ class Router(pb_grpc.GenerationServicer):
                     if done:
                         stream.cancel()  # a stop string: the decode worker aborts and frees the blocks
                         timing.e2e_s = time.monotonic() - received_s
+                        self.metrics.e2e_s.observe(timing.e2e_s)
                         message.usage.CopyFrom(usage)
                         message.timing.CopyFrom(timing)
                         yield message
@@ -352,14 +401,25 @@ class Router(pb_grpc.GenerationServicer):
     # -- workers ---------------------------------------------------------------------------------
 
     def _workers(self) -> tuple[list, list]:
+        """Live workers from the registry (cached REGISTRY_CACHE_S). With Redis down, the last list seen:
+        workers keep serving without Redis, and their failures mark them suspect here."""
         now = time.monotonic()
         cached_at, workers = self._workers_cache
         if now - cached_at > REGISTRY_CACHE_S:
             try:
                 workers = self.registry.list_workers(self.model_id)
-            except redis.RedisError as e:
-                raise _Failed(grpc.StatusCode.UNAVAILABLE, f"worker registry (redis) unreachable: {e}") from None
-            self._workers_cache = (now, workers)
+                if self._registry_down:
+                    log.warning("router event=registry_up")
+                    self._registry_down = False
+                self._workers_cache = (now, workers)
+                self._purge_dead(workers, now)
+            except (redis.RedisError, OSError) as e:
+                if not workers:
+                    raise _Failed(grpc.StatusCode.UNAVAILABLE, f"worker registry (redis) unreachable: {e}") from None
+                if not self._registry_down:
+                    log.warning("router event=registry_down using=last_known_workers error=%s", e)
+                    self._registry_down = True
+                self._workers_cache = (now, workers)
         prefills = [w for w in workers if w[0].role == "prefill"]
         decodes = [w for w in workers if w[0].role == "decode"]
         for role, found in (("prefill", prefills), ("decode", decodes)):
@@ -367,16 +427,31 @@ class Router(pb_grpc.GenerationServicer):
                 raise _Failed(grpc.StatusCode.UNAVAILABLE, f"no {role} worker is up for model {self.model_id}")
         return prefills, decodes
 
+    def _purge_dead(self, workers: list, now: float) -> None:
+        """Forget index entries of prefill workers that stopped heartbeating (every few seconds)."""
+        if now - self._last_purge_s < 5.0:
+            return
+        self._last_purge_s = now
+        purged = self.index.purge_missing([info.worker_id for info, _, _ in workers if info.role == "prefill"])
+        for worker_id in purged:
+            log.info("router event=index_purge worker=%s", worker_id)
+
+    def _choose_prefill(self, prompt: list[int], cache_salt: str, prefills: list, speculate: bool = True):
+        suspects = self._active_suspects()
+        healthy = [w for w in prefills if w[0].worker_id not in suspects] or prefills
+        with self._lock:
+            inflight = dict(self._inflight_tokens)
+        return self.chooser.choose(prompt, cache_salt, healthy, inflight, speculate=speculate)
+
+    def _track_tokens(self, worker_id: str, delta: int) -> None:
+        with self._lock:
+            self._inflight_tokens[worker_id] = self._inflight_tokens.get(worker_id, 0) + delta
+
     def _candidates(self, workers: list) -> list[Candidate]:
         with self._lock:
             return [Candidate(info.worker_id, load.num_waiting, load.num_running, load.num_free_blocks,
                               load.num_waiting_tokens, self._inflight.get(info.worker_id, 0))
                     for info, load, _ in workers]
-
-    def _pick(self, rank, workers: list, role: str) -> WorkerInfo:
-        ranked = without(rank(self._candidates(workers)), self._active_suspects())
-        by_id = {info.worker_id: info for info, _, _ in workers}
-        return by_id[ranked[0]]
 
     def _active_suspects(self) -> dict[str, float]:
         now = time.monotonic()
@@ -427,6 +502,9 @@ class RouterServer:
         self.health = serving.add_health_and_reflection(self.server, [SERVICE_NAME])
         self.port = serving.bind(self.server, config.host, config.port, config.tls_cert, config.tls_key)
         self.address = f"{config.host}:{self.port}"
+        self.metrics_port = None
+        if config.metrics_port is not None:
+            self.metrics_port = self.router.metrics.serve(config.metrics_port, config.host)
 
     def start(self) -> None:
         self.server.start()

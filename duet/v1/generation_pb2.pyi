@@ -163,3 +163,45 @@ class AbortResponse(_message.Message):
     FOUND_FIELD_NUMBER: _ClassVar[int]
     found: bool
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
+
+class WorkerEstimate(_message.Message):
+    __slots__ = ("worker_id", "address", "cached_tokens", "queued_tokens", "tokens_per_s", "estimated_ttft_s", "busy")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    ESTIMATED_TTFT_S_FIELD_NUMBER: _ClassVar[int]
+    BUSY_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    address: str
+    cached_tokens: int
+    queued_tokens: int
+    tokens_per_s: float
+    estimated_ttft_s: float
+    busy: bool
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., estimated_ttft_s: _Optional[float] = ..., busy: _Optional[bool] = ...) -> None: ...
+
+class RouteExplanation(_message.Message):
+    __slots__ = ("prefill_worker", "branch", "prefill", "decode_worker", "prompt_tokens", "block_size", "prompt_blocks", "index_available", "lookup_s", "decision_s")
+    PREFILL_WORKER_FIELD_NUMBER: _ClassVar[int]
+    BRANCH_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    DECODE_WORKER_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_AVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_S_FIELD_NUMBER: _ClassVar[int]
+    DECISION_S_FIELD_NUMBER: _ClassVar[int]
+    prefill_worker: str
+    branch: str
+    prefill: _containers.RepeatedCompositeFieldContainer[WorkerEstimate]
+    decode_worker: str
+    prompt_tokens: int
+    block_size: int
+    prompt_blocks: int
+    index_available: bool
+    lookup_s: float
+    decision_s: float
+    def __init__(self, prefill_worker: _Optional[str] = ..., branch: _Optional[str] = ..., prefill: _Optional[_Iterable[_Union[WorkerEstimate, _Mapping]]] = ..., decode_worker: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., prompt_blocks: _Optional[int] = ..., index_available: _Optional[bool] = ..., lookup_s: _Optional[float] = ..., decision_s: _Optional[float] = ...) -> None: ...

@@ -44,6 +44,11 @@ class GenerationStub:
                 request_serializer=duet_dot_v1_dot_generation__pb2.AbortRequest.SerializeToString,
                 response_deserializer=duet_dot_v1_dot_generation__pb2.AbortResponse.FromString,
                 _registered_method=True)
+        self.ExplainRoute = channel.unary_unary(
+                '/duet.v1.Generation/ExplainRoute',
+                request_serializer=duet_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=duet_dot_v1_dot_generation__pb2.RouteExplanation.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -62,6 +67,14 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExplainRoute(self, request, context):
+        """How the router would route this request now, without running it: each prefill worker's cached
+        prefix, queued work and estimated time to first token, and the choice.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -74,6 +87,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=duet_dot_v1_dot_generation__pb2.AbortRequest.FromString,
                     response_serializer=duet_dot_v1_dot_generation__pb2.AbortResponse.SerializeToString,
+            ),
+            'ExplainRoute': grpc.unary_unary_rpc_method_handler(
+                    servicer.ExplainRoute,
+                    request_deserializer=duet_dot_v1_dot_generation__pb2.GenerateRequest.FromString,
+                    response_serializer=duet_dot_v1_dot_generation__pb2.RouteExplanation.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -130,6 +148,33 @@ class Generation:
             '/duet.v1.Generation/Abort',
             duet_dot_v1_dot_generation__pb2.AbortRequest.SerializeToString,
             duet_dot_v1_dot_generation__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExplainRoute(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/duet.v1.Generation/ExplainRoute',
+            duet_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
+            duet_dot_v1_dot_generation__pb2.RouteExplanation.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,111 @@
+"""Choosing the prefill worker for a prompt: hash it, ask the prefix index once, apply the policy.
+
+    prompt ─▶ block hashes (engine.hashing, the workers' block size, root from model id + cache salt)
+           ─▶ PrefixIndex.lookup: leading blocks each prefill worker holds (ONE Redis round trip)
+           ─▶ prefix_policy.choose_prefill(cached tokens, queued work, measured speed)
+           ─▶ speculative entry for the chosen worker (the next request with this prefix sees it at once)
+
+If Redis cannot be reached the choice falls back to load only (branch "load_only"), logged once when it
+goes down and once when it comes back, and `duet_router_index_available` says so; every request retries
+the index, so routing returns to prefix-aware by itself. Replicas agree: nothing here depends on this
+router's history except its own in-flight counts, and ties are broken by a generator seeded from the
+prompt's hashes, so two routers over one Redis make the same choice for the same prompt and state.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import redis
+
+from engine.hashing import hash_blocks, root_hash
+from router.metrics import RouterMetrics
+from router.prefix_index import PrefixIndex
+from router.prefix_policy import PolicyConfig, RouteDecision, WorkerState, choose_prefill
+from router.registry import WorkerInfo, WorkerLoad
+
+log = logging.getLogger("duet.router")
+
+
+@dataclass(frozen=True)
+class PrefillChoice:
+    worker: WorkerInfo
+    decision: RouteDecision
+    block_hashes: list[int]
+    block_size: int
+    index_available: bool
+    lookup_s: float
+    decision_s: float
+
+    @property
+    def predicted_cached_tokens(self) -> int:
+        chosen = next(e for e in self.decision.estimates if e.worker_id == self.worker.worker_id)
+        return chosen.cached_tokens
+
+
+class PrefillChooser:
+    def __init__(self, index: PrefixIndex, model_id: str, metrics: RouterMetrics,
+                 policy: PolicyConfig | None = None):
+        self.index = index
+        self.model_id = model_id
+        self.metrics = metrics
+        self.policy = policy or PolicyConfig()
+        self._index_down = False
+
+    def choose(
+        self,
+        prompt_token_ids: Sequence[int],
+        cache_salt: str,
+        prefills: Sequence[tuple[WorkerInfo, WorkerLoad, float]],
+        inflight_tokens: Mapping[str, int],
+        speculate: bool = True,
+    ) -> PrefillChoice:
+        start_s = time.perf_counter()
+        block_size = prefills[0][0].block_size
+        hashes = hash_blocks(prompt_token_ids, block_size, root_hash(self.model_id, cache_salt))
+        held, lookup_s = self._lookup(hashes, [info.worker_id for info, _, _ in prefills])
+        states = [
+            WorkerState(
+                worker_id=info.worker_id,
+                cached_tokens=held.get(info.worker_id, 0) * info.block_size if held is not None else 0,
+                queued_tokens=load.num_waiting_tokens + inflight_tokens.get(info.worker_id, 0),
+                tokens_per_s=load.prefill_tokens_per_s or None,
+            )
+            for info, load, _ in prefills
+        ]
+        rng = random.Random(hashes[-1] if hashes else len(prompt_token_ids))  # replicas break ties alike
+        decision = choose_prefill(len(prompt_token_ids), states, self.policy, rng)
+        if held is None:
+            decision = RouteDecision(decision.worker_id, "load_only", decision.estimates)
+        worker = next(info for info, _, _ in prefills if info.worker_id == decision.worker_id)
+        if speculate and held is not None and hashes:
+            try:
+                self.index.add_speculative(worker.worker_id, hashes)
+            except (redis.RedisError, OSError) as e:
+                log.info("router event=speculative_failed worker=%s error=%s", worker.worker_id, e)
+        decision_s = time.perf_counter() - start_s
+        self.metrics.decisions.labels(decision.branch).inc()
+        self.metrics.decision_s.observe(decision_s)
+        return PrefillChoice(worker, decision, hashes, block_size, held is not None, lookup_s, decision_s)
+
+    def _lookup(self, hashes: list[int], worker_ids: list[str]) -> tuple[dict[str, int] | None, float]:
+        start_s = time.perf_counter()
+        try:
+            held = self.index.lookup(hashes, worker_ids)
+        except (redis.RedisError, OSError) as e:
+            if not self._index_down:
+                log.warning("router event=index_down routing=load_only error=%s", e)
+                self._index_down = True
+            self.metrics.index_available.set(0)
+            return None, time.perf_counter() - start_s
+        lookup_s = time.perf_counter() - start_s
+        if self._index_down:
+            log.warning("router event=index_up routing=prefix_aware")
+            self._index_down = False
+        self.metrics.index_available.set(1)
+        self.metrics.lookup_s.observe(lookup_s)
+        return held, lookup_s

@@ -56,6 +56,9 @@ class DecodeWorker(WorkerProcess, wpb_grpc.DecodeWorkerServicer):
     def engine_alive(self) -> bool:
         return self.loop.thread.alive
 
+    def engine_thread(self):
+        return self.loop.thread
+
     def kv_address(self) -> str:
         return self.receiver.address
 

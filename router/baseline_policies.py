@@ -19,10 +19,11 @@ from router.trace_replay import ReplayConfig, ReplayResult, SimWorker, TraceRequ
 
 class DuetPolicy:
     """`router.prefix_policy.choose_prefill`, fed what the real router knows: each worker's exact cached
-    prefix (the index learns it from the workers' KV events: finished prefills only), its queued tokens
-    (load report: whole prompts of the waiting requests) and its prefill speed.
+    prefix (the index learns it from the workers' KV events, plus the speculative entries of requests
+    routed there), its queued tokens (the prefill worker's load report counts uncached work) and its speed.
 
-    Variants, for the ablation in benchmarks/RESULTS.md (off by default; the `duet` row is the plain policy):
+    Switches (the `duet` policy turns on `speculative` and `uncached_queue`, as the router does; the
+    variants in DUET_VARIANTS switch them off one at a time, for the ablation in benchmarks/RESULTS.md):
     `speculative`: a worker also counts as holding the blocks of the requests this router has sent it and
     not seen finish (the speculative index entries of ARCHITECTURE.md); `uncached_queue`: a worker's queued
     tokens count only the waiting requests' uncached parts (as far as its cache now tells);
@@ -198,11 +199,14 @@ class SglangCacheAware:
 
 POLICY_NAMES = ("duet", "round_robin", "least_loaded", "consistent_hash", "sglang_cache_aware", "oracle")
 # DuetPolicy variants for ablations: not in the default comparison, selectable by name (`--policies`).
+# `duet` itself is what the router does: speculative entries for routed requests, queues counted in uncached
+# tokens (the prefill worker's load report), the guardrail.
+DUET_DEFAULT = {"speculative": True, "uncached_queue": True}
 DUET_VARIANTS = {
+    "duet_plain": {},  # the first version: finished prefills only, whole prompts as queued work
     "duet_speculative": {"speculative": True},
     "duet_uncached_queue": {"uncached_queue": True},
-    "duet_no_guardrail": {"config": PolicyConfig(busy_queue_s=math.inf)},
-    "duet_all_three": {"speculative": True, "uncached_queue": True, "config": PolicyConfig(busy_queue_s=math.inf)},
+    "duet_no_guardrail": {**DUET_DEFAULT, "config": PolicyConfig(busy_queue_s=math.inf)},
 }
 ALL_POLICY_NAMES = (*POLICY_NAMES, *DUET_VARIANTS)
 
@@ -210,7 +214,7 @@ ALL_POLICY_NAMES = (*POLICY_NAMES, *DUET_VARIANTS)
 def make_policy(name: str, config: ReplayConfig):
     """A fresh policy by name (not `oracle`: that is a different cluster, see `simulate_oracle`)."""
     if name == "duet":
-        return DuetPolicy(config.seed)
+        return DuetPolicy(config.seed, **DUET_DEFAULT)
     if name in DUET_VARIANTS:
         return DuetPolicy(config.seed, name=name, **DUET_VARIANTS[name])
     if name == "round_robin":

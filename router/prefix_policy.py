@@ -34,7 +34,7 @@ class WorkerState:
 class PolicyConfig:
     default_tokens_per_s: float = 20_000.0
     fixed_s: float = 0.002  # per-request overhead: RPCs, scheduling, first decode step
-    busy_queue_s: float = 2.0  # guardrail: skip workers with more queued work than this
+    busy_queue_s: float = 10.0  # guardrail: skip workers with more queued work than this (see RESULTS.md)
     tie_rel: float = 0.02  # estimates within 2 % of the best count as a tie
 
 

@@ -348,4 +348,9 @@ def test_duet_variants_see_inflight_blocks_and_uncached_queues():
     plain, spec = DuetPolicy(seed=0), DuetPolicy(seed=0, speculative=True, uncached_queue=True)
     assert plain.cached_tokens(workers[1], r) == 0 and spec.cached_tokens(workers[1], r) == 1536
     assert plain.queued_tokens(workers[1]) == 2048 + 1024 and spec.queued_tokens(workers[1]) == 2048
-    assert make_policy("duet_all_three", ReplayConfig()).config.busy_queue_s == math.inf
+    no_guardrail = make_policy("duet_no_guardrail", ReplayConfig())
+    assert no_guardrail.config.busy_queue_s == math.inf and no_guardrail.speculative and no_guardrail.uncached_queue
+    plain = make_policy("duet_plain", ReplayConfig())
+    assert not plain.speculative and not plain.uncached_queue
+    duet = make_policy("duet", ReplayConfig())
+    assert duet.speculative and duet.uncached_queue and duet.config.busy_queue_s == 10.0

@@ -6,7 +6,8 @@ router/lua/prefix_index_update.lua, so each is atomic. Key layout (every key car
 `{<model_id>}`, so on Redis Cluster one model's index lives in one slot and the scripts may touch any of
 its keys; `<h>` is a block hash as 16 lowercase hex chars, `<w>` a worker id, `<gen>` 12 hex chars):
 
-    duet:{<model_id>}:iworkers        HASH  w -> gen        w's current generation; no field: w is unknown
+    duet:{<model_id>}:iworkers        HASH  w -> gen[/j]    w's current generation (and its last speculative
+                                                            window j, if any); no field: w is unknown
                                             "" -> "---..."  forces the hashtable encoding (see the Lua)
          │                                                  (only entries of the current gen ever count)
          │  lookup: 1. candidates = the workers with a current-gen entry in blk:<h_1>
@@ -276,7 +277,8 @@ class PrefixIndex:
                                                               count=1000))
         seconds, micros = self.client.time()
         window = (seconds * 1000 + micros // 1000) // int(self._speculative_ttl_ms)
-        gens = {_text(w): _text(g) for w, g in self.client.hgetall(self._iworkers).items() if w not in (b"", "")}
+        gens = {_text(w): _text(g).split("/")[0] for w, g in self.client.hgetall(self._iworkers).items()
+                if w not in (b"", "")}
         per_worker, speculative_blocks, speculative_first = {}, {}, {}
         for worker_id, gen in sorted(gens.items()):
             per_worker[worker_id] = self.client.scard(self.prefix + "wblk:" + worker_id)

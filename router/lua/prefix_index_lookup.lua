@@ -77,12 +77,15 @@ for i = 1, #flat, 2 do
   end
 end
 if #candidates == 0 then return {} end
-local candidate_gens = hmget(KEYS[1], candidates)
-local active, gens = {}, {}
+local candidate_gens = hmget(KEYS[1], candidates)  -- "<gen>" or "<gen>/<last speculative window>"
+local active, gens, speculating = {}, {}, {}
 for i, w in ipairs(candidates) do
-  if held(values[i], candidate_gens[i]) then
+  local gen, last_window = nil, nil
+  if candidate_gens[i] then gen, last_window = string.match(candidate_gens[i], '^([^/]*)/?(%d*)$') end
+  if held(values[i], gen) then
     active[#active + 1] = w
-    gens[#gens + 1] = candidate_gens[i]
+    gens[#gens + 1] = gen
+    speculating[#speculating + 1] = last_window ~= '' and tonumber(last_window) >= window - 1
   end
 end
 
@@ -92,7 +95,7 @@ local function chunk_at(c)
   local chunk = chunks[c]
   if not chunk then
     local first = c == 1 and 2 or chunks[c - 1][2] + 1
-    local last = math.min(first + math.min(8 * 2 ^ c, 1024) - 1, num_blocks)
+    local last = math.min(first + math.min(16 * 2 ^ c, 1024) - 1, num_blocks)
     local hashes_in = {}
     for i = first, last do hashes_in[#hashes_in + 1] = hash_at(i) end
     chunk = {first, last, hashes_in}
@@ -101,35 +104,42 @@ local function chunk_at(c)
   return chunk
 end
 
-local function leading_run(w, gen)
+-- The worker's run from block 2 on. Fast path: no live speculative window, so the first block missing
+-- from its confirmed set ends the run.
+local function leading_run(w, gen, speculating)
   local wblk = prefix .. 'wblk:' .. w
-  local windows = nil  -- the worker's live speculative windows, looked up at its first miss
+  local windows = nil  -- its live speculative windows, if any, looked up at its first miss
   local c = 1
   while true do
     local chunk = chunk_at(c)
     if chunk[1] > num_blocks then return num_blocks end
     local member = redis.call('SMISMEMBER', wblk, unpack(chunk[3]))
-    local misses = {}  -- positions in the chunk
-    for k = 1, #member do
-      if member[k] == 0 then misses[#misses + 1] = k end
-    end
-    if #misses > 0 then
-      if windows == nil then
-        local base = prefix .. 'wwin:' .. w .. ':' .. gen .. ':'
-        windows = {base .. string.format('%d', window), base .. string.format('%d', window - 1)}
-        if redis.call('EXISTS', windows[1], windows[2]) == 0 then windows = {} end
+    if not speculating then
+      for k = 1, #member do
+        if member[k] == 0 then return chunk[1] + k - 2 end
       end
-      local missed = {}
-      for i, k in ipairs(misses) do missed[i] = chunk[3][k] end
-      local live = {}
-      for _, key in ipairs(windows) do
-        local expiries = redis.call('HMGET', key, unpack(missed))
-        for i = 1, #missed do
-          if expiries[i] and tonumber(expiries[i]) > now_ms then live[i] = true end
+    else
+      local misses = {}  -- positions in the chunk
+      for k = 1, #member do
+        if member[k] == 0 then misses[#misses + 1] = k end
+      end
+      if #misses > 0 then
+        if windows == nil then
+          local base = prefix .. 'wwin:' .. w .. ':' .. gen .. ':'
+          windows = {base .. string.format('%d', window), base .. string.format('%d', window - 1)}
         end
-      end
-      for i, k in ipairs(misses) do
-        if not live[i] then return chunk[1] + k - 2 end
+        local missed = {}
+        for i, k in ipairs(misses) do missed[i] = chunk[3][k] end
+        local live = {}
+        for _, key in ipairs(windows) do
+          local expiries = redis.call('HMGET', key, unpack(missed))
+          for i = 1, #missed do
+            if expiries[i] and tonumber(expiries[i]) > now_ms then live[i] = true end
+          end
+        end
+        for i, k in ipairs(misses) do
+          if not live[i] then return chunk[1] + k - 2 end
+        end
       end
     end
     c = c + 1
@@ -139,6 +149,6 @@ end
 local result = {}
 for i, w in ipairs(active) do
   result[#result + 1] = w
-  result[#result + 1] = leading_run(w, gens[i])
+  result[#result + 1] = leading_run(w, gens[i], speculating[i])
 end
 return result

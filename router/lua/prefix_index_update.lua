@@ -28,8 +28,16 @@ local MAX_ARGS = 4000  -- unpack() is limited to ~8000 values
 -- Redis convert at once.
 local WIDE = string.rep('-', 100)
 
-local function set_gen(gen)
-  redis.call('HSET', IWORKERS, '', WIDE, worker, gen)
+-- iworkers holds "<gen>" or "<gen>/<j>": j is the last speculative window written, so a lookup knows
+-- without a call which workers may have live speculative blocks.
+local function set_gen(gen, j)
+  redis.call('HSET', IWORKERS, '', WIDE, worker, j and (gen .. '/' .. j) or gen)
+end
+
+local function get_gen()
+  local value = redis.call('HGET', IWORKERS, worker)
+  if not value then return nil end
+  return string.match(value, '^[^/]*')
 end
 
 local function now_ms()
@@ -89,7 +97,7 @@ if op == 'apply' then
   local fresh = 7
   local pos = 7 + num_fresh
   local state = redis.call('HMGET', WSEQ, 'epoch', 'sequence')
-  local gen = redis.call('HGET', IWORKERS, worker)
+  local gen = get_gen()
   if not state[1] or not state[2] or not gen then return {0, 0, 'unknown', '', '', 0} end
   local epoch, last = state[1], tonumber(state[2])
   local last_text = state[2]
@@ -150,7 +158,7 @@ end
 -- its confirmed first block alive (TTLs refreshed), as events do.
 if op == 'speculate' then
   local now = now_ms()
-  local gen = redis.call('HGET', IWORKERS, worker)
+  local gen = get_gen()
   if not gen then
     gen = ARGV[6]
     retire(nil, gen)  -- sets left from a lost generation must not count under the new one
@@ -172,6 +180,7 @@ if op == 'speculate' then
     redis.call('ZADD', WSPEC, expiry, hashes[1])
   end
   local window = window_keys(gen, now)[1]
+  set_gen(gen, string.format('%d', math.floor(now / spec_ttl_ms)))
   local pairs_list = {}
   for _, h in ipairs(hashes) do
     pairs_list[#pairs_list + 1] = h
@@ -222,7 +231,7 @@ end
 if op == 'commit' then
   local new_gen = ARGV[6]
   local stage = prefix .. 'stage:' .. worker .. ':' .. new_gen
-  retire(redis.call('HGET', IWORKERS, worker), new_gen)
+  retire(get_gen(), new_gen)
   if redis.call('EXISTS', stage) == 1 then
     redis.call('RENAME', stage, WBLK)
     redis.call('PEXPIRE', WBLK, ttl_ms)
@@ -237,7 +246,7 @@ end
 
 -- purge: tag -- the worker has no generation any more (every entry invisible at once)
 if op == 'purge' then
-  local old_gen = redis.call('HGET', IWORKERS, worker)
+  local old_gen = get_gen()
   redis.call('HDEL', IWORKERS, worker)
   retire(old_gen, ARGV[6])
   redis.call('DEL', WSEQ)
@@ -248,7 +257,7 @@ end
 -- returns how many garbage sets are left
 if op == 'collect' then
   local budget = tonumber(ARGV[6])
-  local gen = redis.call('HGET', IWORKERS, worker)
+  local gen = get_gen()
   for _, garbage in ipairs(redis.call('SMEMBERS', GCQ)) do
     if budget <= 0 then break end
     local kind = redis.call('TYPE', garbage)['ok']

@@ -76,7 +76,7 @@ import redis
 from engine.kv_events import AllBlocksCleared, BlocksRemoved, BlocksStored, KVEvent
 
 _LUA_DIR = Path(__file__).parent / "lua"
-_RESYNC_CHUNK_HASHES = 10_000  # per staging call: ~10 ms of Redis time each
+_RESYNC_CHUNK_HASHES = 10_000  # per staging call: 10-40 ms of Redis time each (benchmark machine)
 _COLLECT_BUDGET = 5_000  # stale entries deleted per collect call
 
 
@@ -167,7 +167,9 @@ class PrefixIndex:
         expired), for workers that hold at least the first one; only those in `workers` if given.
 
         One round trip (one EVALSHA; two more, once, after Redis lost its script cache). An empty chain or
-        an empty `workers` answers {} without asking Redis.
+        an empty `workers` answers {} without asking Redis. Redis's work grows with the sum of the answers
+        (one set-membership test per block per worker, plus a few calls per worker holding the first
+        block), not with chain length x workers: give `workers` (e.g. the live prefill workers) to bound it.
         """
         if not block_hashes or (workers is not None and not workers):
             return {}

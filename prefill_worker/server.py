@@ -162,4 +162,6 @@ class PrefillWorker(WorkerProcess, wpb_grpc.PrefillWorkerServicer):
             integrity_error=error, prefix_query_tokens=rt.scheduler.num_prefix_query_tokens,
             prefix_hit_tokens=rt.scheduler.num_prefix_hit_tokens,
             num_kv_events_published=self.publisher.num_published,
+            num_kv_events_dropped=self.publisher.num_dropped, num_index_resyncs=self.publisher.num_resyncs,
+            kv_event_lag_s=self.publisher.last_lag_s,
         )

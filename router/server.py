@@ -47,6 +47,7 @@ REGISTRY_CACHE_S = 0.5
 RESERVE_TIMEOUT_S = 5.0
 DEFAULT_TIMEOUT_S = 3600.0
 SERVICE_NAME = "duet.v1.Generation"
+INDEX_SIZE_EVERY_S = 30.0
 
 
 @dataclass
@@ -128,6 +129,7 @@ class Router(pb_grpc.GenerationServicer):
         self._workers_cache: tuple[float, list] = (0.0, [])
         self._registry_down = False
         self._last_purge_s = 0.0
+        self._last_size_s = 0.0
         self._inflight_tokens: dict[str, int] = {}  # prefill work this router sent and has not seen done
         self.metrics = RouterMetrics()
         self.index = PrefixIndex(self.registry.client, self.model_id)
@@ -435,6 +437,9 @@ class Router(pb_grpc.GenerationServicer):
         purged = self.index.purge_missing([info.worker_id for info, _, _ in workers if info.role == "prefill"])
         for worker_id in purged:
             log.info("router event=index_purge worker=%s", worker_id)
+        if now - self._last_size_s >= INDEX_SIZE_EVERY_S:  # a SCAN of the model's keys: not on every request
+            self._last_size_s = now
+            self.metrics.index_block_keys.set(self.index.stats()["num_block_keys"])
 
     def _choose_prefill(self, prompt: list[int], cache_salt: str, prefills: list, speculate: bool = True):
         suspects = self._active_suspects()

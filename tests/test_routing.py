@@ -130,3 +130,19 @@ def test_redis_restart_falls_back_to_load_only_and_recovers(cluster, router):
                  what="prefix-aware routing to return")
         again = stream_to_record(client.generate(prefix(52) + [2], PARAMS, timeout_s=60))
         assert again["prefill_worker"] == first["prefill_worker"] and again["cached_tokens"] == 256
+
+
+def test_route_explain_command(router):
+    import json
+    import subprocess
+    import sys
+
+    ids = ",".join(map(str, prefix(0) + [9, 9]))
+    out = subprocess.run([sys.executable, "-m", "duet", "route-explain", "--addr", router.address, "--prompt-ids", ids,
+                          "--json"], capture_output=True, text=True, timeout=60, check=True)
+    ex = json.loads(out.stdout)
+    assert ex["prompt_tokens"] == 258 and ex["prompt_blocks"] == 16 and len(ex["prefill"]) == 2
+    assert ex["prefill_worker"] in {w["worker_id"] for w in ex["prefill"]}
+    text = subprocess.run([sys.executable, "-m", "duet", "route-explain", "--addr", router.address, "--prompt-ids",
+                           ids], capture_output=True, text=True, timeout=60, check=True).stdout
+    assert "<- chosen" in text and "est. TTFT" in text

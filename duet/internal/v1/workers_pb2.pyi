@@ -14,7 +14,7 @@ class StatsRequest(_message.Message):
     def __init__(self, check_integrity: _Optional[bool] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "role", "num_kv_blocks", "num_free_blocks", "num_running", "num_waiting", "num_waiting_tokens", "num_reservations", "integrity_error", "prefix_query_tokens", "prefix_hit_tokens", "num_kv_events_published")
+    __slots__ = ("worker_id", "role", "num_kv_blocks", "num_free_blocks", "num_running", "num_waiting", "num_waiting_tokens", "num_reservations", "integrity_error", "prefix_query_tokens", "prefix_hit_tokens", "num_kv_events_published", "num_kv_events_dropped", "num_index_resyncs", "kv_event_lag_s")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,9 @@ class WorkerStats(_message.Message):
     PREFIX_QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_EVENTS_PUBLISHED_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_EVENTS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    NUM_INDEX_RESYNCS_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENT_LAG_S_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     num_kv_blocks: int
@@ -39,7 +42,10 @@ class WorkerStats(_message.Message):
     prefix_query_tokens: int
     prefix_hit_tokens: int
     num_kv_events_published: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_kv_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_waiting_tokens: _Optional[int] = ..., num_reservations: _Optional[int] = ..., integrity_error: _Optional[str] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., num_kv_events_published: _Optional[int] = ...) -> None: ...
+    num_kv_events_dropped: int
+    num_index_resyncs: int
+    kv_event_lag_s: float
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_kv_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_waiting_tokens: _Optional[int] = ..., num_reservations: _Optional[int] = ..., integrity_error: _Optional[str] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., num_kv_events_published: _Optional[int] = ..., num_kv_events_dropped: _Optional[int] = ..., num_index_resyncs: _Optional[int] = ..., kv_event_lag_s: _Optional[float] = ...) -> None: ...
 
 class KVTarget(_message.Message):
     __slots__ = ("kv_address", "reservation_id")

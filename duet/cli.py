@@ -5,8 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
+
+# `duet up` / `duet demo` fork + exec components while gRPC may run: gRPC's fork support can abort the child
+# before exec (grpc/grpc#43055), and we never need gRPC in a forked child that does not exec.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 from duet.cli_bench import add_bench_commands
 from duet.cli_common import _parse_ids, add_engine_args, add_sampling_args, engine_kwargs, sampling_params

@@ -1,7 +1,8 @@
-"""`duet demo`: the main job on the embedded model. Starts a local cluster (redis, router, one prefill and
-one decode worker as processes), streams a handful of chat requests through the public gRPC API (the
-first warms the prefill worker's prefix cache; the rest share its long system prompt), prints each answer
-with TTFT, TPOT and cached prompt tokens, and shuts the cluster down."""
+"""`duet demo`: the main job on the embedded model. Starts a local cluster (redis, router, two prefill
+workers and one decode worker as processes), streams a handful of chat requests through the public gRPC
+API (the first warms a prefill worker's prefix cache; the rest share its long system prompt, so the router
+sends them to that worker), prints each answer with the worker that prefilled it, TTFT, TPOT and cached
+prompt tokens, and shuts the cluster down."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from duet.client import Client, stream_to_record
 from engine.sampling_params import SamplingParams
 
 SYSTEM = "You are a terse assistant. Answer in one sentence. " * 4
+NUM_PREFILL = 2
 QUESTIONS = ["What is a KV cache?", "Why page it into blocks?", "What does a prefill worker do?",
              "Explain continuous batching.", "Ünïcödé and 日本語 survive detokenization?"]
 
@@ -21,11 +23,11 @@ def run_demo(model: Path | None, max_tokens: int = 24, worker_args: list[str] | 
     from deploy.local_cluster import ClusterConfig, LocalCluster
 
     t0 = time.monotonic()
-    config = ClusterConfig(model_dir=str(model) if model else None, num_prefill=1, num_decode=1,
+    config = ClusterConfig(model_dir=str(model) if model else None, num_prefill=NUM_PREFILL, num_decode=1,
                            worker_args=worker_args or [])
     with LocalCluster(config).start() as cluster:
         print(f"cluster ready in {time.monotonic() - t0:.1f}s: router at {cluster.router_address} "
-              f"(1 prefill, 1 decode, redis at {cluster.redis_url.rsplit('@', 1)[-1]})", flush=True)
+              f"({NUM_PREFILL} prefill, 1 decode, redis at {cluster.redis_url.rsplit('@', 1)[-1]})", flush=True)
         conversations = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}] for q in QUESTIONS]
         params = [SamplingParams(max_tokens=max_tokens, temperature=0)] + [
             SamplingParams(max_tokens=max_tokens, temperature=0.8, top_p=0.95, seed=i)
@@ -33,6 +35,7 @@ def run_demo(model: Path | None, max_tokens: int = 24, worker_args: list[str] | 
         ]
         with Client(cluster.router_address) as client:
             first = stream_to_record(client.generate(conversations[0], params[0], timeout_s=60))
+            time.sleep(0.2)  # the prefill worker's KV events reach the index (a later request would hit anyway)
             with ThreadPoolExecutor(len(QUESTIONS) - 1) as pool:  # the rest stream concurrently
                 rest = list(pool.map(lambda cp: stream_to_record(client.generate(*cp, timeout_s=60)),
                                      zip(conversations[1:], params[1:])))
@@ -40,7 +43,8 @@ def run_demo(model: Path | None, max_tokens: int = 24, worker_args: list[str] | 
             timing = record["timing"]
             tpot = f" tpot={1000 * record['tpot_s']:.1f}ms" if record["tpot_s"] is not None else ""
             print(f"\nQ: {question}\nA: {record['text']!r}\n   [{record['finish_reason']}] "
-                  f"tokens={len(record['token_ids'])} cached_prompt_tokens={record['cached_tokens']}/"
+                  f"prefill={record['prefill_worker']} tokens={len(record['token_ids'])} "
+                  f"cached_prompt_tokens={record['cached_tokens']}/"
                   f"{record['prompt_tokens']} ttft={1000 * record['ttft_s']:.1f}ms{tpot} "
                   f"(prefill {1000 * timing['prefill_s']:.1f}ms, kv transfer {1000 * timing['transfer_s']:.1f}ms)")
         print("\n(the embedded model has random weights: the answers are gibberish by design; "

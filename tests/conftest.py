@@ -1,3 +1,11 @@
+import os
+
+# Tests start worker processes (fork + exec) while gRPC threads run in this process. gRPC's fork support
+# restarts its poller in the forked child, which can hit the fd that close_fds already closed and abort the
+# child before exec (grpc/grpc#43055). Off before grpc is imported; it is only needed to keep grpc usable
+# in a forked child that does not exec, which we never do.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
 import pytest
 
 from engine.tiny_model import make_tiny_model

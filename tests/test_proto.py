@@ -30,7 +30,7 @@ def test_public_api_shape():
     from duet.v1 import generation_pb2 as pb
 
     service = pb.DESCRIPTOR.services_by_name["Generation"]
-    assert {m.name for m in service.methods} == {"Generate", "Abort"}
+    assert {m.name for m in service.methods} == {"Generate", "Abort", "ExplainRoute"}
     assert service.methods_by_name["Generate"].server_streaming
     # real-valued sampling parameters are doubles: a float32 would change what a value means
     fields = pb.SamplingParams.DESCRIPTOR.fields_by_name

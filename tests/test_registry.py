@@ -59,7 +59,7 @@ def test_stored_values_are_plain_json(registry):
         "worker_id": "prefill-0", "role": "prefill", "address": "127.0.0.1:5000", "model_id": "tiny",
         "block_size": 16, "num_kv_blocks": 512, "tp_size": 1, "kv_address": "", "kv_layout": ""}
     assert json.loads(stored[b"load"]) == {"num_waiting": 1, "num_running": 0, "num_free_blocks": 0,
-                                           "num_waiting_tokens": 0}
+                                           "num_waiting_tokens": 0, "prefill_tokens_per_s": 0.0}
     assert stored[b"ttl_ms"] == b"6000"
     assert 5000 < registry.client.pttl("duet:{tiny}:worker:prefill-0") <= 6000
 

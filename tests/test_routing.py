@@ -141,7 +141,7 @@ def test_route_explain_command(router):
     out = subprocess.run([sys.executable, "-m", "duet", "route-explain", "--addr", router.address, "--prompt-ids", ids,
                           "--json"], capture_output=True, text=True, timeout=60, check=True)
     ex = json.loads(out.stdout)
-    assert ex["prompt_tokens"] == 258 and ex["prompt_blocks"] == 16 and len(ex["prefill"]) == 2
+    assert int(ex["prompt_tokens"]) == 258 and int(ex["prompt_blocks"]) == 16 and len(ex["prefill"]) == 2
     assert ex["prefill_worker"] in {w["worker_id"] for w in ex["prefill"]}
     text = subprocess.run([sys.executable, "-m", "duet", "route-explain", "--addr", router.address, "--prompt-ids",
                            ids], capture_output=True, text=True, timeout=60, check=True).stdout

@@ -90,6 +90,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, False)
+        self.gather_vocab: Callable[[torch.Tensor], torch.Tensor] | None = None  # set by tensor parallelism
         self.rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling)
 
     def forward(
@@ -116,4 +117,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab] for the rows of `hidden` that are sampled."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        logits = F.linear(hidden, weight)
+        if self.gather_vocab is not None:  # tensor parallel: this rank computed its slice of the vocabulary
+            logits = self.gather_vocab(logits)
+        return logits.float()

@@ -47,8 +47,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print("error: give at least one --prompt TEXT or --prompt-ids 1,2,3", file=sys.stderr)
         return 2
     params = sampling_params(args)
-    llm = LLM(args.model, **engine_kwargs(args))
-    outputs = llm.generate(prompts, params)
+    with LLM(args.model, **engine_kwargs(args)) as llm:
+        outputs = llm.generate(prompts, params)
     for prompt, out in zip(prompts, outputs):
         if args.json:
             record = {

@@ -20,6 +20,8 @@ def _engine_argv(args: argparse.Namespace) -> list[str]:
             argv += [flag, str(value)]
     if args.no_prefix_caching:
         argv.append("--no-prefix-caching")
+    if args.tp != 1:
+        argv += ["--tp", str(args.tp)]
     return argv
 
 
@@ -38,6 +40,11 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
 def cmd_worker(args: argparse.Namespace) -> int:
     from duet.worker_process import WorkerConfig
     from engine.config import EngineConfig
+
+    if args.tp != 1:
+        print(f"error: --tp={args.tp} is not supported by `duet {args.command}` yet: serving workers run tp 1 "
+              "(tensor parallelism works offline: duet generate --tp N)", file=sys.stderr)
+        return 2
 
     config = WorkerConfig(
         role=args.command, redis_url=args.redis_url, model_dir=args.model, host=args.host, port=args.port,

@@ -129,11 +129,12 @@ class EngineConfig:
     seed: int = 0  # for requests without a seed
     model_id: str | None = None  # the name routers and hashes use; None: the model directory's name
     num_threads: int | None = None  # torch intra-op threads; None: torch's default
+    tp_size: int = 1  # tensor-parallel ranks (processes; gloo on CPU, NCCL on CUDA)
 
     def __post_init__(self) -> None:
         if self.dtype is not None:
             parse_dtype(self.dtype)
-        for name in ("block_size", "kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens", "tp_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} is invalid: must be >= 1")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

@@ -176,5 +176,9 @@ class LLMEngine:
             finished_time_s=now if request.status.finished else None,
         )
 
+    def close(self) -> None:
+        """Release what outlives a call: the tensor-parallel follower processes (no-op at tp_size 1)."""
+        self.runtime.close()
+
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

@@ -7,7 +7,7 @@ drive it their own way; the parts, and how their sizes are derived, are the same
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -42,10 +42,20 @@ class Runtime:
     scheduler: Scheduler
     kv_caches: list[KVCache]
     runner: ModelRunner
+    followers: list = field(default_factory=list)  # tensor-parallel ranks 1..N-1 (processes)
 
     @property
     def block_size(self) -> int:
         return self.config.block_size
+
+    def close(self) -> None:
+        """Stop the tensor-parallel followers (no-op at tp_size 1). Idempotent."""
+        if not self.followers:
+            return
+        from engine.tp_runner import close_group
+
+        close_group(self.runner, self.followers)
+        self.followers = []
 
 
 def build_runtime(model_dir: str | Path, config: EngineConfig) -> Runtime:
@@ -66,14 +76,30 @@ def build_runtime(model_dir: str | Path, config: EngineConfig) -> Runtime:
         )
     if model_config.sliding_window and model_config.sliding_window < max_model_len:
         max_model_len = model_config.sliding_window  # full attention is exact only inside the window
-    model = build_model(model_config, model_dir, dtype, max_positions=max_model_len)
+    max_positions = max_model_len
+    if config.tp_size > 1:
+        from engine.tensor_parallel import local_config, plan_shard
 
-    block_bytes = kv_bytes_per_block(model, config.block_size, dtype)
+        layer_config = local_config(model_config, plan_shard(model_config, 0, config.tp_size))
+    else:
+        layer_config = model_config
+    element_bytes = torch.empty((), dtype=dtype).element_size()
+    block_bytes = 2 * layer_config.num_layers * config.block_size * layer_config.num_kv_heads * \
+        layer_config.head_dim * element_bytes  # this rank's shard of one block
     num_blocks = config.num_kv_blocks or max(
         1, min(config.kv_cache_bytes // block_bytes, config.max_num_seqs * cdiv(max_model_len, config.block_size))
     )
     if num_blocks * config.block_size < max_model_len:
         max_model_len = num_blocks * config.block_size  # one sequence must always fit
+    followers: list = []
+    if config.tp_size > 1:
+        from engine.tp_runner import start_group
+
+        model, followers = start_group(model_config, model_dir, dtype, max_positions, max_model_len, num_blocks,
+                                       config)
+    else:
+        model = build_model(model_config, model_dir, dtype, max_positions=max_positions)
+    assert kv_bytes_per_block(model, config.block_size, dtype) == block_bytes
 
     block_pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
     kv_cache = KVCacheManager(block_pool, model_id)
@@ -81,13 +107,19 @@ def build_runtime(model_dir: str | Path, config: EngineConfig) -> Runtime:
         SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_model_len), kv_cache
     )
     kv_caches = allocate_kv_caches(model, num_blocks, config.block_size, dtype)
-    runner = ModelRunner(model, kv_caches, config.block_size, Sampler(config.seed))
+    if followers:
+        from engine.tp_runner import TPDriverRunner
+
+        runner: ModelRunner = TPDriverRunner(model, kv_caches, config.block_size, Sampler(config.seed))
+    else:
+        runner = ModelRunner(model, kv_caches, config.block_size, Sampler(config.seed))
     log.info(
-        "engine model=%s dtype=%s blocks=%d block_size=%d max_model_len=%d",
-        model_id, str(dtype).removeprefix("torch."), num_blocks, config.block_size, max_model_len,
+        "engine model=%s dtype=%s blocks=%d block_size=%d max_model_len=%d tp=%d",
+        model_id, str(dtype).removeprefix("torch."), num_blocks, config.block_size, max_model_len, config.tp_size,
     )
     return Runtime(
         config=config, model_dir=model_dir, model_config=model_config, model_id=model_id, dtype=dtype,
         tokenizer=tokenizer, model=model, max_model_len=max_model_len, num_kv_blocks=num_blocks,
         block_pool=block_pool, kv_cache=kv_cache, scheduler=scheduler, kv_caches=kv_caches, runner=runner,
+        followers=followers,
     )

@@ -1,0 +1,205 @@
+"""Running a tensor-parallel model: rank 0 drives, the other ranks follow, step by step.
+
+    rank 0 (the engine's process)                 ranks 1..N-1 (worker processes, `run_tp_worker`)
+    scheduler ─▶ prepare_inputs                   │
+    broadcast header [cmd, sizes]  ──────────────▶│ receive header
+    broadcast one int64 payload    ──────────────▶│ receive payload, rebuild the same inputs
+    forward (all-reduces inside) ◀──────────────▶ │ forward
+    compute_logits (all-gather)  ◀──────────────▶ │ compute_logits
+    sample (rank 0 only)                          │ loop; cmd STOP ends it
+
+Every rank holds its own KV cache shard (its kv heads) and writes it in its own forward, so only token
+ids, positions and block tables cross between ranks: no tensors of activations except inside the
+collectives. The payload is plain int64 (no pickle). A rank that dies makes the next collective fail on
+the others (gloo reports the closed connection), so the engine raises instead of hanging.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from engine.attention import AttentionMetadata, PrefillChunk
+from engine.model import KVCache, LlamaForCausalLM
+from engine.model_runner import ModelRunner, SampledToken
+from engine.sampler import Sampler, SamplingRow
+from engine.scheduler import ScheduledChunk
+
+STEP, STOP = 1, 2
+_HEADER = 7  # cmd, tokens, decodes, decode width (blocks), prefills, prefill table ids, sample rows
+
+
+def pack_step(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, block_size: int,
+              sample_rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(header, payload): everything a follower rank needs to run the same forward pass."""
+    num_decodes = meta.num_decode_tokens
+    width = 0
+    parts = [input_ids, positions, meta.slot_mapping]
+    if num_decodes:
+        width = meta.decode_block_ids.numel() // num_decodes
+        context_lens = (meta.decode_mask == 0).sum(dim=1)
+        parts += [meta.decode_block_ids, context_lens]
+    tables = [p.block_table for p in meta.prefills]
+    desc = [[p.query_start, p.num_query_tokens, p.num_context_tokens, p.block_table.numel()] for p in meta.prefills]
+    parts += [torch.tensor(desc, dtype=torch.int64).view(-1), *tables, torch.tensor(sample_rows, dtype=torch.int64)]
+    payload = torch.cat([t.to(torch.int64).view(-1) for t in parts])
+    header = torch.tensor([STEP, input_ids.numel(), num_decodes, width, len(tables), sum(t.numel() for t in tables),
+                           len(sample_rows)], dtype=torch.int64)
+    return header, payload
+
+
+def unpack_step(header: torch.Tensor, payload: torch.Tensor, block_size: int):
+    """The inverse of `pack_step`: (input_ids, positions, meta, sample_rows)."""
+    _, num_tokens, num_decodes, width, num_prefills, _, num_samples = header.tolist()
+    cursor = 0
+
+    def take(n: int) -> torch.Tensor:
+        nonlocal cursor
+        out = payload[cursor : cursor + n]
+        cursor += n
+        return out
+
+    input_ids, positions, slots = take(num_tokens), take(num_tokens), take(num_tokens)
+    decode_block_ids = decode_mask = None
+    if num_decodes:
+        decode_block_ids = take(num_decodes * width).clone()
+        context_lens = take(num_decodes)
+        past_end = torch.arange(width * block_size) >= context_lens.unsqueeze(1)
+        decode_mask = torch.zeros(past_end.shape).masked_fill_(past_end, float("-inf"))
+    desc = take(4 * num_prefills).view(num_prefills, 4).tolist()
+    prefills = [PrefillChunk(q0, nq, nctx, take(n).clone()) for q0, nq, nctx, n in desc]
+    sample_rows = take(num_samples).tolist()
+    meta = AttentionMetadata(slot_mapping=slots.clone(), num_decode_tokens=num_decodes,
+                             decode_block_ids=decode_block_ids, decode_mask=decode_mask, prefills=prefills)
+    return input_ids.clone(), positions.clone(), meta, sample_rows
+
+
+class TPDriverRunner(ModelRunner):
+    """Rank 0's model runner: the same contract as `ModelRunner.execute`, with the followers in lockstep."""
+
+    def __init__(self, model: LlamaForCausalLM, kv_caches: list[KVCache], block_size: int, sampler: Sampler,
+                 group=None):
+        super().__init__(model, kv_caches, block_size, sampler)
+        self.group = group
+
+    @torch.inference_mode()
+    def execute(self, chunks: list[ScheduledChunk], on_layer_done: Callable[[int], None] | None = None
+                ) -> dict[str, SampledToken]:
+        if not chunks:
+            return {}
+        if on_layer_done is not None:
+            raise NotImplementedError("streaming KV out of a tensor-parallel prefill is not supported yet")
+        ordered = [c for c in chunks if len(c.token_ids) == 1] + [c for c in chunks if len(c.token_ids) > 1]
+        input_ids, positions, meta = self.prepare_inputs(ordered)
+        sample_rows, sample_chunks, offset = [], [], 0
+        for chunk in ordered:
+            offset += len(chunk.token_ids)
+            if chunk.sample:
+                sample_rows.append(offset - 1)
+                sample_chunks.append(chunk)
+        header, payload = pack_step(input_ids, positions, meta, self.block_size, sample_rows)
+        dist.broadcast(header, src=0, group=self.group)
+        dist.broadcast(payload, src=0, group=self.group)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if not sample_chunks:
+            return {}
+        logits = self.model.compute_logits(hidden[sample_rows])
+        rows = [SamplingRow(c.sampling_params, c.prompt_token_ids, c.output_token_ids) for c in sample_chunks]
+        sampled = self.sampler(logits, rows)
+        return {c.request_id: SampledToken(t, lp) for c, t, lp in zip(sample_chunks, sampled.token_ids,
+                                                                       sampled.logprobs)}
+
+    def shutdown(self) -> None:
+        """Tell the followers to exit (best effort: they also exit when this process dies)."""
+        try:
+            dist.broadcast(torch.tensor([STOP] + [0] * (_HEADER - 1), dtype=torch.int64), src=0, group=self.group)
+        except (RuntimeError, ValueError):
+            pass
+
+
+@torch.inference_mode()
+def follow(model: LlamaForCausalLM, kv_caches: list[KVCache], block_size: int, group=None) -> None:
+    """A follower rank's loop: run every step rank 0 broadcasts, until STOP."""
+    while True:
+        header = torch.empty(_HEADER, dtype=torch.int64)
+        dist.broadcast(header, src=0, group=group)
+        if int(header[0]) == STOP:
+            return
+        size = 3 * int(header[1]) + int(header[2]) * (int(header[3]) + 1) + 4 * int(header[4]) + int(header[5]) \
+            + int(header[6])
+        payload = torch.empty(size, dtype=torch.int64)
+        dist.broadcast(payload, src=0, group=group)
+        input_ids, positions, meta, sample_rows = unpack_step(header, payload, block_size)
+        hidden = model(input_ids, positions, kv_caches, meta)
+        if sample_rows:
+            model.compute_logits(hidden[sample_rows])  # joins the all-gather; rank 0 samples
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_group(rank: int, size: int, init_method: str, timeout_s: float = 120.0) -> None:
+    """The default process group of this process: gloo on CPU (NCCL when the model runs on CUDA)."""
+    backend = "nccl" if torch.cuda.is_available() and os.environ.get("DUET_DEVICE") == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
+                            timeout=timedelta(seconds=timeout_s))
+
+
+def spawn_followers(size: int, init_method: str, argv: list[str]) -> list[subprocess.Popen]:
+    """Start ranks 1..size-1 as `python -m engine.tp_worker` processes (they die with this process)."""
+    from deploy.redis_server import parent_death_preexec
+
+    procs = []
+    for rank in range(1, size):
+        cmd = [sys.executable, "-m", "engine.tp_worker", "--rank", str(rank), "--size", str(size),
+               "--init-method", init_method, *argv]
+        procs.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL, preexec_fn=parent_death_preexec()))
+    return procs
+
+
+def start_group(model_config, model_dir, dtype: torch.dtype, max_positions: int, max_model_len: int, num_blocks: int,
+                config) -> tuple[LlamaForCausalLM, list[subprocess.Popen]]:
+    """Rank 0's side of starting a tensor-parallel engine: spawn the followers with the settings resolved
+    here, join the process group, load rank 0's shard, wait until every rank has loaded."""
+    from engine.tensor_parallel import TPGroup, build_tp_model
+
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    argv = ["--model", str(model_dir), "--dtype", str(dtype).removeprefix("torch."), "--block-size",
+            str(config.block_size), "--num-kv-blocks", str(num_blocks), "--max-model-len", str(max_positions)]
+    if config.num_threads:
+        argv += ["--threads", str(config.num_threads)]
+    followers = spawn_followers(config.tp_size, init_method, argv)
+    try:
+        init_group(0, config.tp_size, init_method)
+        model = build_tp_model(model_config, model_dir, dtype, max_positions, TPGroup(0, config.tp_size))
+        dist.barrier()
+    except BaseException:
+        for proc in followers:
+            proc.kill()
+        raise
+    return model, followers
+
+
+def close_group(runner: ModelRunner, followers: list[subprocess.Popen], timeout_s: float = 10.0) -> None:
+    if isinstance(runner, TPDriverRunner):
+        runner.shutdown()
+    for proc in followers:
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    try:
+        dist.destroy_process_group()
+    except (RuntimeError, ValueError, AssertionError):
+        pass

@@ -1,0 +1,58 @@
+"""A follower rank of a tensor-parallel engine: `python -m engine.tp_worker --rank R --size N ...`.
+
+Started by rank 0 (engine/tp_runner.spawn_followers) with the engine settings rank 0 resolved, so every
+rank sizes its KV cache shard identically; it loads only its shard of the checkpoint, then runs whatever
+steps rank 0 broadcasts until told to stop or a collective fails (rank 0 gone): then it exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+import torch
+import torch.distributed as dist
+
+from engine.config import ModelConfig, parse_dtype
+from engine.model_runner import allocate_kv_caches
+from engine.tensor_parallel import TPGroup, build_tp_model
+from engine.tp_runner import follow, init_group
+
+log = logging.getLogger("duet.tp")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--size", type=int, required=True)
+    p.add_argument("--init-method", required=True)
+    p.add_argument("--model", required=True)
+    p.add_argument("--dtype", required=True)
+    p.add_argument("--block-size", type=int, required=True)
+    p.add_argument("--num-kv-blocks", type=int, required=True)
+    p.add_argument("--max-model-len", type=int, required=True)
+    p.add_argument("--threads", type=int, default=None)
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    init_group(args.rank, args.size, args.init_method)
+    try:
+        config = ModelConfig.from_dir(args.model)
+        dtype = parse_dtype(args.dtype)
+        model = build_tp_model(config, args.model, dtype, args.max_model_len, TPGroup(args.rank, args.size))
+        dist.barrier()  # every rank loaded: rank 0 may start stepping
+        follow(model, allocate_kv_caches(model, args.num_kv_blocks, args.block_size, dtype), args.block_size)
+    except RuntimeError as e:  # a collective failed: rank 0 is gone or broke; nothing to finish
+        log.warning("tp rank=%d event=exit reason=%s", args.rank, e)
+        return 1
+    finally:
+        try:
+            dist.destroy_process_group()
+        except (RuntimeError, ValueError):
+            pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

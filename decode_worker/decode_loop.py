@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import logging
 import queue
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from duet.engine_thread import EngineThread
@@ -37,8 +39,11 @@ class DecodeEvent:
 
 
 class DecodeLoop:
-    def __init__(self, runtime: Runtime, reservations: ReservationTable):
+    def __init__(self, runtime: Runtime, reservations: ReservationTable,
+                 on_token_gap: Callable[[float], None] | None = None):
         self.rt = runtime
+        self._on_token_gap = on_token_gap  # seconds between a request's consecutive tokens (metrics)
+        self._last_token_s: dict[str, float] = {}
         self.reservations = reservations
         self._live: dict[str, tuple[Request, queue.SimpleQueue]] = {}
         self._reserved: dict[int, list[int]] = {}  # reservation id -> its blocks (engine thread's view)
@@ -106,9 +111,11 @@ class DecodeLoop:
             raise
         del self._reserved[reservation.reservation_id]  # the request's block table holds them now
         self._live[request.request_id] = (request, sink)
+        self._last_token_s[request.request_id] = time.monotonic()
 
     def abort(self, request_id: str) -> None:
         live = self._live.pop(request_id, None)
+        self._last_token_s.pop(request_id, None)
         if live is None:
             return
         sink = live[1]
@@ -121,12 +128,18 @@ class DecodeLoop:
         scheduled = scheduler.schedule()
         sampled = self.rt.runner.execute(scheduled.chunks)
         updates = scheduler.update_from_output(scheduled, {rid: s.token_id for rid, s in sampled.items()})
+        now = time.monotonic()
         for update in updates:
             request, sink = self._live[update.request_id]
+            last = self._last_token_s.get(update.request_id)
+            if last is not None and self._on_token_gap is not None:
+                self._on_token_gap(now - last)
+            self._last_token_s[update.request_id] = now
             finish_reason = None
             stop_token_id = None
             if update.status.finished:
                 del self._live[update.request_id]
+                self._last_token_s.pop(update.request_id, None)
                 finish_reason = update.status.finish_reason
                 stop_token_id = request.stop_reason if isinstance(request.stop_reason, int) else None
             sink.put(DecodeEvent(update.token_id, sampled[update.request_id].logprobs, finish_reason, stop_token_id))

@@ -40,7 +40,7 @@ class DecodeWorker(WorkerProcess, wpb_grpc.DecodeWorkerServicer):
         super().__init__(config)
         self.reservations = ReservationTable(self.layout.num_layers)
         self.receiver = KVReceiver(self.layout, self.rt.kv_caches, self.reservations, host=config.host)
-        self.loop = DecodeLoop(self.rt, self.reservations)
+        self.loop = DecodeLoop(self.rt, self.reservations, on_token_gap=self.metrics.inter_token_s.observe)
 
     def add_services(self, server: grpc.Server) -> None:
         wpb_grpc.add_DecodeWorkerServicer_to_server(self, server)
@@ -60,7 +60,7 @@ class DecodeWorker(WorkerProcess, wpb_grpc.DecodeWorkerServicer):
         return self.loop.thread
 
     def kv_address(self) -> str:
-        return self.receiver.address
+        return f"{self.advertise_host}:{self.receiver.address.rsplit(':', 1)[1]}"
 
     def load(self) -> WorkerLoad:
         s = self.rt.scheduler

@@ -35,6 +35,9 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-checksum", action="store_true", help="xxh3 checksum on every KV message")
     p.add_argument("--layer-group-size", type=int, default=4, help="layers per KV message")
     p.add_argument("--heartbeat-ttl", type=float, default=6.0, help="registry entry TTL in seconds")
+    p.add_argument("--advertise-host", default=None,
+                   help="host other components reach this worker at (default: --host; in Kubernetes: the pod IP)")
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
@@ -50,6 +53,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         role=args.command, redis_url=args.redis_url, model_dir=args.model, host=args.host, port=args.port,
         engine=EngineConfig(**engine_kwargs(args), model_id=args.model_id), kv_transport=args.kv_transport,
         kv_checksum=args.kv_checksum, layer_group_size=args.layer_group_size, heartbeat_ttl_s=args.heartbeat_ttl,
+        advertise_host=args.advertise_host, metrics_port=args.metrics_port,
     )
     if args.command == "prefill":
         from prefill_worker.server import PrefillWorker as Worker

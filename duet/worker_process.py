@@ -20,6 +20,7 @@ import grpc
 
 from duet import serving
 from duet.kv_event_publisher import KVEventPublisher
+from duet.worker_metrics import WorkerMetrics
 from engine.config import EngineConfig
 from engine.runtime import Runtime, build_runtime
 from kvtransfer.layout import KVLayout
@@ -44,6 +45,8 @@ class WorkerConfig:
     layer_group_size: int = 4  # layers per KV message
     heartbeat_ttl_s: float = 6.0
     max_concurrent_rpcs: int = 256
+    advertise_host: str | None = None  # the host others reach this worker at (default: host); e.g. the pod IP
+    metrics_port: int | None = None  # Prometheus /metrics over HTTP; None: off
 
 
 class WorkerProcess:
@@ -74,7 +77,10 @@ class WorkerProcess:
         self.add_services(self.server)
         self.health = serving.add_health_and_reflection(self.server, self.service_names)
         self.port = serving.bind(self.server, config.host, config.port)
-        self.address = f"{config.host}:{self.port}"
+        self.advertise_host = config.advertise_host or config.host
+        self.address = f"{self.advertise_host}:{self.port}"
+        self.metrics = WorkerMetrics(config.role, self.metric_values)
+        self.metrics_port: int | None = None
         self.heartbeat: Heartbeat | None = None
         self._stopped = threading.Event()
 
@@ -111,7 +117,19 @@ class WorkerProcess:
             kv_address=self.kv_address(), kv_layout=self.layout.fingerprint(),
         )
 
+    def metric_values(self) -> dict[str, float]:
+        """The numbers Prometheus reads at scrape time (plain attribute reads: safe from any thread)."""
+        load, s, pool = self.load(), self.rt.scheduler, self.rt.block_pool
+        return {
+            "num_requests_waiting": load.num_waiting, "num_requests_running": load.num_running,
+            "num_waiting_tokens": load.num_waiting_tokens, "kv_cache_usage_perc": pool.usage(),
+            "prefix_cache_queries": s.num_prefix_query_tokens, "prefix_cache_hits": s.num_prefix_hit_tokens,
+            "kv_events_dropped": self.publisher.num_dropped, "prefix_index_resyncs": self.publisher.num_resyncs,
+        }
+
     def start(self) -> None:
+        if self.config.metrics_port is not None:
+            self.metrics_port = self.metrics.serve(self.config.metrics_port, self.config.host)
         self.start_engine()
         self.server.start()
         self.heartbeat = Heartbeat(self.registry, self.info(), self.load)

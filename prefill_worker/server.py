@@ -129,6 +129,9 @@ class PrefillWorker(WorkerProcess, wpb_grpc.PrefillWorkerServicer):
                 abort_with(context, transfer_status(e), f"kv transfer to {target.endpoint}: {e}")
             except Exception as e:  # noqa: BLE001
                 abort_with(context, grpc.StatusCode.INTERNAL, f"kv transfer to {target.endpoint} failed: {e!r}")
+        if result.transfers:
+            self.metrics.kv_transfer_s.observe(time.monotonic() - computed_s)
+            self.metrics.kv_transfer_bytes.inc(result.kv_bytes)
         reply = wpb.PrefillResponse(
             first_token_id=result.token_id,
             cached_tokens=result.num_cached_tokens,

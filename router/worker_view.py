@@ -1,0 +1,127 @@
+"""The router's view of the workers: who is live (the registry, cached briefly), who just failed (avoided
+for a while), what this router has in flight where, and one gRPC channel per worker.
+
+Only caches with short lifetimes: routers stay stateless replicas. If Redis is unreachable the last list
+seen is used (workers keep serving without Redis; one that fails is marked suspect here), and it is said
+once in the log when the registry goes down and once when it comes back.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import grpc
+import redis
+
+from duet import serving
+from router.load_policy import Candidate
+from router.metrics import RouterMetrics
+from router.prefix_index import PrefixIndex
+from router.registry import WorkerInfo, WorkerRegistry
+
+log = logging.getLogger("duet.router")
+SUSPECT_S = 10.0  # a worker that failed a call is avoided this long (its registry entry may still be live)
+REGISTRY_CACHE_S = 0.5
+PURGE_EVERY_S = 5.0
+INDEX_SIZE_EVERY_S = 30.0  # a SCAN of the model's keys: not on every request
+
+
+class NoWorkers(Exception):
+    """No live worker of a role (or no registry and no worker seen before)."""
+
+
+class WorkerView:
+    def __init__(self, registry: WorkerRegistry, index: PrefixIndex, model_id: str, metrics: RouterMetrics):
+        self.registry, self.index, self.model_id, self.metrics = registry, index, model_id, metrics
+        self._lock = threading.Lock()
+        self._channels: dict[str, grpc.Channel] = {}
+        self._suspects: dict[str, float] = {}  # worker_id -> avoid until (monotonic)
+        self._inflight: dict[str, int] = {}  # requests this router has on a decode/prefill worker
+        self._inflight_tokens: dict[str, int] = {}  # prefill work this router sent and has not seen done
+        self._cache: tuple[float, list] = (0.0, [])
+        self._registry_down = False
+        self._last_purge_s = 0.0
+        self._last_size_s = 0.0
+
+    def workers(self) -> tuple[list, list]:
+        """(prefill, decode) live workers as (info, load, age) tuples; raises NoWorkers naming the role."""
+        now = time.monotonic()
+        cached_at, workers = self._cache
+        if now - cached_at > REGISTRY_CACHE_S:
+            try:
+                workers = self.registry.list_workers(self.model_id)
+                if self._registry_down:
+                    log.warning("router event=registry_up")
+                    self._registry_down = False
+                self._cache = (now, workers)
+                self._maintain_index(workers, now)
+            except (redis.RedisError, OSError) as e:
+                if not workers:
+                    raise NoWorkers(f"worker registry (redis) unreachable: {e}") from None
+                if not self._registry_down:
+                    log.warning("router event=registry_down using=last_known_workers error=%s", e)
+                    self._registry_down = True
+                self._cache = (now, workers)
+        prefills = [w for w in workers if w[0].role == "prefill"]
+        decodes = [w for w in workers if w[0].role == "decode"]
+        for role, found in (("prefill", prefills), ("decode", decodes)):
+            if not found:
+                raise NoWorkers(f"no {role} worker is up for model {self.model_id}")
+        return prefills, decodes
+
+    def _maintain_index(self, workers: list, now: float) -> None:
+        """Forget index entries of prefill workers that stopped heartbeating; refresh the index size gauge."""
+        if now - self._last_purge_s < PURGE_EVERY_S:
+            return
+        self._last_purge_s = now
+        purged = self.index.purge_missing([info.worker_id for info, _, _ in workers if info.role == "prefill"])
+        for worker_id in purged:
+            log.info("router event=index_purge worker=%s", worker_id)
+        if now - self._last_size_s >= INDEX_SIZE_EVERY_S:
+            self._last_size_s = now
+            self.metrics.index_block_keys.set(self.index.stats()["num_block_keys"])
+
+    def healthy(self, workers: list) -> list:
+        """Workers not suspect; all of them if every one is (a suspect worker beats no worker)."""
+        suspects = self.active_suspects()
+        return [w for w in workers if w[0].worker_id not in suspects] or workers
+
+    def candidates(self, workers: list) -> list[Candidate]:
+        with self._lock:
+            return [Candidate(info.worker_id, load.num_waiting, load.num_running, load.num_free_blocks,
+                              load.num_waiting_tokens, self._inflight.get(info.worker_id, 0))
+                    for info, load, _ in workers]
+
+    def active_suspects(self) -> dict[str, float]:
+        now = time.monotonic()
+        with self._lock:
+            for worker_id in [w for w, until in self._suspects.items() if until < now]:
+                del self._suspects[worker_id]
+            return dict(self._suspects)
+
+    def on_worker_error(self, info: WorkerInfo, error: grpc.RpcError) -> None:
+        if error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            with self._lock:
+                self._suspects[info.worker_id] = time.monotonic() + SUSPECT_S
+            log.warning("worker=%s event=suspect status=%s", info.worker_id, error.code().name)
+
+    def track_requests(self, worker_id: str, delta: int) -> None:
+        with self._lock:
+            self._inflight[worker_id] = self._inflight.get(worker_id, 0) + delta
+
+    def track_tokens(self, worker_id: str, delta: int) -> None:
+        with self._lock:
+            self._inflight_tokens[worker_id] = self._inflight_tokens.get(worker_id, 0) + delta
+
+    def inflight_tokens(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._inflight_tokens)
+
+    def channel(self, address: str) -> grpc.Channel:
+        with self._lock:
+            ch = self._channels.get(address)
+            if ch is None:
+                ch = self._channels[address] = serving.channel(address)
+            return ch

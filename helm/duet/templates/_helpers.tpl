@@ -1,0 +1,172 @@
+{{/* Names: <release>-duet, and <release>-duet-<component> for each object. */}}
+{{- define "duet.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 50 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 50 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 50 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* include "duet.componentName" (list $ "prefill") */}}
+{{- define "duet.componentName" -}}
+{{- printf "%s-%s" (include "duet.fullname" (index . 0)) (index . 1) -}}
+{{- end -}}
+
+{{- define "duet.selectorLabels" -}}
+{{- $root := index . 0 -}}
+app.kubernetes.io/name: {{ default $root.Chart.Name $root.Values.nameOverride | trunc 63 | trimSuffix "-" }}
+app.kubernetes.io/instance: {{ $root.Release.Name }}
+app.kubernetes.io/component: {{ index . 1 }}
+{{- end -}}
+
+{{- define "duet.labels" -}}
+{{- $root := index . 0 -}}
+helm.sh/chart: {{ printf "%s-%s" $root.Chart.Name $root.Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{ include "duet.selectorLabels" . }}
+app.kubernetes.io/part-of: duet
+app.kubernetes.io/version: {{ $root.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ $root.Release.Service }}
+{{- end -}}
+
+{{- define "duet.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "duet.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "duet.image" -}}
+{{- $flavor := ternary "cuda" "cpu" .Values.gpu.enabled -}}
+{{- $tag := .Values.image.tag | default (printf "%s-%s" .Chart.AppVersion $flavor) -}}
+{{- printf "%s:%s" .Values.image.repository $tag -}}
+{{- end -}}
+
+{{/* The --model argument: "" when the embedded tiny model baked into the image is used. */}}
+{{- define "duet.modelDir" -}}
+{{- $m := .Values.model -}}
+{{- if eq $m.source "image" -}}
+{{- $m.path -}}
+{{- else if $m.path -}}
+{{- printf "%s/%s" (trimSuffix "/" $m.mountPath) (trimPrefix "/" $m.path) -}}
+{{- else -}}
+{{- $m.mountPath -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "duet.modelClaimName" -}}
+{{- if eq .Values.model.source "existingClaim" -}}
+{{- .Values.model.existingClaim -}}
+{{- else if eq .Values.model.source "pvc" -}}
+{{- include "duet.componentName" (list . "model") -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Redis: the Secret holding the password ("" = no password), its key, and the URL every component gets.
+     The password reaches the URL through Kubernetes' $(VAR) expansion of container args. */}}
+{{- define "duet.redisSecretName" -}}
+{{- $r := .Values.redis -}}
+{{- if $r.internal.enabled -}}
+{{- $r.internal.auth.existingSecret | default (include "duet.componentName" (list . "redis")) -}}
+{{- else -}}
+{{- $r.external.existingSecret -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "duet.redisSecretKey" -}}
+{{- $r := .Values.redis -}}
+{{- if $r.internal.enabled -}}
+{{- ternary $r.internal.auth.existingSecretPasswordKey "password" (ne $r.internal.auth.existingSecret "") -}}
+{{- else -}}
+{{- $r.external.existingSecretPasswordKey -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "duet.redisUrl" -}}
+{{- $r := .Values.redis -}}
+{{- if $r.internal.enabled -}}
+{{- printf "redis://:$(REDIS_PASSWORD)@%s:6379/%v" (include "duet.componentName" (list . "redis")) (int $r.internal.db) -}}
+{{- else if $r.external.existingSecret -}}
+{{- $u := urlParse $r.external.url -}}
+{{- printf "%s://:$(REDIS_PASSWORD)@%s%s" $u.scheme $u.host $u.path -}}
+{{- if $u.query }}?{{ $u.query }}{{ end -}}
+{{- else -}}
+{{- $r.external.url -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Env every duet container gets. */}}
+{{- define "duet.commonEnv" -}}
+- name: HOME  # the root filesystem is read-only; caches (Triton, torch) go to the /tmp emptyDir
+  value: /tmp
+{{- if include "duet.redisSecretName" . }}
+- name: REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "duet.redisSecretName" . }}
+      key: {{ include "duet.redisSecretKey" . }}
+{{- end }}
+{{- end -}}
+
+{{- define "duet.podSecurityContext" -}}
+runAsNonRoot: true
+runAsUser: 10001
+runAsGroup: 10001
+fsGroup: 10001
+seccompProfile:
+  type: RuntimeDefault
+{{- end -}}
+
+{{- define "duet.containerSecurityContext" -}}
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+capabilities:
+  drop: [ALL]
+{{- end -}}
+
+{{/* gRPC health probes (grpc.health.v1, service ""), on the container's gRPC port.
+     The startup probe gives model loading startupTimeoutSeconds: failureThreshold x periodSeconds >= it;
+     liveness and readiness start only after it succeeds. The port is bound only once the model is loaded. */}}
+{{- define "duet.probes" -}}
+{{- $port := index . 0 -}}
+{{- $v := index . 1 -}}
+{{- $period := int $v.probes.periodSeconds -}}
+startupProbe:
+  grpc:
+    port: {{ $port }}
+  periodSeconds: {{ $period }}
+  timeoutSeconds: {{ $v.probes.timeoutSeconds }}
+  failureThreshold: {{ div (add (int $v.startupTimeoutSeconds) (sub $period 1)) $period }}
+readinessProbe:
+  grpc:
+    port: {{ $port }}
+  periodSeconds: {{ $period }}
+  timeoutSeconds: {{ $v.probes.timeoutSeconds }}
+  failureThreshold: {{ $v.probes.readinessFailureThreshold }}
+livenessProbe:
+  grpc:
+    port: {{ $port }}
+  periodSeconds: {{ $period }}
+  timeoutSeconds: {{ $v.probes.timeoutSeconds }}
+  failureThreshold: {{ $v.probes.livenessFailureThreshold }}
+{{- end -}}
+
+{{/* Metric names behind the autoscaling choices (the workers' Prometheus names). */}}
+{{- define "duet.metricName" -}}
+{{- $names := dict "waitingRequests" "duet_num_requests_waiting" "waitingTokens" "duet_num_waiting_tokens" "kvCacheUsage" "duet_kv_cache_usage_perc" "runningRequests" "duet_num_requests_running" -}}
+{{- get $names . -}}
+{{- end -}}
+
+{{/* The pool total of one metric; the autoscaler divides it by the per-replica target. */}}
+{{- define "duet.autoscalingQuery" -}}
+{{- $root := index . 0 -}}
+{{- $role := index . 1 -}}
+{{- $metric := index . 2 -}}
+{{- $selector := tpl $root.Values.autoscaling.prometheus.selector $root -}}
+{{- printf "sum(%s{role=\"%s\"%s%s}) or vector(0)" (include "duet.metricName" $metric) $role (ternary "" "," (eq $selector "")) $selector -}}
+{{- end -}}

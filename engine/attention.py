@@ -1,4 +1,4 @@
-"""Attention over the paged KV cache, in plain torch.
+"""Attention over the paged KV cache.
 
 One layer's cache, for K and likewise V, head-major:
 
@@ -12,6 +12,9 @@ Head-major because a gather of a batch's blocks (`index_select` on dim 1) then l
 A step's batch is flattened to T tokens. The model runner orders it decodes first (one query token
 each, attended in one batched call), then prefill chunks (several query tokens each, attended one
 chunk at a time with a causal mask offset by the tokens already cached before the chunk).
+
+Decode and prefix attention are engine/kernels dispatchers: Triton kernels on CUDA, their torch twins
+(the plain-torch code that lived here) on CPU.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from engine.kernels import decode_attention, prefix_attention
 
 
 @dataclass
@@ -66,7 +71,7 @@ def paged_attention(
         if chunk.num_context_tokens == chunk.num_query_tokens:
             out[rows] = causal_attention(q[rows], k[rows], v[rows], scale)
         else:
-            out[rows] = prefix_attention(q[rows], k_cache, v_cache, chunk, scale)
+            out[rows] = prefix_attention(q[rows], k_cache, v_cache, chunk.block_table, chunk.num_context_tokens, scale)
     return out
 
 
@@ -76,43 +81,3 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=scale, enable_gqa=True
     )
     return out.transpose(0, 1)
-
-
-def prefix_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, chunk: PrefillChunk, scale: float
-) -> torch.Tensor:
-    """A chunk after cached tokens: gather its context from the cache; query i sees keys <= its position."""
-    num_ctx, num_q = chunk.num_context_tokens, chunk.num_query_tokens
-    kv_heads, head_dim = k_cache.shape[0], k_cache.shape[3]
-    k = k_cache.index_select(1, chunk.block_table).view(kv_heads, -1, head_dim)[:, :num_ctx]
-    v = v_cache.index_select(1, chunk.block_table).view(kv_heads, -1, head_dim)[:, :num_ctx]
-    query_pos = torch.arange(num_ctx - num_q, num_ctx).unsqueeze(1)
-    mask = torch.arange(num_ctx).unsqueeze(0) <= query_pos  # [num_q, num_ctx]
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-    return out.transpose(0, 1)
-
-
-def decode_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_ids: torch.Tensor,
-    mask: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """One query token per sequence, all sequences at once over their padded gathered context.
-
-    Grouped-query heads share K/V by a reshape (q as [kv_heads, B, group, head_dim]) instead of
-    repeating K/V, so the gather reads each cached K/V once; `mask` (built once per step, shared by
-    every layer) is added to the scores to hide the padding past each sequence's end.
-    """
-    batch, num_heads, head_dim = q.shape
-    kv_heads, num_blocks = k_cache.shape[0], k_cache.shape[1]
-    group = num_heads // kv_heads
-    k = k_cache.view(kv_heads, num_blocks, -1).index_select(1, block_ids).view(kv_heads, batch, -1, head_dim)
-    v = v_cache.view(kv_heads, num_blocks, -1).index_select(1, block_ids).view(kv_heads, batch, -1, head_dim)
-    q = (q * scale).view(batch, kv_heads, group, head_dim).transpose(0, 1)  # [kv_heads, B, group, head_dim]
-    scores = torch.matmul(q, k.transpose(-1, -2)).float()  # [kv_heads, B, group, L]
-    scores += mask[None, :, None, :]
-    probs = torch.softmax(scores, dim=-1).to(v.dtype)
-    return torch.matmul(probs, v).transpose(0, 1).reshape(batch, num_heads, head_dim)

@@ -1,0 +1,530 @@
+"""The Helm chart (helm/duet), rendered by the real Helm engine and checked offline.
+
+No cluster runs here, so this is what can be verified honestly:
+- the chart renders with Helm's own engine (helm-python-sdk embeds Helm v4's Go SDK) for the default values,
+  each example in deploy/examples/ and a test-only HPA variant, and the output equals the golden files in
+  tests/golden/helm/ (DUET_UPDATE_GOLDEN=1 rewrites them);
+- every rendered object validates against the Kubernetes 1.30 OpenAPI schemas in strict mode (unknown fields
+  rejected, kubernetes-validate --strict), and ScaledObject / ServiceMonitor / PodMonitor against the CRD
+  schemas vendored in tests/golden/helm/crds/ (their metadata against Kubernetes' ObjectMeta);
+- semantic checks no schema makes: autoscaled Deployments have no `replicas`, /dev/shm exactly when tp > 1,
+  probes on the container's gRPC port with a startup budget covering the load time, one selector per role,
+  every $(VAR) in args defined, KEDA/HPA metrics naming their role;
+- `helm lint --strict` passes; values.schema.json and the chart's own checks reject bad values with a message
+  that names the key.
+Plus the Grafana dashboard (deploy/grafana/duet.json) parses and every panel has a query, and the Dockerfiles
+agree with the chart on the user id.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import difflib
+import functools
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+CHART = ROOT / "helm" / "duet"
+GOLDEN = ROOT / "tests" / "golden" / "helm"
+CRD_SCHEMAS = GOLDEN / "crds"
+K8S_VERSION = "1.30"
+RELEASE, NAMESPACE = "prod", "llm"
+UPDATE_GOLDEN = os.environ.get("DUET_UPDATE_GOLDEN") == "1"
+
+CASES = {
+    "default": None,
+    "cpu-only": ROOT / "deploy" / "examples" / "cpu-only.yaml",
+    "single-gpu-node": ROOT / "deploy" / "examples" / "single-gpu-node.yaml",
+    "multi-node-tp": ROOT / "deploy" / "examples" / "multi-node-tp.yaml",
+    "hpa": GOLDEN / "values" / "hpa.yaml",
+}
+WORKER_ROLES = ("prefill", "decode")
+ROLES = ("router", *WORKER_ROLES)
+METRICS_BY_ROLE = {  # what each pool may scale on, by Prometheus name
+    "prefill": {"duet_num_requests_waiting", "duet_num_waiting_tokens"},
+    "decode": {"duet_kv_cache_usage_perc", "duet_num_requests_running"},
+}
+CRD_SCHEMA_FILES = {
+    ("keda.sh/v1alpha1", "ScaledObject"): "scaledobject-keda-v1alpha1.json",
+    ("monitoring.coreos.com/v1", "ServiceMonitor"): "servicemonitor-monitoring-v1.json",
+    ("monitoring.coreos.com/v1", "PodMonitor"): "podmonitor-monitoring-v1.json",
+}
+
+try:
+    import helm_python
+except Exception as e:  # not installed, or its native libhelm_c failed to load
+    helm_python, _HELM_ERROR = None, e
+
+
+def _helm():
+    if helm_python is None:
+        pytest.fail(f"helm-python-sdk cannot render the chart ({_HELM_ERROR!r}): install the test extras, "
+                    "pip install -e '.[test]'", pytrace=False)
+    return helm_python
+
+
+# -- rendering ------------------------------------------------------------------------------------------------
+
+
+def case_values(case: str) -> dict | None:
+    path = CASES[case]
+    return None if path is None else yaml.safe_load(path.read_text())
+
+
+@functools.cache
+def _chart():
+    return _helm().Chart.load(str(CHART))
+
+
+def render(values: dict | None) -> dict[str, str]:
+    """Template path -> rendered text, as `helm template prod helm/duet -n llm` would produce (NOTES left out)."""
+    out = _chart().render(values, name=RELEASE, namespace=NAMESPACE, is_install=True)
+    return {path: text for path, text in out.items() if not path.endswith("NOTES.txt")}
+
+
+def documents(rendered: dict[str, str]) -> list[tuple[str, str]]:
+    """(template path, one YAML document's text), non-empty documents only, in a stable order."""
+    docs = []
+    for path in sorted(rendered):
+        for doc in re.split(r"^---\s*$", rendered[path], flags=re.M):
+            if yaml.safe_load(doc) is not None:
+                docs.append((path, doc.strip("\n")))
+    return docs
+
+
+@functools.cache
+def rendered_case(case: str) -> tuple[tuple[str, str], ...]:
+    return tuple(documents(render(case_values(case))))
+
+
+def objects(case: str) -> list[dict]:
+    return [yaml.safe_load(doc) for _, doc in rendered_case(case)]
+
+
+def merged_values(case: str) -> dict:
+    return _chart().merge_values(case_values(case))
+
+
+def find(objs: list[dict], kind: str, name: str | None = None) -> list[dict]:
+    return [o for o in objs if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)]
+
+
+def deployment(objs: list[dict], role: str) -> dict:
+    (dep,) = [d for d in find(objs, "Deployment")
+              if d["metadata"]["labels"]["app.kubernetes.io/component"] == role]
+    return dep
+
+
+def container(dep: dict) -> dict:
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    return c
+
+
+def generated_password_set(case: str) -> bool:
+    auth = merged_values(case)["redis"]["internal"]
+    return auth["enabled"] and not auth["auth"]["password"] and not auth["auth"]["existingSecret"]
+
+
+def golden_text(case: str) -> str:
+    """The rendered case as checked in; a generated Redis password (random per render) is masked."""
+    parts = []
+    for path, doc in rendered_case(case):
+        if generated_password_set(case) and path.endswith("/redis.yaml"):
+            doc = re.sub(r'^(  password: )"[A-Za-z0-9+/=]+"$', r'\1"<generated>"', doc, flags=re.M)
+        parts.append(f"---\n# Source: {path}\n{doc}\n")
+    return "".join(parts)
+
+
+# -- goldens --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_render_matches_golden(case):
+    path = GOLDEN / f"{case}.yaml"
+    text = golden_text(case)
+    if UPDATE_GOLDEN:
+        path.write_text(text)
+    assert path.exists(), f"{path} is missing: run DUET_UPDATE_GOLDEN=1 pytest tests/test_helm.py"
+    expected = path.read_text()
+    if text != expected:
+        diff = "".join(difflib.unified_diff(expected.splitlines(True), text.splitlines(True),
+                                            f"golden/{case}.yaml", "rendered", n=2))
+        pytest.fail(f"rendering of {case!r} changed (DUET_UPDATE_GOLDEN=1 rewrites the golden after review):\n"
+                    + diff[:6000], pytrace=False)
+
+
+def test_generated_redis_password_is_random_and_url_safe():
+    (secret,) = find(objects("default"), "Secret")
+    password = base64.b64decode(secret["data"]["password"]).decode()
+    assert re.fullmatch(r"[A-Za-z0-9]{32}", password)
+    again = base64.b64decode(find([yaml.safe_load(d) for _, d in documents(render(None))], "Secret")[0]["data"]
+                             ["password"]).decode()
+    assert again != password  # offline there is nothing to look up; in a cluster, lookup keeps the first one
+
+
+# -- schemas --------------------------------------------------------------------------------------------------
+
+
+def _strict(schema):
+    """Reject unknown fields like `kubectl apply --validate=strict` does for CRDs: every object schema that lists
+    its properties (and says nothing about others) gets additionalProperties: false."""
+    if isinstance(schema, dict):
+        schema = {k: _strict(v) for k, v in schema.items()}
+        if schema.get("type") == "object" and "properties" in schema and "additionalProperties" not in schema:
+            schema["additionalProperties"] = False
+        return schema
+    if isinstance(schema, list):
+        return [_strict(v) for v in schema]
+    return schema
+
+
+@functools.cache
+def _crd_validator(api_version: str, kind: str):
+    import jsonschema
+
+    schema = _strict(json.loads((CRD_SCHEMAS / CRD_SCHEMA_FILES[api_version, kind]).read_text()))
+    jsonschema.Draft7Validator.check_schema(schema)
+    return jsonschema.Draft7Validator(schema)
+
+
+@functools.cache
+def _object_meta_validator():
+    import jsonschema
+    from kubernetes_validate.utils import schema_contents
+    from referencing import Registry, Resource
+
+    base = f"kubernetes-json-schema/v{K8S_VERSION}.0-local-strict"
+    meta = schema_contents(f"{base}/objectmeta-meta-v1.json", K8S_VERSION)
+    defs = Resource.from_contents(schema_contents(f"{base}/_definitions.json", K8S_VERSION))
+    return jsonschema.Draft202012Validator(meta, registry=defs @ Registry())
+
+
+def validate_object(obj: dict) -> None:
+    key = (obj["apiVersion"], obj["kind"])
+    if key in CRD_SCHEMA_FILES:
+        _crd_validator(*key).validate(obj)
+        _object_meta_validator().validate(obj["metadata"])
+        return
+    import kubernetes_validate
+
+    kubernetes_validate.validate(obj, K8S_VERSION, strict=True)  # raises SchemaNotFoundError for unknown kinds
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_object_validates_strictly(case):
+    problems = []
+    for obj in objects(case):
+        try:
+            validate_object(obj)
+        except Exception as e:  # noqa: BLE001 - collect every failure with its object
+            where = ".".join(str(p) for p in getattr(e, "path", []))
+            problems.append(f"{obj['kind']}/{obj['metadata']['name']} {where}: {getattr(e, 'message', e)}")
+    assert not problems, "\n".join(problems)
+
+
+def test_strict_validation_catches_a_typo():
+    """The validators are not vacuous: an unknown field fails, in core kinds and in CRDs alike."""
+    import jsonschema
+    import kubernetes_validate
+
+    objs = objects("multi-node-tp")
+    dep = copy.deepcopy(deployment(objs, "decode"))
+    dep["spec"]["template"]["spec"]["containers"][0]["startupprobe"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        validate_object(dep)
+    scaled = copy.deepcopy(find(objs, "ScaledObject")[0])
+    scaled["spec"]["minReplicas"] = 1  # the HPA spelling, not KEDA's
+    with pytest.raises(jsonschema.ValidationError):
+        validate_object(scaled)
+    monitor = copy.deepcopy(find(objs, "ServiceMonitor")[0])
+    monitor["spec"]["endpoints"][0]["interval"] = "15 seconds"
+    with pytest.raises(jsonschema.ValidationError):
+        validate_object(monitor)
+
+
+# -- semantics ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_autoscaled_pools_have_no_replicas(case):
+    objs, values = objects(case), merged_values(case)
+    scalers = {o["spec"]["scaleTargetRef"]["name"]: o for o in find(objs, "ScaledObject")
+               + find(objs, "HorizontalPodAutoscaler")}
+    for role in ROLES:
+        dep = deployment(objs, role)
+        name = dep["metadata"]["name"]
+        autoscaled = role in WORKER_ROLES and values[role]["autoscaling"]["enabled"]
+        if autoscaled:
+            assert "replicas" not in dep["spec"], f"{name} is autoscaled but sets replicas"
+            expected_kind = {"keda": "ScaledObject", "hpa": "HorizontalPodAutoscaler"}[
+                values[role]["autoscaling"]["kind"]]
+            assert scalers.pop(name)["kind"] == expected_kind
+        else:
+            assert dep["spec"]["replicas"] == values[role]["replicas"]
+    assert not scalers, f"autoscalers without a target Deployment: {sorted(scalers)}"
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_shm_and_gpus_follow_tp(case):
+    objs, values = objects(case), merged_values(case)
+    for role in WORKER_ROLES:
+        tp = values[role]["tp"]
+        pod = deployment(objs, role)["spec"]["template"]["spec"]
+        c = container(deployment(objs, role))
+        mounts = {m["mountPath"]: m["name"] for m in c.get("volumeMounts", [])}
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        if tp > 1:
+            assert "/dev/shm" in mounts, f"{role}: tp={tp} needs /dev/shm"
+            shm = volumes[mounts["/dev/shm"]]["emptyDir"]
+            assert shm["medium"] == "Memory" and shm["sizeLimit"] == values[role]["shm"]["sizeLimit"]
+            assert f"--tp={tp}" in c["args"]
+        else:
+            assert "/dev/shm" not in mounts and not any(a.startswith("--tp") for a in c["args"])
+        gpus = c.get("resources", {}).get("limits", {}).get(values["gpu"]["resourceName"])
+        assert gpus == (tp if values["gpu"]["enabled"] else None)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_probes_use_the_grpc_port_and_cover_model_loading(case):
+    objs, values = objects(case), merged_values(case)
+    for role in ROLES:
+        c = container(deployment(objs, role))
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        assert ports["grpc"] == values[role]["port"]
+        assert f"--port={ports['grpc']}" in c["args"]
+        assert f"--metrics-port={ports['metrics']}" in c["args"]
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert c[probe]["grpc"]["port"] == ports["grpc"], f"{role} {probe}"
+        startup = c["startupProbe"]
+        budget_s = startup["failureThreshold"] * startup["periodSeconds"]
+        assert values[role]["startupTimeoutSeconds"] <= budget_s < values[role]["startupTimeoutSeconds"] + \
+            startup["periodSeconds"]
+
+
+def test_default_startup_budget_is_ten_minutes_for_workers():
+    for role in WORKER_ROLES:
+        startup = container(deployment(objects("default"), role))["startupProbe"]
+        assert startup["failureThreshold"] * startup["periodSeconds"] == 600
+
+
+def _matches(selector: dict, labels: dict) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_each_role_has_its_own_selector(case):
+    objs = objects(case)
+    deps = find(objs, "Deployment")
+    for dep in deps:
+        selector = dep["spec"]["selector"]["matchLabels"]
+        owners = [d["metadata"]["name"] for d in deps
+                  if _matches(selector, d["spec"]["template"]["metadata"]["labels"])]
+        assert owners == [dep["metadata"]["name"]], f"{dep['metadata']['name']} selects the pods of {owners}"
+    for kind, path in (("Service", ("spec", "selector")), ("PodDisruptionBudget", ("spec", "selector", "matchLabels"))):
+        for obj in find(objs, kind):
+            selector = functools.reduce(dict.__getitem__, path, obj)
+            owners = [d for d in deps if _matches(selector, d["spec"]["template"]["metadata"]["labels"])]
+            assert len(owners) == 1, f"{kind}/{obj['metadata']['name']} selects {len(owners)} Deployments"
+            assert owners[0]["metadata"]["labels"]["app.kubernetes.io/component"] == \
+                obj["metadata"]["labels"]["app.kubernetes.io/component"]
+            if kind == "Service":  # every port it forwards exists on the pods
+                pod_ports = {p["name"] for c in owners[0]["spec"]["template"]["spec"]["containers"]
+                             for p in c["ports"]}
+                assert {p["targetPort"] for p in obj["spec"]["ports"]} <= pod_ports
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_autoscaling_queries_name_their_role(case):
+    objs = objects(case)
+    for scaled in find(objs, "ScaledObject"):
+        role = find(objs, "Deployment", scaled["spec"]["scaleTargetRef"]["name"])[0]["metadata"]["labels"][
+            "app.kubernetes.io/component"]
+        assert scaled["spec"]["triggers"]
+        for trigger in scaled["spec"]["triggers"]:
+            query = trigger["metadata"]["query"]
+            metric = re.match(r"sum\((\w+)\{", query).group(1)
+            assert metric in METRICS_BY_ROLE[role], query
+            assert f'role="{role}"' in query and f'namespace="{NAMESPACE}"' in query, query
+            assert f'duet_release="{RELEASE}"' in query, query
+            assert trigger["metricType"] == "AverageValue" and float(trigger["metadata"]["threshold"]) > 0
+    for hpa in find(objs, "HorizontalPodAutoscaler"):
+        role = hpa["metadata"]["labels"]["app.kubernetes.io/component"]
+        for m in hpa["spec"]["metrics"]:
+            source = m[m["type"].lower()]
+            assert source["metric"]["name"] in METRICS_BY_ROLE[role]
+            if m["type"] == "External":
+                assert source["metric"]["selector"]["matchLabels"]["role"] == role
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_args_reference_only_defined_env_and_workers_advertise_the_pod_ip(case):
+    objs = objects(case)
+    for dep in find(objs, "Deployment"):
+        c = container(dep)
+        env = {e["name"]: e for e in c.get("env", [])}
+        for arg in c.get("args", []):
+            for var in re.findall(r"\$\((\w+)\)", arg):
+                assert var in env, f"{dep['metadata']['name']}: {arg} uses $({var}), which is not in env"
+    for role in WORKER_ROLES:
+        c = container(deployment(objs, role))
+        env = {e["name"]: e for e in c["env"]}
+        assert "--host=0.0.0.0" in c["args"] and "--advertise-host=$(POD_IP)" in c["args"]
+        assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    for role in ROLES:  # router and workers agree on Redis and on the model
+        args = container(deployment(objs, "router"))["args"]
+        worker_args = container(deployment(objs, role))["args"]
+        for flag in ("--redis-url=", "--model=", "--model-id="):
+            assert [a for a in args if a.startswith(flag)] == [a for a in worker_args if a.startswith(flag)]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_redis_is_configured_for_the_prefix_index(case):
+    objs, values = objects(case), merged_values(case)
+    redis = [d for d in find(objs, "Deployment") if d["metadata"]["labels"]["app.kubernetes.io/component"] == "redis"]
+    url = next(a for a in container(deployment(objs, "router"))["args"] if a.startswith("--redis-url="))
+    if values["redis"]["internal"]["enabled"]:
+        args = container(redis[0])["args"]
+        assert args[args.index("--maxmemory-policy") + 1] == "volatile-lru"
+        assert args[args.index("--maxmemory") + 1] == values["redis"]["internal"]["maxmemory"]
+        assert url == f"--redis-url=redis://:$(REDIS_PASSWORD)@{redis[0]['metadata']['name']}:6379/0"
+    else:
+        assert not redis
+        assert url.startswith("--redis-url=redis://:$(REDIS_PASSWORD)@") == bool(values["redis"]["external"]
+                                                                                 ["existingSecret"])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_monitors_scrape_a_declared_metrics_port(case):
+    objs = objects(case)
+    for monitor in find(objs, "ServiceMonitor"):
+        services = [s for s in find(objs, "Service") if _matches(monitor["spec"]["selector"]["matchLabels"],
+                                                                 s["metadata"]["labels"])]
+        assert {s["metadata"]["labels"]["app.kubernetes.io/component"] for s in services} == set(ROLES)
+        assert all(any(p["name"] == "metrics" for p in s["spec"]["ports"]) for s in services)
+    for monitor in find(objs, "PodMonitor"):
+        assert monitor["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
+        for role in ROLES:
+            assert any(p["name"] == "metrics" for p in container(deployment(objs, role))["ports"])
+
+
+def test_model_sources():
+    def model_parts(values):
+        objs = [yaml.safe_load(d) for _, d in documents(render(values))]
+        c = container(deployment(objs, "decode"))
+        claims = [v["persistentVolumeClaim"]["claimName"] for v in
+                  deployment(objs, "decode")["spec"]["template"]["spec"]["volumes"] if "persistentVolumeClaim" in v]
+        return [a for a in c["args"] if a.startswith("--model=")], claims, find(objs, "PersistentVolumeClaim")
+
+    assert model_parts(None) == ([], [], [])  # the embedded tiny model
+    assert model_parts({"model": {"path": "/opt/models/llama"}})[:2] == (["--model=/opt/models/llama"], [])
+    args, claims, pvcs = model_parts({"model": {"source": "pvc", "path": "llama", "pvc": {"size": "40Gi"}}})
+    assert args == ["--model=/models/llama"] and claims == ["prod-duet-model"]
+    assert pvcs[0]["spec"]["resources"]["requests"]["storage"] == "40Gi"
+    assert model_parts({"model": {"source": "existingClaim", "existingClaim": "w"}}) == (["--model=/models"], ["w"], [])
+
+
+# -- lint and bad values --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_helm_lint_strict(case):
+    report = _helm().lint(str(CHART), case_values(case), strict=True, namespace=NAMESPACE,
+                          kube_version=f"v{K8S_VERSION}.0")
+    problems = [m for m in report["messages"] if m["severity"] >= 2]  # 2 = warning, 3 = error
+    assert not problems and not report["errors"], report
+
+
+BAD_VALUES = [
+    ({"prefill": {"replicas": -1}}, "/prefill/replicas"),
+    ({"decode": {"tp": 3}}, "/decode/tp"),
+    ({"prefill": {"tp": 16}}, "/prefill/tp"),
+    ({"prefill": {"autoscaling": {"kind": "vpa"}}}, "/prefill/autoscaling/kind"),
+    ({"prefill": {"autoscaling": {"minReplicas": 0}}}, "/prefill/autoscaling/minReplicas"),
+    ({"decode": {"autoscaling": {"metrics": [{"name": "waitingTokens", "target": 4}]}}},
+     "/decode/autoscaling/metrics/0/name"),
+    ({"decode": {"autoscaling": {"metrics": [{"name": "kvCacheUsage", "target": 75}]}}},
+     "/decode/autoscaling/metrics/0/target"),
+    ({"prefill": {"autoscaling": {"metrics": []}}}, "/prefill/autoscaling/metrics"),
+    ({"prefill": {"replica": 2}}, "additional properties 'replica' not allowed"),
+    ({"model": {"source": None}}, "missing property 'source'"),  # no model source
+    ({"model": {"source": "s3"}}, "/model/source"),
+    ({"model": {"source": "pvc"}}, "/model/pvc/size"),
+    ({"model": {"source": "existingClaim"}}, "/model/existingClaim"),
+    ({"model": {"path": "relative/dir"}}, "/model/path"),
+    ({"redis": {"external": {"url": "redis://redis.infra:6379/0"}}}, "/redis/external/url"),  # both Redis modes
+    ({"redis": {"internal": {"enabled": False}}}, "/redis/external/url"),  # neither
+    ({"redis": {"internal": {"enabled": False}, "external": {"url": "redis://:secret@r:6379/0"}}},
+     "/redis/external/url"),
+    ({"redis": {"internal": {"auth": {"password": "p@ss/word"}}}}, "/redis/internal/auth/password"),
+    ({"engine": {"kvTransport": "rdma"}}, "/engine/kvTransport"),
+    ({"gpu": {"resourceName": "nvidia gpu"}}, "/gpu/resourceName"),
+    ({"metrics": {"serviceMonitor": {"interval": "15 seconds"}}}, "/metrics/serviceMonitor/interval"),
+]
+
+
+@pytest.mark.parametrize(("values", "names"), BAD_VALUES, ids=[n for _, n in BAD_VALUES])
+def test_schema_rejects_bad_values(values, names):
+    helm = _helm()
+    with pytest.raises(helm.HelmValuesError) as e:
+        render(values)
+    message = str(e.value)
+    assert "values don't meet the specifications of the schema" in message
+    assert names in message, message
+
+
+@pytest.mark.parametrize(("values", "message"), [
+    ({"prefill": {"autoscaling": {"enabled": True, "minReplicas": 5, "maxReplicas": 2}}},
+     "prefill.autoscaling.minReplicas (5) must not exceed prefill.autoscaling.maxReplicas (2)"),
+    ({"metrics": {"serviceMonitor": {"enabled": True}, "podMonitor": {"enabled": True}}},
+     "metrics.serviceMonitor.enabled and metrics.podMonitor.enabled are both true"),
+])
+def test_chart_rejects_what_the_schema_cannot_express(values, message):
+    helm = _helm()
+    with pytest.raises(helm.HelmRenderError, match=re.escape(message)):
+        render(values)
+
+
+# -- dashboard and images -------------------------------------------------------------------------------------
+
+
+def _panels(dashboard: dict):
+    for panel in dashboard["panels"]:
+        yield panel
+        yield from panel.get("panels", [])  # collapsed rows hold their panels
+
+
+def test_grafana_dashboard_parses_and_every_panel_has_a_query():
+    dashboard = json.loads((ROOT / "deploy" / "grafana" / "duet.json").read_text())
+    panels = [p for p in _panels(dashboard) if p["type"] != "row"]
+    assert panels
+    ids = [p["id"] for p in _panels(dashboard)]
+    assert len(ids) == len(set(ids)), "panel ids must be unique"
+    exprs = []
+    for panel in panels:
+        targets = panel.get("targets", [])
+        assert targets and all(t.get("expr", "").strip() for t in targets), f"panel {panel['title']!r} has no query"
+        exprs += [t["expr"] for t in targets]
+    text = "\n".join(exprs)
+    for needle in ("histogram_quantile(0.5", "histogram_quantile(0.99",
+                   "duet_router_time_to_first_token_seconds_bucket", "duet_inter_token_latency_seconds_bucket",
+                   "duet_num_requests_waiting", "duet_router_actual_cached_tokens_total",
+                   "duet_router_prompt_tokens_total", "duet_kv_transfer_seconds_bucket"):
+        assert needle in text, f"the dashboard shows nothing from {needle}"
+    assert text.count("(") == text.count(")")
+
+
+@pytest.mark.parametrize("name", ["Dockerfile.cpu", "Dockerfile.cuda"])
+def test_dockerfiles_match_the_chart(name):
+    text = (ROOT / "deploy" / "docker" / name).read_text()
+    assert re.search(r'^ENTRYPOINT \["duet"\]$', text, flags=re.M)
+    assert re.search(r"^USER 10001(:10001)?$", text, flags=re.M)  # runAsUser in the chart's pods
+    assert "torch==2.13.0" in text and re.search(r"pip install[^\n]* \.", text)
+    pod = deployment(objects("default"), "router")["spec"]["template"]["spec"]["securityContext"]
+    assert pod["runAsUser"] == 10001 and pod["runAsNonRoot"]

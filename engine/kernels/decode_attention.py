@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.kernels.triton_jit import cdiv, dot_precision, jit, next_power_of_2, tl, use_triton
+from engine.kernels.triton_jit import cdiv, dot_precision, jit, next_power_of_2, pipeline_stages, tl, use_triton
 
 MAX_SPLITS = 32
 BLOCK_N = 64  # context tokens per inner step (several cache blocks when block_size < 64); tl.dot needs >= 16
@@ -277,7 +277,7 @@ def decode_attention_triton(
         GROUP=group, GROUP_PAD=max(next_power_of_2(group), 16),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=split, DOT_PRECISION=dot_precision(q.dtype),
-        num_warps=4,
+        num_warps=4, num_stages=pipeline_stages(q.dtype, 2),
     )  # fmt: skip
     if split:
         _decode_merge_kernel[(batch, num_heads)](

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.kernels.triton_jit import cdiv, dot_precision, jit, next_power_of_2, tl, use_triton
+from engine.kernels.triton_jit import cdiv, dot_precision, jit, next_power_of_2, pipeline_stages, tl, use_triton
 
 BLOCK_M = 64  # query tokens per program
 BLOCK_N = 64  # context tokens per inner step (tl.dot needs both >= 16)
@@ -183,6 +183,6 @@ def prefix_attention_triton(
         out.stride(0), out.stride(1),
         GROUP=num_heads // kv_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=max(next_power_of_2(head_dim), 16),
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=dot_precision(q.dtype),
-        num_warps=4,
+        num_warps=4, num_stages=pipeline_stages(q.dtype, 3),
     )  # fmt: skip
     return out

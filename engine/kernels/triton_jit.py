@@ -58,3 +58,9 @@ def cdiv(a: int, b: int) -> int:
 def dot_precision(dtype: torch.dtype) -> str:
     """fp32 dots in full precision (tl.dot would use TF32 on Ampere+, ~1e-3 off the twin); fp16/bf16 ignore it."""
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def pipeline_stages(dtype: torch.dtype, stages: int) -> int:
+    """Software-pipeline depth of an attention loop: `stages` for 2-byte dtypes; 1 for fp32, whose
+    [64, 128] K and V tiles (32 KiB each) would overflow shared memory (164 KiB on A100) at depth 3."""
+    return 1 if dtype == torch.float32 else stages

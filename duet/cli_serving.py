@@ -71,7 +71,7 @@ def cmd_router(args: argparse.Namespace) -> int:
     server = RouterServer(RouterConfig(
         redis_url=args.redis_url, model_dir=args.model, model_id=args.model_id, host=args.host, port=args.port,
         max_model_len=args.max_model_len, auth_token=args.auth_token, tls_cert=args.tls_cert, tls_key=args.tls_key,
-        metrics_port=args.metrics_port,
+        metrics_port=args.metrics_port, http_port=args.http_port,
     ))
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -164,6 +164,8 @@ def add_serving_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tls-cert", type=Path, default=None)
     p.add_argument("--tls-key", type=Path, default=None)
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
+    p.add_argument("--http-port", type=int, default=None,
+                   help="serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions) on this port")
     p.set_defaults(func=cmd_router)
 
     p = sub.add_parser("route-explain", help="show how the router would route a prompt, and why")

@@ -62,6 +62,7 @@ class RouterConfig:
     reservation_ttl_s: float = 60.0  # reserve -> KV complete; Decode then has the worker's grace period
     max_concurrent_streams: int = 256
     auth_token: str | None = None
+    http_port: int | None = None  # OpenAI-compatible HTTP (router/openai_http.py); None: off
     metrics_port: int | None = None  # Prometheus /metrics over HTTP; None: off
     policy: PolicyConfig | None = None
     tls_cert: Path | None = None
@@ -357,13 +358,24 @@ class RouterServer:
         self.metrics_port = None
         if config.metrics_port is not None:
             self.metrics_port = self.router.metrics.serve(config.metrics_port, config.host)
+        self.http = None
+        if config.http_port is not None:
+            from router.openai_http import OpenAIHTTPServer
+
+            local = f"127.0.0.1:{self.port}" if config.host in ("0.0.0.0", "::") else self.address
+            self.http = OpenAIHTTPServer(local, self.router.model_id, self.router.metrics.registry, config.host,
+                                         config.http_port, config.auth_token)
 
     def start(self) -> None:
         self.server.start()
+        if self.http is not None:
+            self.http.start()
         serving.set_serving(self.health, [SERVICE_NAME], True)
         log.info("router address=%s model=%s event=serving", self.address, self.router.model_id)
 
     def stop(self, grace_s: float = 2.0) -> None:
         serving.set_serving(self.health, [SERVICE_NAME], False)
+        if self.http is not None:
+            self.http.stop()
         self.server.stop(grace_s).wait(grace_s + 1)
 

@@ -320,3 +320,47 @@ def test_tls_on_the_public_endpoint(cluster, tiny_llama_dir, tmp_path):
             assert err.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         server.stop()
+
+
+def test_openai_http_api(cluster, tiny_llama_dir, offline):
+    import urllib.error
+    import urllib.request
+
+    from router.server import RouterConfig, RouterServer
+
+    server = RouterServer(RouterConfig(redis_url=cluster.redis_url, model_dir=tiny_llama_dir, port=0, http_port=0,
+                                       max_model_len=2048))
+    server.start()
+    base = f"http://127.0.0.1:{server.http.port}"
+
+    def post(path, body):
+        req = urllib.request.Request(base + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+        return urllib.request.urlopen(req, timeout=60)
+
+    try:
+        ref = offline.generate(["Hello there"], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
+        body = json.load(post("/v1/completions", {"prompt": "Hello there", "max_tokens": 6, "temperature": 0,
+                                                  "ignore_eos": True}))
+        assert body["choices"][0]["text"] == ref.text and body["choices"][0]["finish_reason"] == "length"
+        assert body["usage"]["completion_tokens"] == 6 and body["usage"]["prompt_tokens"] == len(ref.prompt_token_ids)
+        stream = post("/v1/completions", {"prompt": "Hello there", "max_tokens": 6, "temperature": 0,
+                                          "ignore_eos": True, "stream": True}).read().decode()
+        events = [line[6:] for line in stream.split("\n") if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == ref.text
+        messages = [{"role": "user", "content": "Hi!"}]
+        chat_ref = offline.chat(messages, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))[0]
+        chat = json.load(post("/v1/chat/completions", {"messages": messages, "max_tokens": 5, "temperature": 0,
+                                                       "ignore_eos": True}))
+        assert chat["choices"][0]["message"] == {"role": "assistant", "content": chat_ref.text}
+        models = json.load(urllib.request.urlopen(base + "/v1/models", timeout=10))
+        assert [m["id"] for m in models["data"]] == [offline.engine.model_id]
+        for bad, param in (({"prompt": "x", "temperature": -1}, "sampling.temperature"),
+                           ({"prompt": 5}, "prompt"), ({"prompt": "x", "max_tokens": "ten"}, "max_tokens")):
+            with pytest.raises(urllib.error.HTTPError) as err:
+                post("/v1/completions", bad)
+            assert err.value.code == 400
+            assert param in json.load(err.value)["error"]["message"]
+        assert json.load(urllib.request.urlopen(base + "/health", timeout=10)) == {"status": "ok"}
+    finally:
+        server.stop()

@@ -86,6 +86,11 @@ def cmd_router(args: argparse.Namespace) -> int:
 def cmd_up(args: argparse.Namespace) -> int:
     from deploy.local_cluster import ClusterConfig, run_up
 
+    if args.tp != 1:
+        print(f"error: --tp={args.tp} is not supported by `duet up` yet: serving workers run tp 1 "
+              "(tensor parallelism works offline: duet generate --tp N)", file=sys.stderr)
+        return 2
+
     worker_args = _engine_argv(args) + ["--kv-transport", args.kv_transport]
     config = ClusterConfig(
         model_dir=str(args.model) if args.model else None, num_prefill=args.prefill, num_decode=args.decode,

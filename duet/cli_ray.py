@@ -1,0 +1,55 @@
+"""`duet ray up`: router and prefill/decode pools as Ray actors, autoscaled on queue depth (deploy/ray_launcher.py)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+
+def cmd_ray_up(args: argparse.Namespace) -> int:
+    from deploy.ray_launcher import PoolConfig, RayLauncherConfig, run_ray_up
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = RayLauncherConfig(
+        model_dir=str(args.model) if args.model is not None else None, model_id=args.model_id,
+        prefill=PoolConfig(min_replicas=args.prefill_min, max_replicas=args.prefill_max,
+                           target_per_replica=args.prefill_target_tokens,
+                           scale_up_cooldown_s=args.scale_up_cooldown, scale_down_cooldown_s=args.scale_down_cooldown),
+        decode=PoolConfig(min_replicas=args.decode_min, max_replicas=args.decode_max,
+                          target_per_replica=args.decode_target_requests,
+                          scale_up_cooldown_s=args.scale_up_cooldown, scale_down_cooldown_s=args.scale_down_cooldown),
+        router_host=args.host, port=args.port, redis_url=args.redis_url, tp=args.tp,
+        num_cpus_per_rank=args.cpus_per_rank, num_gpus_per_rank=args.gpus_per_rank,
+        custom_resources=not args.no_custom_resources, poll_interval_s=args.poll_interval,
+    )
+    return run_ray_up(config, address=args.address)
+
+
+def add_ray_commands(sub: argparse._SubParsersAction) -> None:
+    ray_parser = sub.add_parser("ray", help="run duet on a Ray cluster")
+    ray_sub = ray_parser.add_subparsers(dest="ray_command", required=True)
+    p = ray_sub.add_parser("up", help="start router + pools as Ray actors and autoscale them until Ctrl-C")
+    p.add_argument("--address", default="auto", help="'auto': the running Ray cluster; 'local': start one here")
+    p.add_argument("--model", type=Path, default=None, help="checkpoint dir (the same path on every node)")
+    p.add_argument("--model-id", default=None)
+    p.add_argument("--host", default="0.0.0.0", help="the router's bind host")
+    p.add_argument("--port", type=int, default=50051, help="router port (0: a free one)")
+    p.add_argument("--redis-url", default=None, help="external Redis (multi-node); default: one on this host")
+    p.add_argument("--prefill-min", type=int, default=1)
+    p.add_argument("--prefill-max", type=int, default=1)
+    p.add_argument("--decode-min", type=int, default=1)
+    p.add_argument("--decode-max", type=int, default=1)
+    p.add_argument("--prefill-target-tokens", type=float, default=8192.0,
+                   help="waiting prompt tokens + running requests one prefill worker should carry")
+    p.add_argument("--decode-target-requests", type=float, default=32.0,
+                   help="running + waiting requests one decode worker should carry")
+    p.add_argument("--scale-up-cooldown", type=float, default=30.0, help="seconds")
+    p.add_argument("--scale-down-cooldown", type=float, default=120.0, help="seconds")
+    p.add_argument("--poll-interval", type=float, default=2.0, help="seconds between autoscaling decisions")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per worker (placement group bundles)")
+    p.add_argument("--cpus-per-rank", type=float, default=1.0)
+    p.add_argument("--gpus-per-rank", type=float, default=0.0)
+    p.add_argument("--no-custom-resources", action="store_true",
+                   help="do not ask for duet_prefill/duet_decode node resources (clusters without them)")
+    p.set_defaults(func=cmd_ray_up)

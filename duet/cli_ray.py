@@ -8,7 +8,8 @@ from pathlib import Path
 
 
 def cmd_ray_up(args: argparse.Namespace) -> int:
-    from deploy.ray_launcher import PoolConfig, RayLauncherConfig, run_ray_up
+    from deploy.ray.config import PoolConfig, RayLauncherConfig
+    from deploy.ray.launcher import run_ray_up
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = RayLauncherConfig(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -17,7 +18,8 @@ ray = pytest.importorskip("ray")
 
 from ray.autoscaler._private.util import prepare_config, validate_config  # noqa: E402
 
-from deploy.ray_launcher import PoolConfig, RayLauncher, RayLauncherConfig  # noqa: E402
+from deploy.ray.config import PoolConfig, RayLauncherConfig  # noqa: E402
+from deploy.ray.launcher import RayLauncher  # noqa: E402
 from duet.client import Client, stream_to_record  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from router.registry import WorkerRegistry  # noqa: E402
@@ -156,6 +158,27 @@ def test_prefill_pool_scales_up_under_a_burst_and_back_down(launcher, tiny_llama
         watcher.join()
 
 
+def test_a_dead_worker_is_replaced(launcher, tiny_llama_dir):
+    registry = WorkerRegistry.from_url(launcher.redis_url)
+    model_id = Path(tiny_llama_dir).name
+    (old,) = launcher.pools["decode"]
+    os.kill(old.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        pool = launcher.pools["decode"]
+        addresses = [info.address for info, _, _ in registry.list_workers(model_id, "decode")]
+        if len(pool) == 1 and pool[0].pid != old.pid and addresses == [pool[0].address]:
+            break
+        time.sleep(0.2)
+    (new,) = launcher.pools["decode"]
+    assert new.pid != old.pid and new.name == "decode-1"
+    assert [info.address for info, _, _ in registry.list_workers(model_id, "decode")] == [new.address]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    ref = LLM(tiny_llama_dir, **ENGINE).generate([_prompt(20, 3)], params)[0]
+    with Client(launcher.router_address) as client:
+        assert stream_to_record(client.generate(_prompt(20, 3), params, timeout_s=60))["token_ids"] == ref.token_ids
+
+
 def test_stop_leaves_no_duet_processes(launcher):
     pids = list(launcher.child_pids)
     assert len(pids) >= 3  # router, prefill, decode (+ the scaled one)
@@ -174,7 +197,7 @@ def test_duet_ray_up_flags_map_to_the_launcher_config(monkeypatch):
     from duet import cli_ray
 
     seen = {}
-    monkeypatch.setattr("deploy.ray_launcher.run_ray_up", lambda config, address: seen.update(c=config, a=address) or 0)
+    monkeypatch.setattr("deploy.ray.launcher.run_ray_up", lambda config, address: seen.update(c=config, a=address) or 0)
     parser = argparse.ArgumentParser()
     cli_ray.add_ray_commands(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["ray", "up", "--address", "local", "--model", "/m/tiny", "--prefill-min", "2",

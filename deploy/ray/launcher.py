@@ -20,179 +20,30 @@ Each component runs as a child process of its actor (its own session, so torch a
 Ray's worker process); readiness is grpc.health.v1 SERVING, checked by the actor on its own node. Stopping
 one: SIGTERM the child (the worker deregisters from Redis), SIGKILL its process group after timeout_s, then
 ray.kill the actor and remove its placement group. stop() stops the loop, the router, the workers, redis.
+Files: config.py (what to run), component_actor.py (the actors), this file (placement, scaling, lifecycle).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from deploy.autoscaler import PoolPolicy, PoolState, decide
-from deploy.redis_server import RedisServer, parent_death_preexec, pick_free_port, tail_file
+from deploy.autoscaler import PoolState, decide
+from deploy.ray.component_actor import ComponentActor, RankHolder
+from deploy.ray.config import ROLES, RayLauncherConfig, pool_load
+from deploy.redis_server import RedisServer
 from router.registry import WorkerRegistry
 
 log = logging.getLogger(__name__)
-
-ROLES = ("prefill", "decode")
-_PROJECT_ROOT = str(Path(__file__).resolve().parents[1])
-_HEALTH_RPC_TIMEOUT_S = 0.5
-
-
-@dataclass
-class PoolConfig:
-    min_replicas: int = 1
-    max_replicas: int = 1
-    target_per_replica: float = 8192.0  # prefill: waiting tokens + running; decode: running + waiting requests
-    scale_up_cooldown_s: float = 30.0
-    scale_down_cooldown_s: float = 120.0
-
-    def policy(self) -> PoolPolicy:
-        return PoolPolicy(target_per_replica=self.target_per_replica, min_replicas=self.min_replicas,
-                          max_replicas=self.max_replicas, scale_up_cooldown_s=self.scale_up_cooldown_s,
-                          scale_down_cooldown_s=self.scale_down_cooldown_s)
-
-
-@dataclass
-class RayLauncherConfig:
-    model_dir: str | None = None
-    model_id: str | None = None  # default: the model directory's name (as the workers register)
-    prefill: PoolConfig = field(default_factory=PoolConfig)
-    decode: PoolConfig = field(default_factory=lambda: PoolConfig(target_per_replica=32.0))
-    router_host: str = "0.0.0.0"
-    port: int = 50051  # router port; 0 = a free one on the head
-    redis_url: str | None = None  # None: a private redis-server in the driver (single-node clusters)
-    tp: int = 1  # tensor-parallel ranks per worker: bundles in its placement group
-    num_cpus_per_rank: float = 1.0
-    num_gpus_per_rank: float = 0.0
-    custom_resources: bool = True  # ask for duet_prefill / duet_decode: 1 (the nodes of cluster.yaml offer them)
-    worker_args: list[str] = field(default_factory=list)
-    router_args: list[str] = field(default_factory=list)
-    poll_interval_s: float = 2.0
-    ready_timeout_s: float = 300.0
-
-    def __post_init__(self):
-        if self.tp < 1:
-            raise ValueError(f"tp={self.tp} is invalid: must be >= 1")
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port={self.port} is invalid: must be in [0, 65535] (0 picks a free one)")
-        if self.poll_interval_s <= 0:
-            raise ValueError(f"poll_interval_s={self.poll_interval_s} is invalid: must be > 0")
-        for role in ROLES:
-            self.pool(role).policy()  # validates min/max/target
-
-    def pool(self, role: str) -> PoolConfig:
-        return self.prefill if role == "prefill" else self.decode
-
-    @property
-    def resolved_model_id(self) -> str:
-        if self.model_id is not None:
-            return self.model_id
-        if self.model_dir is None:
-            raise ValueError("model_dir or model_id is required to read the registry")
-        return Path(self.model_dir).name
-
-
-def pool_load(role: str, loads) -> float:
-    """The queue metric of one pool (deploy/autoscaler.py): prefill = waiting prompt tokens + running requests,
-    decode = running + waiting requests, summed over the pool's registered workers."""
-    if role == "prefill":
-        return float(sum(w.num_waiting_tokens + w.num_running for w in loads))
-    return float(sum(w.num_running + w.num_waiting for w in loads))
-
-
-def _is_serving(address: str) -> bool:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    with grpc.insecure_channel(address) as channel:
-        try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""),
-                                                              timeout=_HEALTH_RPC_TIMEOUT_S)
-        except grpc.RpcError:
-            return False
-    return reply.status == health_pb2.HealthCheckResponse.SERVING
-
-
-@ray.remote
-class RankHolder:
-    """Holds one extra tensor-parallel rank's bundle (its GPU) in a worker's placement group."""
-
-    def gpu_ids(self) -> list[str]:
-        return [str(i) for i in ray.get_gpu_ids()]
-
-
-@ray.remote
-class ComponentActor:
-    """One duet component (`python -m duet <role> ...`) as a child process of this actor.
-
-    start() returns the component's address once it reports SERVING, or raises RuntimeError with its log
-    tail; stop() always leaves no child behind (SIGTERM, then SIGKILL of its process group)."""
-
-    def __init__(self, name: str):
-        self.name = name
-        self.popen: subprocess.Popen | None = None
-        self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"duet-ray-{name}-{os.getpid()}.log"
-
-    def start(self, role: str, args: list[str], bind_host: str, advertise_host: str | None, port: int,
-              extra_gpu_ids: list[str], ready_timeout_s: float) -> str:
-        node_ip = ray.util.get_node_ip_address()
-        host = advertise_host or node_ip
-        port = port or pick_free_port()
-        cmd = [sys.executable, "-m", "duet", role, "--host", bind_host, "--port", str(port), *args]
-        if role != "router":
-            cmd += ["--advertise-host", host]
-        env = dict(os.environ, PYTHONUNBUFFERED="1", GRPC_ENABLE_FORK_SUPPORT="false",
-                   PYTHONPATH=os.pathsep.join(p for p in (_PROJECT_ROOT, os.environ.get("PYTHONPATH")) if p))
-        gpu_ids = [str(i) for i in ray.get_gpu_ids()] + list(extra_gpu_ids)
-        if gpu_ids:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_ids)
-        with open(self.log_path, "ab") as log_file:
-            self.popen = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
-                                          env=env, cwd=_PROJECT_ROOT, start_new_session=True,
-                                          preexec_fn=parent_death_preexec())  # dies with this actor's process
-        deadline = time.monotonic() + ready_timeout_s
-        while not _is_serving(f"127.0.0.1:{port}"):
-            code = self.popen.poll()
-            if code is not None or time.monotonic() > deadline:
-                how = f"exited with code {code}" if code is not None else f"not SERVING in {ready_timeout_s} s"
-                self.stop()
-                raise RuntimeError(f"{self.name} {how}; log tail:\n{tail_file(self.log_path)}")
-            time.sleep(0.2)
-        return f"{host}:{port}"
-
-    def pid(self) -> int | None:
-        return None if self.popen is None else self.popen.pid
-
-    def alive(self) -> bool:
-        return self.popen is not None and self.popen.poll() is None
-
-    def stop(self, timeout_s: float = 10.0) -> int | None:
-        """The child's exit code (None if never started)."""
-        if self.popen is None:
-            return None
-        if self.popen.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                log.warning("ray_launcher: %s ignored SIGTERM for %.1f s; killing it", self.name, timeout_s)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.popen.pid, signal.SIGKILL)  # its own session: anything it spawned goes too
-        return self.popen.wait()
 
 
 @dataclass
@@ -308,10 +159,14 @@ class RayLauncher:
         return name, role, actor, pg, holders, ref
 
     def _finish_launches(self, pending) -> list[Component]:
-        """Wait for every pending launch; if any fails, undo all of them and raise the first error."""
+        """Wait for every pending launch; if any fails, or stop() is called meanwhile, undo all of them and
+        raise (the first error, or RuntimeError for the stop)."""
         started, error = [], None
         for name, role, actor, pg, holders, ref in pending:
             try:
+                while not ray.wait([ref], timeout=0.2)[0]:
+                    if self._stop_event.is_set():
+                        raise RuntimeError(f"{name}: launcher stopping during startup")
                 address = ray.get(ref)
                 comp = Component(name, role, actor, address, ray.get(actor.pid.remote()), pg, holders)
                 self.child_pids.append(comp.pid)
@@ -319,6 +174,10 @@ class RayLauncher:
                 log.info("ray_launcher: %s SERVING at %s (pid %d)", name, address, comp.pid)
             except BaseException as e:  # noqa: BLE001 - undo all, then re-raise the first
                 error = error or e
+                with contextlib.suppress(Exception):
+                    pid = ray.get(actor.pid.remote(), timeout=5)
+                    if pid is not None:
+                        self.child_pids.append(pid)
                 self._release(Component(name, role, actor, "", -1, pg, holders), graceful=False)
         if error is not None:
             for comp in started:
@@ -336,15 +195,15 @@ class RayLauncher:
                 log.exception("ray_launcher: autoscaling step failed; retrying next poll")
 
     def step(self, now_s: float | None = None) -> dict[str, int]:
-        """One autoscaling decision per pool from the registry's load reports; applies it. Returns the
-        pool sizes after it."""
+        """One pass per pool: replace workers whose process died, then one autoscaling decision from the
+        registry's load reports, applied. Returns the pool sizes after it."""
         model_id = self.config.resolved_model_id
-        sizes = {}
         for role in ROLES:
             if self._stop_event.is_set():
                 break
-            loads = [load for _, load, _ in self._registry.list_workers(model_id, role)]
-            load = pool_load(role, loads)
+            self._replace_dead(role)
+            workers = self._registry.list_workers(model_id, role)
+            load = pool_load(role, [w_load for _, w_load, _ in workers])
             with self._lock:
                 before = self.states[role].replicas
                 decision = decide(self.policies[role], self.states[role], load,
@@ -353,11 +212,27 @@ class RayLauncher:
                 self.decisions.append((time.monotonic(), role, decision.replicas, decision.reason, load))
                 log.info("ray_launcher: pool=%s event=scale replicas=%d->%d reason=%s load=%.0f", role, before,
                          decision.replicas, decision.reason, load)
-                self._resize(role, decision.replicas)
-            sizes[role] = len(self.pools[role])
-        return sizes
+                loads = {info.address: pool_load(role, [w_load]) for info, w_load, _ in workers}
+                self._resize(role, decision.replicas, loads)
+        return self.pool_sizes()
 
-    def _resize(self, role: str, replicas: int) -> None:
+    def _replace_dead(self, role: str) -> None:
+        pool = self.pools[role]
+        for comp in list(pool):
+            try:
+                alive = ray.get(comp.actor.alive.remote(), timeout=10)
+            except Exception:  # noqa: BLE001 - the actor itself died (node lost, OOM)
+                alive = False
+            if not alive:
+                log.warning("ray_launcher: pool=%s worker=%s event=died; replacing it", role, comp.name)
+                pool.remove(comp)
+                self._release(comp, graceful=False)
+        if len(pool) < self.states[role].replicas:
+            self._resize(role, self.states[role].replicas, {})
+
+    def _resize(self, role: str, replicas: int, loads: dict[str, float]) -> None:
+        """Start or stop workers until the pool has `replicas`; stops the least loaded first (by the last
+        load report per address; a worker without one counts as idle), the newest among equals."""
         pool = self.pools[role]
         if replicas > len(pool):
             pending = [self._launch_worker(role) for _ in range(replicas - len(pool))]
@@ -366,9 +241,19 @@ class RayLauncher:
             except Exception:  # noqa: BLE001
                 log.exception("ray_launcher: pool=%s event=scale_up_failed", role)
         while len(pool) > replicas:
-            self._release(pool.pop())  # the newest first
+            victim = min(reversed(pool), key=lambda c: loads.get(c.address, 0.0))
+            pool.remove(victim)
+            self._release(victim)
         with self._lock:
             self.states[role].replicas = len(pool)
+
+    def router_alive(self) -> bool:
+        if self.router is None:
+            return False
+        try:
+            return bool(ray.get(self.router.actor.alive.remote(), timeout=10))
+        except Exception:  # noqa: BLE001 - the actor died
+            return False
 
     def pool_sizes(self) -> dict[str, int]:
         return {role: len(self.pools[role]) for role in ROLES}
@@ -420,7 +305,7 @@ class RayLauncher:
 def run_ray_up(config: RayLauncherConfig, address: str = "auto", print_fn: Callable[[str], None] = print) -> int:
     """`duet ray up`: connect to Ray (address "auto": the running cluster; "local": start one here; set
     RAY_AUTH_MODE=disabled where Ray's token auth is not set up), start
-    everything, print a `ready` line, run until SIGINT/SIGTERM, stop everything. Returns the exit code."""
+    everything, print a `ready` line, run until SIGINT/SIGTERM (0) or the router dies (1), stop everything."""
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     owns_ray = not ray.is_initialized()
@@ -442,7 +327,12 @@ def run_ray_up(config: RayLauncherConfig, address: str = "auto", print_fn: Calla
         print_fn(f"duet ready: router at {launcher.router_address} ({sizes['prefill']} prefill, "
                  f"{sizes['decode']} decode, redis at {launcher.redis_url.rpartition('@')[2]})")
         while not stop.wait(0.5):
-            pass
+            if not launcher.router_alive():  # workers are replaced by the control loop; the router is not
+                tail = "(its actor is gone)"
+                with contextlib.suppress(Exception):
+                    tail = ray.get(launcher.router.actor.log_tail.remote(), timeout=5)
+                print_fn(f"duet: the router died; log tail:\n{tail}")
+                return 1
         print_fn("duet: stopping")
         return 0
     finally:

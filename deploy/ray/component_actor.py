@@ -1,0 +1,111 @@
+"""One duet component as a Ray actor: the actor runs `python -m duet <role> ...` as its child process.
+
+The child gets its own session (torch and gRPC threads never live in Ray's worker process) and dies with the
+actor's process (PR_SET_PDEATHSIG where available). Readiness is grpc.health.v1 SERVING, checked by the actor
+on its own node, so it works whatever the node's network looks like from the driver.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import ray
+
+from deploy.redis_server import parent_death_preexec, pick_free_port, tail_file
+
+log = logging.getLogger(__name__)
+
+_PROJECT_ROOT = str(Path(__file__).resolve().parents[2])
+_HEALTH_RPC_TIMEOUT_S = 0.5
+
+
+def _is_serving(address: str) -> bool:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""),
+                                                              timeout=_HEALTH_RPC_TIMEOUT_S)
+        except grpc.RpcError:
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+@ray.remote
+class RankHolder:
+    """Holds one extra tensor-parallel rank's bundle (its GPU) in a worker's placement group."""
+
+    def gpu_ids(self) -> list[str]:
+        return [str(i) for i in ray.get_gpu_ids()]
+
+
+@ray.remote
+class ComponentActor:
+    """One duet component (`python -m duet <role> ...`) as a child process of this actor.
+
+    start() returns the component's address once it reports SERVING, or raises RuntimeError with its log
+    tail; stop() always leaves no child behind (SIGTERM, then SIGKILL of its process group)."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.popen: subprocess.Popen | None = None
+        self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"duet-ray-{name}-{os.getpid()}.log"
+
+    def start(self, role: str, args: list[str], bind_host: str, advertise_host: str | None, port: int,
+              extra_gpu_ids: list[str], ready_timeout_s: float) -> str:
+        node_ip = ray.util.get_node_ip_address()
+        host = advertise_host or node_ip
+        port = port or pick_free_port()
+        cmd = [sys.executable, "-m", "duet", role, "--host", bind_host, "--port", str(port), *args]
+        if role != "router":
+            cmd += ["--advertise-host", host]
+        env = dict(os.environ, PYTHONUNBUFFERED="1", GRPC_ENABLE_FORK_SUPPORT="false",
+                   PYTHONPATH=os.pathsep.join(p for p in (_PROJECT_ROOT, os.environ.get("PYTHONPATH")) if p))
+        gpu_ids = [str(i) for i in ray.get_gpu_ids()] + list(extra_gpu_ids)
+        if gpu_ids:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_ids)
+        with open(self.log_path, "ab") as log_file:
+            self.popen = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
+                                          env=env, cwd=_PROJECT_ROOT, start_new_session=True,
+                                          preexec_fn=parent_death_preexec())  # dies with this actor's process
+        deadline = time.monotonic() + ready_timeout_s
+        while not _is_serving(f"127.0.0.1:{port}"):
+            code = self.popen.poll()
+            if code is not None or time.monotonic() > deadline:
+                how = f"exited with code {code}" if code is not None else f"not SERVING in {ready_timeout_s} s"
+                self.stop()
+                raise RuntimeError(f"{self.name} {how}; log tail:\n{tail_file(self.log_path)}")
+            time.sleep(0.2)
+        return f"{host}:{port}"
+
+    def pid(self) -> int | None:
+        return None if self.popen is None else self.popen.pid
+
+    def log_tail(self) -> str:
+        return tail_file(self.log_path)
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def stop(self, timeout_s: float = 10.0) -> int | None:
+        """The child's exit code (None if never started)."""
+        if self.popen is None:
+            return None
+        if self.popen.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                log.warning("ray_launcher: %s ignored SIGTERM for %.1f s; killing it", self.name, timeout_s)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.popen.pid, signal.SIGKILL)  # its own session: anything it spawned goes too
+        return self.popen.wait()

@@ -191,6 +191,15 @@ def test_stop_leaves_no_duet_processes(launcher):
     launcher.stop()  # idempotent
 
 
+def test_a_worker_that_cannot_start_fails_start_with_its_log_and_leaves_nothing(ray_cluster, tmp_path):
+    launcher = RayLauncher(RayLauncherConfig(model_dir=str(tmp_path / "no-such-model"), router_host="127.0.0.1",
+                                             port=0, num_cpus_per_rank=0.25, ready_timeout_s=60.0))
+    with pytest.raises(Exception, match=r"(prefill|decode)-0 exited with code [1-9]"):
+        launcher.start()
+    assert launcher.child_pids and [p for p in launcher.child_pids if _alive(p)] == []
+    assert launcher.redis is None and launcher.pool_sizes() == {"prefill": 0, "decode": 0}
+
+
 def test_duet_ray_up_flags_map_to_the_launcher_config(monkeypatch):
     import argparse
 

@@ -78,10 +78,10 @@ class ComponentActor:
                                           preexec_fn=parent_death_preexec())  # dies with this actor's process
         deadline = time.monotonic() + ready_timeout_s
         while not _is_serving(f"127.0.0.1:{port}"):
-            code = self.popen.poll()
-            if code is not None or time.monotonic() > deadline:
-                how = f"exited with code {code}" if code is not None else f"not SERVING in {ready_timeout_s} s"
-                self.stop()
+            exited = self._exited()
+            if exited or time.monotonic() > deadline:
+                code = self.stop(timeout_s=0.0)
+                how = f"exited with code {code}" if exited else f"was not SERVING within {ready_timeout_s} s"
                 raise RuntimeError(f"{self.name} {how}; log tail:\n{tail_file(self.log_path)}")
             time.sleep(0.2)
         return f"{host}:{port}"
@@ -93,19 +93,33 @@ class ComponentActor:
         return tail_file(self.log_path)
 
     def alive(self) -> bool:
-        return self.popen is not None and self.popen.poll() is None
+        return self.popen is not None and not self._exited()
+
+    def _exited(self) -> bool:
+        """Without reaping: an unreaped child's pid, and so its process group id, cannot be reused, so the
+        killpg in stop() can never hit a stranger."""
+        if self.popen is None or self.popen.returncode is not None:
+            return True
+        try:
+            return os.waitid(os.P_PID, self.popen.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+        except ChildProcessError:
+            return True
 
     def stop(self, timeout_s: float = 10.0) -> int | None:
-        """The child's exit code (None if never started)."""
+        """SIGTERM, up to timeout_s for a graceful exit, then SIGKILL of the child's whole process group (its
+        own session: anything it spawned goes too); reaps it. The child's exit code (negative: the signal
+        that ended it), None if it was never started."""
         if self.popen is None:
             return None
-        if self.popen.poll() is None:
+        if not self._exited():
             with contextlib.suppress(ProcessLookupError):
                 self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                log.warning("ray_launcher: %s ignored SIGTERM for %.1f s; killing it", self.name, timeout_s)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.popen.pid, signal.SIGKILL)  # its own session: anything it spawned goes too
+        deadline = time.monotonic() + timeout_s
+        while not self._exited() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not self._exited() and timeout_s > 0:
+            log.warning("ray_launcher: %s ignored SIGTERM for %.1f s; killing it", self.name, timeout_s)
+        if self.popen.returncode is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.popen.pid, signal.SIGKILL)
         return self.popen.wait()

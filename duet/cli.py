@@ -15,6 +15,7 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 from duet.cli_bench import add_bench_commands
 from duet.cli_common import _parse_ids, add_engine_args, add_sampling_args, engine_kwargs, sampling_params
+from duet.cli_ray import add_ray_commands
 from duet.cli_serving import add_serving_commands
 from engine.errors import InvalidRequestError, ModelLoadError
 
@@ -101,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serving_commands(sub)
     add_bench_commands(sub)
+    add_ray_commands(sub)
     return parser
 
 

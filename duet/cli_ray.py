@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import shlex
 from pathlib import Path
 
 
@@ -23,6 +24,7 @@ def cmd_ray_up(args: argparse.Namespace) -> int:
         router_host=args.host, port=args.port, redis_url=args.redis_url, tp=args.tp,
         num_cpus_per_rank=args.cpus_per_rank, num_gpus_per_rank=args.gpus_per_rank,
         custom_resources=not args.no_custom_resources, poll_interval_s=args.poll_interval,
+        worker_args=shlex.split(args.worker_args), router_args=shlex.split(args.router_args),
     )
     return run_ray_up(config, address=args.address)
 
@@ -53,4 +55,7 @@ def add_ray_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gpus-per-rank", type=float, default=0.0)
     p.add_argument("--no-custom-resources", action="store_true",
                    help="do not ask for duet_prefill/duet_decode node resources (clusters without them)")
+    p.add_argument("--worker-args", default="", help="extra flags for every prefill/decode worker, e.g. "
+                   "\"--num-kv-blocks 4096 --max-num-batched-tokens 4096\"")
+    p.add_argument("--router-args", default="", help="extra flags for the router, e.g. \"--max-model-len 8192\"")
     p.set_defaults(func=cmd_ray_up)

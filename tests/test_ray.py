@@ -46,7 +46,8 @@ def test_cluster_yaml_passes_ray_validation():
     assert types["decode_gpu"]["resources"]["duet_decode"] == 1 and types["decode_gpu"]["resources"]["GPU"] == 1
     for name in ("prefill_gpu", "decode_gpu"):
         assert 1 <= types[name]["min_workers"] <= types[name]["max_workers"]
-    assert any("duet ray up --address auto" in cmd for cmd in prepared["head_start_ray_commands"])
+    (up,) = [cmd for cmd in prepared["head_start_ray_commands"] if "duet ray up --address auto" in cmd]
+    assert "--gpus-per-rank 1" in up and "--redis-url" in up  # GPU workers; Redis the other nodes can reach
     # The same validation rejects a broken file, so passing it means something.
     bad = copy.deepcopy(config)
     bad["available_node_types"]["prefill_gpu"]["min_workers"] = "one"
@@ -210,11 +211,13 @@ def test_duet_ray_up_flags_map_to_the_launcher_config(monkeypatch):
     parser = argparse.ArgumentParser()
     cli_ray.add_ray_commands(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["ray", "up", "--address", "local", "--model", "/m/tiny", "--prefill-min", "2",
-                              "--prefill-max", "5", "--decode-max", "3", "--port", "0"])
+                              "--prefill-max", "5", "--decode-max", "3", "--port", "0",
+                              "--worker-args", "--num-kv-blocks 64 --max-model-len 512"])
     assert args.func(args) == 0 and seen["a"] == "local"
     config = seen["c"]
     assert (config.prefill.min_replicas, config.prefill.max_replicas) == (2, 5)
     assert (config.decode.min_replicas, config.decode.max_replicas) == (1, 3)
     assert config.port == 0 and config.resolved_model_id == "tiny" and config.tp == 1
+    assert config.worker_args == ["--num-kv-blocks", "64", "--max-model-len", "512"] and config.router_args == []
     with pytest.raises(ValueError, match="min_replicas=2, max_replicas=1"):
         RayLauncherConfig(prefill=PoolConfig(min_replicas=2, max_replicas=1))

@@ -6,6 +6,8 @@ import os
 # in a forked child that does not exec, which we never do.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
+from pathlib import Path
+
 import pytest
 
 from engine.tiny_model import make_tiny_model
@@ -21,3 +23,17 @@ def tiny_llama_dir(tmp_path_factory):
 def tiny_qwen2_dir(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), arch="qwen2", layers=2, hidden=64, heads=4,
                            kv_heads=2, vocab=512, seed=1)
+
+
+def shared_trace_path() -> Path:
+    """The Mooncake trace from the project's shared data: $DUET_TRACE, ../shared next to the repo, or /work/shared."""
+    repo = Path(__file__).resolve().parents[1]
+    candidates = [Path(p) for p in [os.environ.get("DUET_TRACE")] if p] + [
+        repo.parent / "shared" / "data" / "traces" / "mooncake_synthetic_trace.jsonl",
+        Path("/work/shared/data/traces/mooncake_synthetic_trace.jsonl"),
+    ]
+    for path in candidates:
+        if path.is_file():
+            return path
+    raise FileNotFoundError(f"the shared Mooncake trace is missing: looked at {[str(c) for c in candidates]}; "
+                            "set DUET_TRACE to its path")

@@ -1,15 +1,15 @@
 """The autoscaling policy (deploy/autoscaler.py), exactly, and its replay over the shared trace."""
 
 import statistics
-from pathlib import Path
 
 import pytest
+from conftest import shared_trace_path
 
 from deploy.autoscale_sim import simulate
 from deploy.autoscaler import PoolPolicy, PoolState, decide
 from router.trace_replay import load_trace
 
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces" / "mooncake_synthetic_trace.jsonl"
+TRACE = shared_trace_path()
 POLICY = PoolPolicy(target_per_replica=100, min_replicas=1, max_replicas=10, scale_up_step=2, scale_down_step=1,
                     scale_up_cooldown_s=30, scale_down_cooldown_s=120, tolerance=0.1)
 

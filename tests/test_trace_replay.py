@@ -6,6 +6,7 @@ import math
 from pathlib import Path
 
 import pytest
+from conftest import shared_trace_path
 
 from duet.cli_bench import main as bench_main
 from router.baseline_policies import (
@@ -31,7 +32,7 @@ from router.trace_replay import (
     simulate_oracle,
 )
 
-TRACE = Path("/work/shared/data/traces/mooncake_synthetic_trace.jsonl")
+TRACE = shared_trace_path()
 JSON_KEYS = ["policy", "token_hit_rate", "ttft_mean_s", "ttft_p90_s", "ttft_p99_s", "imbalance"]
 
 

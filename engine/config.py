@@ -130,6 +130,7 @@ class EngineConfig:
     model_id: str | None = None  # the name routers and hashes use; None: the model directory's name
     num_threads: int | None = None  # torch intra-op threads; None: torch's default
     tp_size: int = 1  # tensor-parallel ranks (processes; gloo on CPU, NCCL on CUDA)
+    fast_linears: bool = True  # CPU fast paths for linear layers (engine/linear_fast.py); False: plain F.linear
 
     def __post_init__(self) -> None:
         if self.dtype is not None:

@@ -125,8 +125,10 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab] for the rows of `hidden` that are sampled."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(hidden, weight)
+        if self.lm_head is None:  # tied: the embedding table is the output projection
+            logits = F.linear(hidden, self.embed_tokens.weight)
+        else:
+            logits = self.lm_head(hidden)
         if self.gather_vocab is not None:  # tensor parallel: this rank computed its slice of the vocabulary
             logits = self.gather_vocab(logits)
         return logits.float()

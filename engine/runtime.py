@@ -16,6 +16,7 @@ from engine.block_pool import BlockPool
 from engine.config import EngineConfig, ModelConfig, parse_dtype
 from engine.errors import ModelLoadError
 from engine.kv_cache_manager import KVCacheManager, cdiv
+from engine.linear_fast import fast_linears
 from engine.model import KVCache, LlamaForCausalLM
 from engine.model_runner import ModelRunner, allocate_kv_caches, kv_bytes_per_block
 from engine.sampler import Sampler
@@ -99,6 +100,8 @@ def build_runtime(model_dir: str | Path, config: EngineConfig) -> Runtime:
                                        config)
     else:
         model = build_model(model_config, model_dir, dtype, max_positions=max_positions)
+        if config.fast_linears:
+            fast_linears(model)  # after loading (and any sharding): a transformation of the plain model
     assert kv_bytes_per_block(model, config.block_size, dtype) == block_bytes
 
     block_pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)

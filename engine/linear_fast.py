@@ -1,0 +1,152 @@
+"""CPU fast paths for the model's linear layers, next to the plain `nn.Linear` they replace.
+
+Two named tricks, each a few percent of code and each measured in benchmarks/RESULTS.md:
+
+- **Packed weights** (`packed_linear`): `F.linear` hands the BLAS a plain [out, in] weight, which it
+  re-blocks for its kernel on every call; from 2 rows on that copy costs more than the math.
+  `pack_weight` reorders a weight once into oneDNN's blocked layout (what vLLM's CPU backend and
+  inductor's weight freezing do): 1.3-2.4x faster GEMMs at 8-64 rows. A packed call has ~40 us of fixed
+  overhead, so only weights of at least MIN_PACKED_BYTES are packed (small models stay plain).
+- **fp32 math for bf16 weights on CPUs without bf16 arithmetic** (no avx512_bf16 / AMX): there oneDNN
+  emulates bf16 and is 2-3x slower than fp32 from 8 rows on. Multi-row GEMMs run on an exact fp32 copy
+  of the weight (bf16 -> fp32 is lossless; products of bf16 values are exact in fp32, so this is a bf16
+  GEMM with fp32 accumulation, like the emulated one, in another summation order); single rows, which
+  are bandwidth-bound, keep reading the bf16 copy. Costs 3x the bf16 weight memory.
+
+Both are a transformation of a loaded model, applied after any sharding, never part of loading:
+
+    model = build_model(...)      # plain nn.Linear everywhere: the reference the tests compare against
+    fast_linears(model)           # swaps each eligible nn.Linear for a FastLinear, in place
+
+Only modules of exactly type `nn.Linear` are swapped (a subclass, e.g. a row-parallel layer that
+all-reduces, keeps its own forward). The tied embedding keeps its original tensor for lookups; the
+lm_head gets its own copy. Results differ from `F.linear` by summation order only (~1e-6 relative in
+fp32, one bf16 ulp in bf16): tests/test_fast_paths.py pins that, and the same greedy tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# oneDNN picks its blocked layout for a batch size; one layout serves every batch size (a mismatch
+# costs speed, never correctness). 8 was as fast as 64 at 8-64 rows and faster than 1 (linear_prepack.py).
+PACK_BATCH_HINT = 8
+# Packing pays for its fixed per-call overhead from about this size (qwen05b's smallest weight, o_proj,
+# is 3.2 MB in fp32; the small benchmark model's biggest is 4 MB and gains nothing).
+MIN_PACKED_BYTES = 2 * 1024**2
+
+
+def can_pack(weight: torch.Tensor) -> bool:
+    """Whether oneDNN can pack this weight: a 2-D CPU tensor in float32, or bfloat16 where supported."""
+    if weight.device.type != "cpu" or weight.dim() != 2 or not torch.backends.mkldnn.is_available():
+        return False
+    if weight.dtype == torch.bfloat16:
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return weight.dtype == torch.float32
+
+
+def has_bf16_arithmetic() -> bool:
+    """Whether this CPU multiplies bf16 natively (avx512_bf16 or AMX) rather than emulating it."""
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
+def pack_weight(weight: torch.Tensor, batch_hint: int = PACK_BATCH_HINT) -> torch.Tensor:
+    """An opaque oneDNN copy of `weight` ([out, in]); only `packed_linear` reads it."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), batch_hint)
+
+
+def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight.T + bias on a weight from `pack_weight`: F.linear's result, without re-blocking the weight."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+
+
+@dataclass(frozen=True)
+class GemmWeight:
+    """One copy of a linear's weight, plain ([out, in], for F.linear) or packed (for packed_linear)."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    packed: bool
+
+    @classmethod
+    def make(cls, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool) -> GemmWeight:
+        weight, bias = weight.detach(), None if bias is None else bias.detach().contiguous()
+        return cls(pack_weight(weight) if pack else weight, bias, pack)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            return packed_linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
+class FastLinear(nn.Module):
+    """Drop-in for an inference-only `nn.Linear` (input [rows, in_features]): same result up to rounding.
+
+    `pack`: the weight is packed for oneDNN. `fp32_math` (bf16 weights only): inputs of more than one row
+    are computed in fp32 on an fp32 copy, one row on the bf16 weight; the output is bf16 either way.
+    The module has no `weight` parameter to read back (a packed copy is opaque).
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, pack: bool, fp32_math: bool = False):
+        super().__init__()
+        if fp32_math and weight.dtype != torch.bfloat16:
+            raise ValueError(f"fp32_math is for bfloat16 weights, not {weight.dtype}")
+        if pack and not can_pack(weight):
+            raise ValueError(f"weight {tuple(weight.shape)} {weight.dtype} on {weight.device} cannot be packed")
+        self.out_features, self.in_features = weight.shape
+        self.pack, self.fp32_math = pack, fp32_math
+        self.one_row = GemmWeight.make(weight, bias, pack) if fp32_math else None
+        if fp32_math:
+            weight, bias = weight.float(), None if bias is None else bias.float()
+        self.rows = GemmWeight.make(weight, bias, pack)
+        self.math_dtype = weight.dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.one_row is not None and x.numel() == x.shape[-1]:
+            return self.one_row(x)
+        if x.dtype != self.math_dtype:
+            return self.rows(x.to(self.math_dtype)).to(x.dtype)
+        return self.rows(x)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.rows.bias is not None}, pack={self.pack}, fp32_math={self.fp32_math}")
+
+
+def fast_linear_for(weight: torch.Tensor, bias: torch.Tensor | None,
+                    min_packed_bytes: int = MIN_PACKED_BYTES) -> FastLinear | None:
+    """The fast path for this weight on this machine, or None where the plain nn.Linear is best."""
+    if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    fp32_math = weight.dtype == torch.bfloat16 and not has_bf16_arithmetic()
+    pack = can_pack(weight) and weight.numel() * weight.element_size() >= min_packed_bytes
+    if not (pack or fp32_math):
+        return None
+    return FastLinear(weight, bias, pack=pack, fp32_math=fp32_math)
+
+
+def fast_linears(model: nn.Module, min_packed_bytes: int = MIN_PACKED_BYTES) -> list[str]:
+    """Swap every `nn.Linear` of `model` that has a fast path for a `FastLinear`, in place; the names swapped.
+
+    A tied lm_head (`model.lm_head is None`, logits from `embed_tokens.weight`) becomes a `FastLinear`
+    over a copy of the embedding, which itself stays as it is. Calling it again swaps nothing more.
+    """
+    swapped = []
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if type(child) is nn.Linear:
+                fast = fast_linear_for(child.weight, child.bias, min_packed_bytes)
+                if fast is not None:
+                    setattr(module, child_name, fast)
+                    swapped.append(f"{name}.{child_name}" if name else child_name)
+    embed = getattr(model, "embed_tokens", None)
+    if getattr(model, "lm_head", "absent") is None and embed is not None:
+        fast = fast_linear_for(embed.weight, None, min_packed_bytes)
+        if fast is not None:
+            model.lm_head = fast
+            swapped.append("lm_head")
+    return swapped

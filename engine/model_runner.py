@@ -6,6 +6,7 @@ in, and a token (plus logprobs) per sampled request out. It owns the KV cache te
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -65,7 +66,9 @@ class ModelRunner:
                 sample_chunks.append(chunk)
         if not sample_chunks:
             return {}
-        logits = self.model.compute_logits(hidden[sample_rows])
+        if len(sample_rows) < hidden.shape[0]:  # else every token is a sampled decode: all rows, in order
+            hidden = hidden.index_select(0, int64_tensor(sample_rows))
+        logits = self.model.compute_logits(hidden)
         rows = [SamplingRow(c.sampling_params, c.prompt_token_ids, c.output_token_ids) for c in sample_chunks]
         sampled = self.sampler(logits, rows)
         return {
@@ -77,14 +80,9 @@ class ModelRunner:
         """Flatten decodes-then-prefills into input ids, positions, slots and attention metadata."""
         bs = self.block_size
         decodes = [c for c in ordered if len(c.token_ids) == 1]
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        for c in decodes:
-            pos = c.start_position
-            input_ids.append(c.token_ids[0])
-            positions.append(pos)
-            slots.append(c.block_ids[pos // bs] * bs + pos % bs)
+        input_ids = [c.token_ids[0] for c in decodes]
+        positions = [c.start_position for c in decodes]
+        slots = [c.block_ids[pos // bs] * bs + pos % bs for c, pos in zip(decodes, positions)]
         decode_block_ids = decode_mask = None
         if decodes:
             width = max(len(c.block_ids) for c in decodes)
@@ -92,31 +90,34 @@ class ModelRunner:
             for c in decodes:
                 padded += c.block_ids
                 padded += [0] * (width - len(c.block_ids))
-            decode_block_ids = torch.tensor(padded)
-            context_lens = torch.tensor([c.start_position + 1 for c in decodes])
+            decode_block_ids = int64_tensor(padded)
+            context_lens = int64_tensor([pos + 1 for pos in positions])
             past_end = torch.arange(width * bs) >= context_lens.unsqueeze(1)
             decode_mask = torch.zeros(past_end.shape).masked_fill_(past_end, float("-inf"))
 
         prefills = []
-        prefill_slots = []
         for c in ordered[len(decodes) :]:
             num_q = len(c.token_ids)
             num_ctx = c.start_position + num_q
-            table = torch.tensor(c.block_ids[: -(-num_ctx // bs)])
-            pos = torch.arange(c.start_position, num_ctx)
-            prefills.append(PrefillChunk(len(input_ids), num_q, num_ctx, table))
-            input_ids.extend(c.token_ids)
-            positions.extend(range(c.start_position, num_ctx))
-            prefill_slots.append(table[pos // bs] * bs + pos % bs)
+            table = c.block_ids[: -(-num_ctx // bs)]
+            prefills.append(PrefillChunk(len(input_ids), num_q, num_ctx, int64_tensor(table)))
+            input_ids += c.token_ids
+            positions += range(c.start_position, num_ctx)
+            slots += [table[pos // bs] * bs + pos % bs for pos in range(c.start_position, num_ctx)]
 
-        slot_mapping = torch.tensor(slots, dtype=torch.int64)
-        if prefill_slots:
-            slot_mapping = torch.cat([slot_mapping, *prefill_slots])
         meta = AttentionMetadata(
-            slot_mapping=slot_mapping,
+            slot_mapping=int64_tensor(slots),
             num_decode_tokens=len(decodes),
             decode_block_ids=decode_block_ids,
             decode_mask=decode_mask,
             prefills=prefills,
         )
-        return torch.tensor(input_ids), torch.tensor(positions), meta
+        return int64_tensor(input_ids), int64_tensor(positions), meta
+
+
+def int64_tensor(values: list[int]) -> torch.Tensor:
+    """`torch.tensor(values, dtype=torch.int64)`, 3x faster from a few dozen values on: one buffer copy
+    instead of a Python-object conversion per element (0.37 us each here; a step at batch 64 makes ~600)."""
+    if not values:
+        return torch.empty(0, dtype=torch.int64)
+    return torch.frombuffer(array("q", values), dtype=torch.int64)  # the tensor keeps the array alive

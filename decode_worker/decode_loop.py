@@ -71,6 +71,12 @@ class DecodeLoop:
         block_ids = pool.allocate(num_blocks)
         reservation = self.reservations.add(request_id, block_ids, num_prompt_tokens, ttl_s)
         self._reserved[reservation.reservation_id] = block_ids
+        mirrored = self.rt.call_followers("reserve", {
+            "id": reservation.reservation_id, "request_id": request_id, "blocks": block_ids,
+            "num_tokens": num_prompt_tokens, "ttl_s": ttl_s})
+        if not mirrored:  # a follower rank refused: undo everywhere
+            self.release(reservation.reservation_id)
+            raise RuntimeError(f"reservation {reservation.reservation_id}: a tensor-parallel rank refused it")
         return reservation
 
     def release(self, reservation_id: int) -> bool:
@@ -81,6 +87,8 @@ class DecodeLoop:
         return True
 
     def _free(self, reservation: Reservation) -> None:
+        # followers first: once they popped it no write lands there, then the blocks may be reused
+        self.rt.call_followers("release", {"id": reservation.reservation_id})
         del self._reserved[reservation.reservation_id]
         self.rt.block_pool.free(reversed(reservation.block_ids))
         self._check_idle()
@@ -104,6 +112,10 @@ class DecodeLoop:
                 f"reservation {reservation_id} is not usable: complete={reservation.complete}, "
                 f"holds {reservation.num_tokens} prompt tokens, request has {request.num_prompt_tokens}"
             )
+        if not self.rt.call_followers("commit", {"id": reservation_id}):
+            self._free(reservation)
+            raise ReservationExpired(f"reservation {reservation_id}: the KV shard of a tensor-parallel rank is "
+                                     "incomplete or failed")
         try:
             self.rt.scheduler.add_transferred(request, reservation.block_ids)
         except ValueError:

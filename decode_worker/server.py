@@ -40,6 +40,11 @@ class DecodeWorker(WorkerProcess, wpb_grpc.DecodeWorkerServicer):
         super().__init__(config)
         self.reservations = ReservationTable(self.layout.num_layers)
         self.receiver = KVReceiver(self.layout, self.rt.kv_caches, self.reservations, host=config.host)
+        self.rank_kv_addresses: list[str] = []  # tensor parallelism: ranks 1..N-1's receivers, in rank order
+        if self.tp_store is not None:
+            from decode_worker.tp_rank import kv_address_key
+
+            self.rank_kv_addresses = [self.tp_store.get(kv_address_key(r)).decode() for r in range(1, self.tp_size)]
         self.loop = DecodeLoop(self.rt, self.reservations, on_token_gap=self.metrics.inter_token_s.observe)
 
     def add_services(self, server: grpc.Server) -> None:
@@ -60,7 +65,8 @@ class DecodeWorker(WorkerProcess, wpb_grpc.DecodeWorkerServicer):
         return self.loop.thread
 
     def kv_address(self) -> str:
-        return f"{self.advertise_host}:{self.receiver.address.rsplit(':', 1)[1]}"
+        host = f"[{self.advertise_host}]" if ":" in self.advertise_host else self.advertise_host
+        return f"{host}:{self.receiver.port}"
 
     def load(self) -> WorkerLoad:
         s = self.rt.scheduler
@@ -85,8 +91,9 @@ class DecodeWorker(WorkerProcess, wpb_grpc.DecodeWorkerServicer):
             context.set_trailing_metadata((("grpc-retry-pushback-ms", str(RETRY_PUSHBACK_MS)),))
             abort_with(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
                        f"decode worker {self.worker_id} has no room for {n} prompt tokens now; retry later")
-        return wpb.ReserveResponse(reservation_id=reservation.reservation_id, kv_address=self.receiver.address,
-                                   num_blocks=len(reservation.block_ids))
+        return wpb.ReserveResponse(reservation_id=reservation.reservation_id, kv_address=self.kv_address(),
+                                   num_blocks=len(reservation.block_ids),
+                                   kv_addresses=[self.kv_address(), *self.rank_kv_addresses])
 
     def Release(self, request: wpb.ReleaseRequest, context: grpc.ServicerContext) -> wpb.ReleaseResponse:
         return wpb.ReleaseResponse(found=self.loop.thread.call(self.loop.release, request.reservation_id))

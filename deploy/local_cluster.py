@@ -63,6 +63,8 @@ class ClusterConfig:
     port: int = 0  # router port, 0 = pick a free one
     redis_password: str | None = None
     worker_args: list[str] = field(default_factory=list)  # extra args for prefill+decode
+    prefill_args: list[str] = field(default_factory=list)  # extra args for prefill workers only (after worker_args)
+    decode_args: list[str] = field(default_factory=list)  # ... decode workers only
     router_args: list[str] = field(default_factory=list)
     ready_timeout_s: float = 180.0
     log_dir: str | None = None  # component stdout/stderr go to files here (default: inside the cluster's temp dir)
@@ -223,7 +225,10 @@ class LocalCluster:
         cmd = [sys.executable, "-m", "duet", role, "--host", host, "--port", str(port), "--redis-url", redis_url]
         if self.config.model_dir is not None:
             cmd += ["--model", str(self.config.model_dir)]
-        return cmd + list(self.config.router_args if role == "router" else self.config.worker_args)
+        if role == "router":
+            return cmd + list(self.config.router_args)
+        own = self.config.prefill_args if role == "prefill" else self.config.decode_args
+        return cmd + list(self.config.worker_args) + list(own)
 
     def _launch(self, name: str, role: str, host: str, port: int, log_dir: Path) -> _Process:
         log_path = log_dir / f"{name}.log"

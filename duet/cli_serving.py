@@ -44,11 +44,6 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from duet.worker_process import WorkerConfig
     from engine.config import EngineConfig
 
-    if args.tp != 1:
-        print(f"error: --tp={args.tp} is not supported by `duet {args.command}` yet: serving workers run tp 1 "
-              "(tensor parallelism works offline: duet generate --tp N)", file=sys.stderr)
-        return 2
-
     config = WorkerConfig(
         role=args.command, redis_url=args.redis_url, model_dir=args.model, host=args.host, port=args.port,
         engine=EngineConfig(**engine_kwargs(args), model_id=args.model_id), kv_transport=args.kv_transport,
@@ -85,11 +80,6 @@ def cmd_router(args: argparse.Namespace) -> int:
 
 def cmd_up(args: argparse.Namespace) -> int:
     from deploy.local_cluster import ClusterConfig, run_up
-
-    if args.tp != 1:
-        print(f"error: --tp={args.tp} is not supported by `duet up` yet: serving workers run tp 1 "
-              "(tensor parallelism works offline: duet generate --tp N)", file=sys.stderr)
-        return 2
 
     worker_args = _engine_argv(args) + ["--kv-transport", args.kv_transport]
     config = ClusterConfig(

@@ -62,8 +62,25 @@ class WorkerProcess:
             from engine.tiny_model import default_model_dir
 
             model_dir = default_model_dir()
-        self.rt: Runtime = build_runtime(model_dir, config.engine)
-        self.layout = KVLayout.for_caches(self.rt.model_id, self.rt.kv_caches)
+        self.advertise_host = config.advertise_host or config.host
+        self.tp_size = config.engine.tp_size
+        self.tp_store = None  # tensor parallelism: rank 0 hosts the store its follower ranks meet it in
+        follower_argv: list[str] = []
+        if self.tp_size > 1:
+            from datetime import timedelta
+
+            import torch.distributed as dist
+
+            from duet.tp_rank import follower_argv as make_follower_argv
+
+            self.tp_store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                          timeout=timedelta(seconds=60))
+            follower_argv = make_follower_argv(
+                config.role, self.tp_store.port, model_id=config.engine.model_id or Path(model_dir).resolve().name,
+                host=config.host, advertise_host=self.advertise_host, kv_transport=config.kv_transport,
+                kv_checksum=config.kv_checksum, layer_group_size=config.layer_group_size)
+        self.rt: Runtime = build_runtime(model_dir, config.engine, "duet.tp_rank", follower_argv)
+        self.layout = KVLayout.for_caches(self.rt.model_id, self.rt.kv_caches, self.tp_size, 0)
         self.registry = WorkerRegistry.from_url(config.redis_url, ttl_s=config.heartbeat_ttl_s)
         self.redis = self.registry.client
         index = snapshot = None
@@ -77,7 +94,6 @@ class WorkerProcess:
         self.add_services(self.server)
         self.health = serving.add_health_and_reflection(self.server, self.service_names)
         self.port = serving.bind(self.server, config.host, config.port)
-        self.advertise_host = config.advertise_host or config.host
         self.address = f"{self.advertise_host}:{self.port}"
         self.metrics = WorkerMetrics(config.role, self.metric_values)
         self.metrics_port: int | None = None
@@ -113,7 +129,7 @@ class WorkerProcess:
     def info(self) -> WorkerInfo:
         return WorkerInfo(
             worker_id=self.worker_id, role=self.config.role, address=self.address, model_id=self.rt.model_id,
-            block_size=self.rt.block_size, num_kv_blocks=self.rt.num_kv_blocks, tp_size=1,
+            block_size=self.rt.block_size, num_kv_blocks=self.rt.num_kv_blocks, tp_size=self.tp_size,
             kv_address=self.kv_address(), kv_layout=self.layout.fingerprint(),
         )
 
@@ -150,6 +166,7 @@ class WorkerProcess:
             self.heartbeat.stop()
         self.server.stop(grace_s).wait(grace_s + 1)
         self.stop_engine()
+        self.rt.close()  # tensor-parallel follower ranks
         self.publisher.stop()
         log.info("worker=%s event=stopped", self.worker_id)
 
@@ -163,6 +180,10 @@ class WorkerProcess:
         while not done.wait(0.5):
             if not self.engine_alive():
                 log.error("worker=%s engine thread died: stopping", self.worker_id)
+                code = 1
+                break
+            if dead := [p.pid for p in self.rt.followers if p.poll() is not None]:
+                log.error("worker=%s tensor-parallel rank process(es) %s exited: stopping", self.worker_id, dead)
                 code = 1
                 break
         self.stop()

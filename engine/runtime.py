@@ -49,6 +49,17 @@ class Runtime:
     def block_size(self) -> int:
         return self.config.block_size
 
+    @property
+    def tp_size(self) -> int:
+        return self.config.tp_size
+
+    def call_followers(self, op: str, args: dict, ok: bool = True) -> bool:
+        """Run a serving worker's `op` on every tensor-parallel follower rank (engine/tp_runner.py's CALL);
+        True iff `ok` and every rank succeeded. At tp_size 1: `ok`."""
+        if not self.followers:
+            return ok
+        return self.runner.call_followers(op, args, ok)
+
     def close(self) -> None:
         """Stop the tensor-parallel followers (no-op at tp_size 1). Idempotent."""
         if not self.followers:
@@ -59,8 +70,11 @@ class Runtime:
         self.followers = []
 
 
-def build_runtime(model_dir: str | Path, config: EngineConfig) -> Runtime:
-    """Load the checkpoint and size the KV cache. Raises `ModelLoadError` naming what is wrong."""
+def build_runtime(model_dir: str | Path, config: EngineConfig, follower_module: str = "engine.tp_worker",
+                  follower_argv: list[str] | tuple = ()) -> Runtime:
+    """Load the checkpoint and size the KV cache. Raises `ModelLoadError` naming what is wrong.
+    At tp_size > 1 the follower ranks run `python -m follower_module` with `follower_argv` added (a serving
+    worker's followers also run their share of KV transfer)."""
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     model_dir = Path(model_dir)
@@ -96,8 +110,8 @@ def build_runtime(model_dir: str | Path, config: EngineConfig) -> Runtime:
     if config.tp_size > 1:
         from engine.tp_runner import start_group
 
-        model, followers = start_group(model_config, model_dir, dtype, max_positions, max_model_len, num_blocks,
-                                       config)
+        model, followers, control = start_group(model_config, model_dir, dtype, max_positions, max_model_len,
+                                                num_blocks, config, follower_module, follower_argv)
     else:
         model = build_model(model_config, model_dir, dtype, max_positions=max_positions)
         if config.fast_linears:
@@ -113,7 +127,7 @@ def build_runtime(model_dir: str | Path, config: EngineConfig) -> Runtime:
     if followers:
         from engine.tp_runner import TPDriverRunner
 
-        runner: ModelRunner = TPDriverRunner(model, kv_caches, config.block_size, Sampler(config.seed))
+        runner: ModelRunner = TPDriverRunner(model, kv_caches, config.block_size, Sampler(config.seed), control)
     else:
         runner = ModelRunner(model, kv_caches, config.block_size, Sampler(config.seed))
     log.info(

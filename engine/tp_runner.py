@@ -12,10 +12,20 @@ Every rank holds its own KV cache shard (its kv heads) and writes it in its own 
 ids, positions and block tables cross between ranks: no tensors of activations except inside the
 collectives. The payload is plain int64 (no pickle). A rank that dies makes the next collective fail on
 the others (gloo reports the closed connection), so the engine raises instead of hanging.
+
+Serving workers give each follower `FollowerHooks` (its share of KV transfer) and drive them with CALL:
+
+    rank 0: call_followers(op, args)  ── header [CALL, n] + n bytes of JSON ──▶ hooks.call(op, args) -> ok
+            all ranks: all-reduce MIN of ok  ◀──────────────────────────────▶  (rank 0 learns if all did it)
+
+A STEP's forward on a follower gets `hooks.layer_callback()` as its `on_layer_done`, so a follower ships
+its KV shard while later layers compute, exactly as rank 0 does.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import socket
 import subprocess
@@ -32,8 +42,29 @@ from engine.model_runner import ModelRunner, SampledToken
 from engine.sampler import Sampler, SamplingRow
 from engine.scheduler import ScheduledChunk
 
-STEP, STOP = 1, 2
+log = logging.getLogger("duet.tp")
+
+STEP, STOP, CALL = 1, 2, 3
 _HEADER = 7  # cmd, tokens, decodes, decode width (blocks), prefills, prefill table ids, sample rows
+MAX_CALL_BYTES = 16 << 20
+
+
+class FollowerHooks:
+    """What a serving worker adds to a follower rank (see prefill_worker/tp_rank.py, decode_worker/tp_rank.py)."""
+
+    def call(self, op: str, args: dict) -> bool:
+        """Run one CALL from rank 0; False (or an exception) tells rank 0 it failed here."""
+        raise ValueError(f"op={op!r} is unknown")
+
+    def layer_callback(self) -> Callable[[int], None] | None:
+        """`on_layer_done` for the next STEP's forward (None: nothing to do per layer)."""
+        return None
+
+    def after_step(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def pack_step(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, block_size: int,
@@ -94,8 +125,6 @@ class TPDriverRunner(ModelRunner):
                 ) -> dict[str, SampledToken]:
         if not chunks:
             return {}
-        if on_layer_done is not None:
-            raise NotImplementedError("streaming KV out of a tensor-parallel prefill is not supported yet")
         ordered = [c for c in chunks if len(c.token_ids) == 1] + [c for c in chunks if len(c.token_ids) > 1]
         input_ids, positions, meta = self.prepare_inputs(ordered)
         sample_rows, sample_chunks, offset = [], [], 0
@@ -107,7 +136,7 @@ class TPDriverRunner(ModelRunner):
         header, payload = pack_step(input_ids, positions, meta, self.block_size, sample_rows)
         dist.broadcast(header, src=0, group=self.group)
         dist.broadcast(payload, src=0, group=self.group)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, on_layer_done)
         if not sample_chunks:
             return {}
         logits = self.model.compute_logits(hidden[sample_rows])
@@ -115,6 +144,19 @@ class TPDriverRunner(ModelRunner):
         sampled = self.sampler(logits, rows)
         return {c.request_id: SampledToken(t, lp) for c, t, lp in zip(sample_chunks, sampled.token_ids,
                                                                        sampled.logprobs)}
+
+    def call_followers(self, op: str, args: dict, ok: bool = True) -> bool:
+        """Run `hooks.call(op, args)` on every follower; True iff it succeeded on all of them and `ok` (this
+        rank's own part) is true. Raises RuntimeError if a rank is gone."""
+        body = json.dumps({"op": op, "args": args}, separators=(",", ":")).encode()
+        if len(body) > MAX_CALL_BYTES:
+            raise ValueError(f"CALL {op} of {len(body)} bytes exceeds {MAX_CALL_BYTES}")
+        dist.broadcast(torch.tensor([CALL, len(body)] + [0] * (_HEADER - 2), dtype=torch.int64), src=0,
+                       group=self.group)
+        dist.broadcast(torch.frombuffer(bytearray(body), dtype=torch.uint8), src=0, group=self.group)
+        flag = torch.tensor([int(ok)], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(flag.item())
 
     def shutdown(self) -> None:
         """Tell the followers to exit (best effort: they also exit when this process dies)."""
@@ -124,22 +166,44 @@ class TPDriverRunner(ModelRunner):
             pass
 
 
+def _run_call(hooks: FollowerHooks, header: torch.Tensor, group) -> None:
+    size = int(header[1])
+    if not 0 < size <= MAX_CALL_BYTES:
+        raise RuntimeError(f"CALL of {size} bytes from rank 0: must be in (0, {MAX_CALL_BYTES}]")
+    body = torch.empty(size, dtype=torch.uint8)
+    dist.broadcast(body, src=0, group=group)
+    ok = False
+    try:
+        message = json.loads(bytes(body.numpy()))
+        ok = bool(hooks.call(message["op"], message["args"]))
+    except Exception as e:  # noqa: BLE001 - reported to rank 0 through the all-reduce, this rank goes on
+        log.warning("tp follower event=call_failed error=%r", e)
+    flag = torch.tensor([int(ok)], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+
+
 @torch.inference_mode()
-def follow(model: LlamaForCausalLM, kv_caches: list[KVCache], block_size: int, group=None) -> None:
-    """A follower rank's loop: run every step rank 0 broadcasts, until STOP."""
+def follow(model: LlamaForCausalLM, kv_caches: list[KVCache], block_size: int, group=None,
+           hooks: FollowerHooks | None = None) -> None:
+    """A follower rank's loop: run every step and call rank 0 broadcasts, until STOP."""
+    hooks = hooks or FollowerHooks()
     while True:
         header = torch.empty(_HEADER, dtype=torch.int64)
         dist.broadcast(header, src=0, group=group)
         if int(header[0]) == STOP:
             return
+        if int(header[0]) == CALL:
+            _run_call(hooks, header, group)
+            continue
         size = 3 * int(header[1]) + int(header[2]) * (int(header[3]) + 1) + 4 * int(header[4]) + int(header[5]) \
             + int(header[6])
         payload = torch.empty(size, dtype=torch.int64)
         dist.broadcast(payload, src=0, group=group)
         input_ids, positions, meta, sample_rows = unpack_step(header, payload, block_size)
-        hidden = model(input_ids, positions, kv_caches, meta)
+        hidden = model(input_ids, positions, kv_caches, meta, hooks.layer_callback())
         if sample_rows:
             model.compute_logits(hidden[sample_rows])  # joins the all-gather; rank 0 samples
+        hooks.after_step()
 
 
 def free_port() -> int:
@@ -148,29 +212,37 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_group(rank: int, size: int, init_method: str, timeout_s: float = 120.0) -> None:
-    """The default process group of this process: gloo on CPU (NCCL when the model runs on CUDA)."""
+def init_group(rank: int, size: int, init_method: str, timeout_s: float = 120.0):
+    """Join the ranks; returns the control group the step loop broadcasts on.
+
+    The default group (gloo on CPU, NCCL when the model runs on CUDA) carries the model's collectives and
+    bounds the rendezvous and every step's collectives by `timeout_s`. The control group is gloo (its
+    tensors are on the CPU) with a timeout of a day: a follower waits on it for rank 0's next command for as
+    long as the worker is idle. A dead rank still fails it at once (gloo sees the connection close)."""
     backend = "nccl" if torch.cuda.is_available() and os.environ.get("DUET_DEVICE") == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
                             timeout=timedelta(seconds=timeout_s))
+    return dist.new_group(list(range(size)), timeout=timedelta(days=1), backend="gloo")
 
 
-def spawn_followers(size: int, init_method: str, argv: list[str]) -> list[subprocess.Popen]:
-    """Start ranks 1..size-1 as `python -m engine.tp_worker` processes (they die with this process)."""
+def spawn_followers(size: int, init_method: str, argv: list[str], module: str = "engine.tp_worker"
+                    ) -> list[subprocess.Popen]:
+    """Start ranks 1..size-1 as `python -m <module>` processes (they die with this process)."""
     from deploy.redis_server import parent_death_preexec
 
     procs = []
     for rank in range(1, size):
-        cmd = [sys.executable, "-m", "engine.tp_worker", "--rank", str(rank), "--size", str(size),
+        cmd = [sys.executable, "-m", module, "--rank", str(rank), "--size", str(size),
                "--init-method", init_method, *argv]
         procs.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL, preexec_fn=parent_death_preexec()))
     return procs
 
 
 def start_group(model_config, model_dir, dtype: torch.dtype, max_positions: int, max_model_len: int, num_blocks: int,
-                config) -> tuple[LlamaForCausalLM, list[subprocess.Popen]]:
+                config, follower_module: str = "engine.tp_worker", follower_argv: list[str] | tuple = ()):
     """Rank 0's side of starting a tensor-parallel engine: spawn the followers with the settings resolved
-    here, join the process group, load rank 0's shard, wait until every rank has loaded."""
+    here, join the process group, load rank 0's shard, wait until every rank has loaded (and built its
+    hooks). Returns (model, follower processes, control group)."""
     from engine.tensor_parallel import TPGroup, build_tp_model
 
     init_method = f"tcp://127.0.0.1:{free_port()}"
@@ -178,16 +250,16 @@ def start_group(model_config, model_dir, dtype: torch.dtype, max_positions: int,
             str(config.block_size), "--num-kv-blocks", str(num_blocks), "--max-model-len", str(max_positions)]
     if config.num_threads:
         argv += ["--threads", str(config.num_threads)]
-    followers = spawn_followers(config.tp_size, init_method, argv)
+    followers = spawn_followers(config.tp_size, init_method, [*argv, *follower_argv], follower_module)
     try:
-        init_group(0, config.tp_size, init_method)
+        control = init_group(0, config.tp_size, init_method)
         model = build_tp_model(model_config, model_dir, dtype, max_positions, TPGroup(0, config.tp_size))
         dist.barrier()
     except BaseException:
         for proc in followers:
             proc.kill()
         raise
-    return model, followers
+    return model, followers, control
 
 
 def close_group(runner: ModelRunner, followers: list[subprocess.Popen], timeout_s: float = 10.0) -> None:

@@ -3,6 +3,7 @@
 Started by rank 0 (engine/tp_runner.spawn_followers) with the engine settings rank 0 resolved, so every
 rank sizes its KV cache shard identically; it loads only its shard of the checkpoint, then runs whatever
 steps rank 0 broadcasts until told to stop or a collective fails (rank 0 gone): then it exits.
+A serving worker's followers run `duet.tp_rank`, which adds the worker's share of KV transfer as hooks.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -17,12 +19,15 @@ import torch.distributed as dist
 from engine.config import ModelConfig, parse_dtype
 from engine.model_runner import allocate_kv_caches
 from engine.tensor_parallel import TPGroup, build_tp_model
-from engine.tp_runner import follow, init_group
+from engine.tp_runner import FollowerHooks, follow, init_group
 
 log = logging.getLogger("duet.tp")
 
 
-def main(argv: list[str] | None = None) -> int:
+MakeHooks = Callable[[argparse.Namespace, list, list, torch.dtype], FollowerHooks]  # (args, model, caches, dtype)
+
+
+def engine_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--size", type=int, required=True)
@@ -33,20 +38,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-kv-blocks", type=int, required=True)
     p.add_argument("--max-model-len", type=int, required=True)
     p.add_argument("--threads", type=int, default=None)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None,
+         make_hooks: MakeHooks | None = None) -> int:
+    args = (parser or engine_arg_parser()).parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    init_group(args.rank, args.size, args.init_method)
+    control = init_group(args.rank, args.size, args.init_method)
+    hooks = None
     try:
         config = ModelConfig.from_dir(args.model)
         dtype = parse_dtype(args.dtype)
         model = build_tp_model(config, args.model, dtype, args.max_model_len, TPGroup(args.rank, args.size))
+        kv_caches = allocate_kv_caches(model, args.num_kv_blocks, args.block_size, dtype)
+        hooks = make_hooks(args, model, kv_caches, dtype) if make_hooks else None
         dist.barrier()  # every rank loaded: rank 0 may start stepping
-        follow(model, allocate_kv_caches(model, args.num_kv_blocks, args.block_size, dtype), args.block_size)
+        follow(model, kv_caches, args.block_size, control, hooks)
     except RuntimeError as e:  # a collective failed: rank 0 is gone or broke; nothing to finish
         log.warning("tp rank=%d event=exit reason=%s", args.rank, e)
         return 1
     finally:
+        if hooks is not None:
+            hooks.close()
         try:
             dist.destroy_process_group()
         except (RuntimeError, ValueError):

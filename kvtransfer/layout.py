@@ -6,8 +6,9 @@ One layer's cache (engine/attention.py), K and V alike, head-major:
 
 `num_blocks` is not part of the layout: sender and receiver pools differ in size, and blocks are
 addressed by id. `num_kv_heads` is the number of heads in one rank's cache (after tensor parallelism
-split them `tp_size` ways). Two workers can exchange blocks iff their layouts are equal; the handshake
-compares `fingerprint()`s and reports `mismatch()` when they differ.
+split them `tp_size` ways); `tp_rank` says which shard it is. KV moves rank to rank between workers of
+equal TP size, so two ranks can exchange blocks iff their layouts are equal; the handshake compares
+`fingerprint()`s and reports `mismatch()` when they differ.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class KVLayout:
     num_kv_heads: int  # per TP rank
     head_dim: int
     tp_size: int = 1
+    tp_rank: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_id, str) or not self.model_id:
@@ -44,6 +46,8 @@ class KVLayout:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r} is invalid: must be an int >= 1")
+        if not isinstance(self.tp_rank, int) or not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"tp_rank={self.tp_rank!r} is invalid: must be an int in [0, {self.tp_size})")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -63,12 +67,17 @@ class KVLayout:
         return xxhash.xxh3_64_hexdigest(canonical.encode())
 
     def mismatch(self, other: KVLayout, self_name: str = "sender", other_name: str = "receiver") -> str | None:
-        """None if equal; else every differing field, e.g. "dtype: sender float32 != receiver bfloat16"."""
+        """None if equal; else every differing field, e.g. "dtype: sender float32 != receiver bfloat16".
+        Different TP sizes lead the message, since that is a deployment choice, not a bug."""
         diffs = [
             f"{f.name}: {self_name} {getattr(self, f.name)} != {other_name} {getattr(other, f.name)}"
             for f in dataclasses.fields(self)
             if getattr(self, f.name) != getattr(other, f.name)
         ]
+        if self.tp_size != other.tp_size:
+            diffs.insert(0, f"TP sizes differ ({self_name} tp_size={self.tp_size}, {other_name} "
+                            f"tp_size={other.tp_size}): KV moves rank to rank, so prefill and decode workers "
+                            "need the same --tp")
         return "; ".join(diffs) if diffs else None
 
     def to_dict(self) -> dict[str, Any]:
@@ -89,7 +98,7 @@ class KVLayout:
 
     @classmethod
     def for_caches(cls, model_id: str, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                   tp_size: int = 1) -> KVLayout:
+                   tp_size: int = 1, tp_rank: int = 0) -> KVLayout:
         """Derive the layout from a worker's caches; they must all share one shape, dtype and device."""
         if not kv_caches:
             raise ValueError("kv_caches is empty: need one (k_cache, v_cache) pair per layer")
@@ -110,4 +119,5 @@ class KVLayout:
                     raise ValueError(f"layer {layer}: cache tensor is not contiguous")
         num_kv_heads, _, block_size, head_dim = first.shape
         return cls(model_id=model_id, dtype=_DTYPE_NAMES[first.dtype], block_size=block_size,
-                   num_layers=len(kv_caches), num_kv_heads=num_kv_heads, head_dim=head_dim, tp_size=tp_size)
+                   num_layers=len(kv_caches), num_kv_heads=num_kv_heads, head_dim=head_dim, tp_size=tp_size,
+                   tp_rank=tp_rank)

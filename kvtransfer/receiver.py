@@ -46,8 +46,8 @@ class KVReceiver:
                  reservations: ReservationTable, host: str = "127.0.0.1", port: int = 0,
                  max_payload_bytes: int = m.DEFAULT_MAX_PAYLOAD_BYTES, *, handshake_timeout_s: float = 10.0,
                  recv_timeout_s: float = 30.0):
-        if problem := KVLayout.for_caches(layout.model_id, kv_caches, layout.tp_size).mismatch(layout, "caches",
-                                                                                              "layout"):
+        if problem := KVLayout.for_caches(layout.model_id, kv_caches, layout.tp_size, layout.tp_rank).mismatch(
+                layout, "caches", "layout"):
             raise ValueError(f"kv_caches do not match the layout: {problem}")
         if reservations.num_layers != layout.num_layers:
             raise ValueError(f"reservations track {reservations.num_layers} layers: must be {layout.num_layers}")

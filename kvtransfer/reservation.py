@@ -70,8 +70,10 @@ class ReservationTable:
         with self._lock:
             return len(self._reservations)
 
-    def add(self, request_id: str, block_ids: list[int], num_tokens: int, ttl_s: float) -> Reservation:
-        """Register blocks the caller already allocated; a transfer may write them for `ttl_s` seconds."""
+    def add(self, request_id: str, block_ids: list[int], num_tokens: int, ttl_s: float, *,
+            reservation_id: int | None = None) -> Reservation:
+        """Register blocks the caller already allocated; a transfer may write them for `ttl_s` seconds.
+        `reservation_id` forces the id (a tensor-parallel follower rank mirrors rank 0's reservations)."""
         if not block_ids:
             raise ValueError("block_ids is empty: a reservation needs >= 1 block")
         if len(set(block_ids)) != len(block_ids) or min(block_ids) < 0:
@@ -80,9 +82,14 @@ class ReservationTable:
             raise ValueError(f"num_tokens={num_tokens} is invalid: must be >= 1")
         if not ttl_s > 0:
             raise ValueError(f"ttl_s={ttl_s} is invalid: must be > 0")
+        if reservation_id is not None and not (isinstance(reservation_id, int) and reservation_id >= 1):
+            raise ValueError(f"reservation_id={reservation_id!r} is invalid: must be an int >= 1")
         with self._lock:
-            reservation = Reservation(next(self._ids), request_id, list(block_ids), num_tokens,
-                                      self._clock() + ttl_s, self.num_layers)
+            if reservation_id in self._reservations:
+                raise ValueError(f"reservation_id={reservation_id} is invalid: already in the table")
+            rid = next(self._ids) if reservation_id is None else reservation_id
+            reservation = Reservation(rid, request_id, list(block_ids), num_tokens, self._clock() + ttl_s,
+                                      self.num_layers)
             self._reservations[reservation.reservation_id] = reservation
         return reservation
 

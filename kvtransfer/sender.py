@@ -42,8 +42,8 @@ class KVSender:
     def __init__(self, layout: KVLayout, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], transport: str = "tcp",
                  checksum: bool = False, connect_timeout_s: float = 5.0, send_timeout_s: float = 30.0, *,
                  max_staging_bytes: int = 512 << 20):
-        if problem := KVLayout.for_caches(layout.model_id, kv_caches, layout.tp_size).mismatch(layout, "caches",
-                                                                                              "layout"):
+        if problem := KVLayout.for_caches(layout.model_id, kv_caches, layout.tp_size, layout.tp_rank).mismatch(
+                layout, "caches", "layout"):
             raise ValueError(f"kv_caches do not match the layout: {problem}")
         if transport not in ("tcp", "torch"):
             raise ValueError(f"transport={transport!r} is invalid: must be 'tcp' or 'torch'")

@@ -28,6 +28,7 @@ from engine.kv_cache_manager import cdiv
 from engine.request import Request, RequestStatus
 from engine.runtime import Runtime
 from engine.sampler import TokenLogprobs
+from prefill_worker.tp_rank import FollowerAcks, layer_group_callback
 
 log = logging.getLogger("duet.prefill")
 
@@ -38,8 +39,9 @@ class RequestAborted(Exception):
 
 @dataclass(frozen=True)
 class KVTarget:
-    endpoint: str  # the decode worker's kvtransfer receiver
+    endpoint: str  # the decode worker's kvtransfer receiver (its TP rank 0)
     reservation_id: int
+    endpoints: tuple[str, ...] = ()  # every TP rank's receiver, in rank order (needed at TP > 1)
 
 
 @dataclass
@@ -73,13 +75,15 @@ SendFn = Callable[[str, int, int, int, int, list[int]], Future]  # KVSender.send
 
 
 class PrefillLoop:
-    def __init__(self, runtime: Runtime, send: SendFn | None, kv_bytes_per_block_layer: int, layer_group_size: int = 4):
+    def __init__(self, runtime: Runtime, send: SendFn | None, kv_bytes_per_block_layer: int, layer_group_size: int = 4,
+                 acks: FollowerAcks | None = None):
         if layer_group_size < 1:
             raise ValueError(f"layer_group_size={layer_group_size} is invalid: must be >= 1")
         self.rt = runtime
         self._send = send
         self._block_layer_bytes = kv_bytes_per_block_layer
         self.layer_group_size = layer_group_size
+        self._acks = acks  # tensor parallelism: the follower ranks' reports that they sent their shards
         self._jobs: dict[str, _Job] = {}
         self.num_waiting_tokens = 0  # uncached prompt tokens not computed yet: the work queued here (a
         # waiting request counts its prompt minus the cache hit it had on arrival); recounted on the engine thread
@@ -121,6 +125,12 @@ class PrefillLoop:
             return
         self.rt.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
         self._count_waiting_tokens()
+        if job.target is not None and self._acks is not None:
+            self._acks.forget(request_id)
+            try:
+                self.rt.call_followers("forget", {"rid": request_id})
+            except RuntimeError as e:  # the TP group is broken: the worker is going down
+                log.warning("request=%s event=forget_failed error=%s", request_id, e)
         job.result.set_exception(error)
         self._check_idle()
 
@@ -128,7 +138,7 @@ class PrefillLoop:
         scheduler, bs = self.rt.scheduler, self.rt.block_size
         out = scheduler.schedule()
         now = time.monotonic()
-        sends: list[tuple[_Job, int, list[int]]] = []  # (job, first block index, block ids)
+        sends: list[tuple[_Job, int, list[int], bool]] = []  # (job, first block index, block ids, last)
         for chunk in out.chunks:
             job = self._jobs[chunk.request_id]
             if job.started_s is None:
@@ -139,14 +149,22 @@ class PrefillLoop:
             end = chunk.start_position + len(chunk.token_ids)
             end_blocks = cdiv(request.num_prompt_tokens, bs) if end >= request.num_prompt_tokens else end // bs
             if end_blocks > job.num_sent_blocks:
-                sends.append((job, job.num_sent_blocks, chunk.block_ids[job.num_sent_blocks : end_blocks]))
+                last = end >= request.num_prompt_tokens
+                sends.append((job, job.num_sent_blocks, chunk.block_ids[job.num_sent_blocks : end_blocks], last))
                 job.num_sent_blocks = end_blocks
 
         step_start_s = time.monotonic()
         try:
+            if sends and self._acks is not None:
+                self._share_sends(sends)
             sampled = self.rt.runner.execute(out.chunks, self._layer_sender(sends) if sends else None)
         except Exception as e:
             log.exception("prefill step failed")
+            if sends and self._acks is not None:  # followers must not ship this step's sends with a later step
+                try:
+                    self.rt.call_followers("sends", {"sends": []})
+                except RuntimeError:
+                    pass  # the TP group is broken: the worker is going down
             for chunk in out.chunks:
                 self._abort(chunk.request_id, e)
             return
@@ -179,17 +197,23 @@ class PrefillLoop:
         self._count_waiting_tokens()
         self._check_idle()
 
-    def _layer_sender(self, sends: list[tuple[_Job, int, list[int]]]) -> Callable[[int], None]:
-        num_layers = self.rt.model_config.num_layers
-        group = self.layer_group_size
-        state = {"start": 0}
+    def _share_sends(self, sends: list[tuple[_Job, int, list[int], bool]]) -> None:
+        """Tensor parallelism: every follower rank ships its shard of the same blocks in the coming step; once
+        a request's last blocks are sent, its result also waits for each rank's report."""
+        entries = []
+        for job, first_block, block_ids, last in sends:
+            target = job.target
+            entries.append({"rid": job.request.request_id, "endpoints": list(target.endpoints),
+                            "reservation": target.reservation_id, "first": first_block, "blocks": block_ids,
+                            "last": last})
+            if last:
+                job.transfers.append(self._acks.expect(job.request.request_id))
+        if not self.rt.call_followers("sends", {"sends": entries}):
+            raise RuntimeError("a tensor-parallel rank refused this step's KV sends")
 
-        def on_layer_done(layer: int) -> None:
-            end = layer + 1
-            if end % group and end != num_layers:
-                return
-            start, state["start"] = state["start"], end
-            for job, first_block, block_ids in sends:
+    def _layer_sender(self, sends: list[tuple[_Job, int, list[int], bool]]) -> Callable[[int], None]:
+        def ship(start: int, end: int) -> None:
+            for job, first_block, block_ids, _ in sends:
                 if job.error is not None:
                     continue
                 try:
@@ -199,9 +223,9 @@ class PrefillLoop:
                     job.error = e
                     continue
                 job.transfers.append(future)
-                job.kv_bytes += (end - start) * len(block_ids) * self._block_layer_bytes
+                job.kv_bytes += (end - start) * len(block_ids) * self._block_layer_bytes * self.rt.tp_size
 
-        return on_layer_done
+        return layer_group_callback(self.rt.model_config.num_layers, self.layer_group_size, ship)
 
     def _measure(self, num_tokens: int, step_s: float) -> None:
         """Decayed sums, so the speed follows the recent mix of prompt lengths and includes step overhead."""

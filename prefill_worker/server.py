@@ -31,6 +31,7 @@ from kvtransfer.errors import (
 )
 from kvtransfer.sender import KVSender
 from prefill_worker.prefill_loop import KVTarget, PrefillLoop, RequestAborted
+from prefill_worker.tp_rank import FollowerAcks
 from router.registry import WorkerLoad
 
 log = logging.getLogger("duet.prefill")
@@ -56,7 +57,9 @@ class PrefillWorker(WorkerProcess, wpb_grpc.PrefillWorkerServicer):
         super().__init__(config)
         self.sender = KVSender(self.layout, self.rt.kv_caches, transport=config.kv_transport,
                                checksum=config.kv_checksum)
-        self.loop = PrefillLoop(self.rt, self.sender.send, 2 * self.layout.block_bytes(), config.layer_group_size)
+        self.acks = FollowerAcks(self.tp_store, list(range(1, self.tp_size))) if self.tp_store is not None else None
+        self.loop = PrefillLoop(self.rt, self.sender.send, 2 * self.layout.block_bytes(), config.layer_group_size,
+                                self.acks)
 
     def add_services(self, server: grpc.Server) -> None:
         wpb_grpc.add_PrefillWorkerServicer_to_server(self, server)
@@ -67,6 +70,8 @@ class PrefillWorker(WorkerProcess, wpb_grpc.PrefillWorkerServicer):
     def stop_engine(self) -> None:
         self.loop.stop()
         self.sender.close()
+        if self.acks is not None:
+            self.acks.close()
 
     def engine_alive(self) -> bool:
         return self.loop.thread.alive
@@ -93,7 +98,13 @@ class PrefillWorker(WorkerProcess, wpb_grpc.PrefillWorkerServicer):
             abort_with(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         target = None
         if request.HasField("target"):
-            target = KVTarget(request.target.kv_address, request.target.reservation_id)
+            endpoints = tuple(request.target.kv_addresses) or (request.target.kv_address,)
+            target = KVTarget(endpoints[0], request.target.reservation_id, endpoints)
+            if len(endpoints) != self.tp_size:
+                abort_with(context, grpc.StatusCode.FAILED_PRECONDITION,
+                           f"TP sizes differ: this prefill worker runs tp_size={self.tp_size}, the decode worker "
+                           f"gave {len(endpoints)} KV endpoint(s) (tp_size={len(endpoints)}); KV moves rank to "
+                           "rank, so prefill and decode workers need the same --tp")
             try:
                 self.sender.connect(target.endpoint)
             except TransferError as e:

@@ -165,6 +165,7 @@ class Router(pb_grpc.GenerationServicer):
         reserve_start_s = time.monotonic()
         decode, reservation = self._reserve(internal_id, len(built.prompt_token_ids), decodes, context)
         reserved_s = time.monotonic()
+        prefills = self._compatible(prefills, decode, reservation)
         choice = self._choose_prefill(built.prompt_token_ids, cache_salt, prefills)
         prefill = choice.worker
         routed_tokens = len(built.prompt_token_ids) - choice.predicted_cached_tokens
@@ -302,7 +303,8 @@ class Router(pb_grpc.GenerationServicer):
             wpb.PrefillRequest(
                 request_id=internal_id, prompt_token_ids=built.prompt_token_ids, sampling=sampling,
                 cache_salt=cache_salt,
-                target=wpb.KVTarget(kv_address=reservation.kv_address, reservation_id=reservation.reservation_id),
+                target=wpb.KVTarget(kv_address=reservation.kv_address, reservation_id=reservation.reservation_id,
+                                    kv_addresses=reservation.kv_addresses),
             ),
             timeout=self._remaining(context),
         )
@@ -334,6 +336,17 @@ class Router(pb_grpc.GenerationServicer):
             return self.view.workers()
         except NoWorkers as e:
             raise Failed(grpc.StatusCode.UNAVAILABLE, str(e)) from None
+
+    def _compatible(self, prefills: list, decode, reservation) -> list:
+        """The prefill workers whose KV layout (model, dtype, block size, TP size) the decode worker takes."""
+        fits = [w for w in prefills if not w[0].kv_layout or not decode.kv_layout or w[0].kv_layout == decode.kv_layout]
+        if prefills and not fits:
+            self._release(decode, reservation.reservation_id)
+            raise Failed(grpc.StatusCode.FAILED_PRECONDITION,
+                         f"no prefill worker can send KV to decode worker {decode.worker_id} (tp_size="
+                         f"{decode.tp_size}): prefill workers run tp_size {sorted({w[0].tp_size for w in prefills})} "
+                         "or another KV layout; prefill and decode workers need the same --tp, dtype and block size")
+        return fits
 
     def _choose_prefill(self, prompt: list[int], cache_salt: str, prefills: list, speculate: bool = True):
         return self.chooser.choose(prompt, cache_salt, self.view.healthy(prefills), self.view.inflight_tokens(),

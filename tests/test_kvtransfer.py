@@ -90,10 +90,18 @@ def test_layout_fingerprint_dict_and_mismatch():
     a = KVLayout("llama", "float32", 16, 2, 4, 64)
     assert KVLayout.from_dict(a.to_dict()) == a and a.fingerprint() == KVLayout(**a.to_dict()).fingerprint()
     for field, value in [("model_id", "qwen"), ("dtype", "bfloat16"), ("block_size", 32), ("num_layers", 3),
-                         ("num_kv_heads", 8), ("head_dim", 128), ("tp_size", 2)]:
+                         ("num_kv_heads", 8), ("head_dim", 128)]:
         b = KVLayout(**{**a.to_dict(), field: value})
         assert b.fingerprint() != a.fingerprint()
         assert a.mismatch(b) == f"{field}: sender {getattr(a, field)} != receiver {value}"
+    tp2 = KVLayout(**{**a.to_dict(), "tp_size": 2})
+    assert a.mismatch(tp2) == ("TP sizes differ (sender tp_size=1, receiver tp_size=2): KV moves rank to rank, so "
+                               "prefill and decode workers need the same --tp; tp_size: sender 1 != receiver 2")
+    tp2_rank1 = KVLayout(**{**a.to_dict(), "tp_size": 2, "tp_rank": 1})
+    assert tp2.mismatch(tp2_rank1) == "tp_rank: sender 0 != receiver 1"
+    assert len({a.fingerprint(), tp2.fingerprint(), tp2_rank1.fingerprint()}) == 3
+    with pytest.raises(ValueError, match=r"tp_rank=2 is invalid: must be an int in \[0, 2\)"):
+        KVLayout("m", "float32", 16, 2, 4, 64, tp_size=2, tp_rank=2)
     c = KVLayout("llama", "bfloat16", 32, 2, 4, 64)
     assert a.mismatch(c) == "dtype: sender float32 != receiver bfloat16; block_size: sender 16 != receiver 32"
     assert a.mismatch(a) is None
@@ -139,6 +147,12 @@ def test_reservation_ids_ranges_completion_and_pop():
         table.write(r.reservation_id, 0, 1, 0, 1, writes.append)
     with pytest.raises(ValueError, match="distinct"):
         table.add("dup", [1, 1], 4, 1.0)
+    # a tensor-parallel follower rank mirrors rank 0's ids
+    assert table.add("mirror", [9], 4, 1.0, reservation_id=ids[0]).reservation_id == ids[0]
+    with pytest.raises(ValueError, match=f"reservation_id={ids[0]} is invalid: already in the table"):
+        table.add("mirror2", [10], 4, 1.0, reservation_id=ids[0])
+    with pytest.raises(ValueError, match="reservation_id=0 is invalid: must be an int >= 1"):
+        table.add("zero", [10], 4, 1.0, reservation_id=0)
 
 
 def test_reservation_expiry():
@@ -335,6 +349,16 @@ def test_layout_mismatch_refused_at_handshake(make_receiver, make_sender):
     with pytest.raises(LayoutMismatch, match="block_size: sender 8 != receiver 4"):
         future.result(5)
     wrong_block.close()
+    tp1_caches = make_caches(1)  # the receiver is one rank of two; this sender runs without TP
+    receiver_tp2 = KVReceiver(KVLayout.for_caches("tiny", recv_caches, tp_size=2), recv_caches, table)
+    receiver_tp2.start()
+    try:
+        sender_tp1 = KVSender(KVLayout.for_caches("tiny", tp1_caches), tp1_caches)
+        with pytest.raises(LayoutMismatch, match=r"TP sizes differ \(sender tp_size=1, receiver tp_size=2\)"):
+            sender_tp1.connect(receiver_tp2.address)
+        sender_tp1.close()
+    finally:
+        receiver_tp2.close()
     for hello, error in [({"transport": "rdma"}, "transport 'rdma' is unsupported: allowed ['tcp', 'torch']"),
                          ({"fingerprint": "0"}, "fingerprint does not match")]:
         sock = m.open_socket(socket.create_connection(m.split_endpoint(receiver.address)))

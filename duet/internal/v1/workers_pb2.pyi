@@ -48,12 +48,14 @@ class WorkerStats(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_kv_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_waiting_tokens: _Optional[int] = ..., num_reservations: _Optional[int] = ..., integrity_error: _Optional[str] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., num_kv_events_published: _Optional[int] = ..., num_kv_events_dropped: _Optional[int] = ..., num_index_resyncs: _Optional[int] = ..., kv_event_lag_s: _Optional[float] = ...) -> None: ...
 
 class KVTarget(_message.Message):
-    __slots__ = ("kv_address", "reservation_id")
+    __slots__ = ("kv_address", "reservation_id", "kv_addresses")
     KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     kv_address: str
     reservation_id: int
-    def __init__(self, kv_address: _Optional[str] = ..., reservation_id: _Optional[int] = ...) -> None: ...
+    kv_addresses: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, kv_address: _Optional[str] = ..., reservation_id: _Optional[int] = ..., kv_addresses: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "target")
@@ -102,14 +104,16 @@ class ReserveRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., ttl_s: _Optional[float] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("reservation_id", "kv_address", "num_blocks")
+    __slots__ = ("reservation_id", "kv_address", "num_blocks", "kv_addresses")
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     reservation_id: int
     kv_address: str
     num_blocks: int
-    def __init__(self, reservation_id: _Optional[int] = ..., kv_address: _Optional[str] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+    kv_addresses: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, reservation_id: _Optional[int] = ..., kv_address: _Optional[str] = ..., num_blocks: _Optional[int] = ..., kv_addresses: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("reservation_id",)

@@ -1,0 +1,64 @@
+"""A tensor-parallel decode worker: every rank receives its own KV shard from the prefill rank of the same index.
+
+Rank 0 owns the block pool and the reservation ids; each follower rank runs a KVReceiver of its own (its
+address is in the worker's TCPStore under kv_address/<rank>; Reserve answers with all of them, in rank
+order) over a ReservationTable that mirrors rank 0's, driven by CALLs on the engine thread:
+
+    rank 0 (DecodeLoop)                                rank r (DecodeRankHooks)
+    reserve: allocate blocks, add to its table  ─▶     "reserve" {id, blocks, ...}: add with the same id
+    release / expiry: pop, free blocks          ─▶     "release" {id}: pop (no write lands after this)
+    Decode: pop its complete reservation        ─▶     "commit" {id}: pop; ok iff complete here too
+
+A follower's reservation outlives rank 0's by `FOLLOWER_TTL_MARGIN_S`: rank 0 decides expiry and releases
+it on every rank, in order with later reserves of the same blocks; the margin only bounds a lost release.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from engine.tp_runner import FollowerHooks
+from kvtransfer.receiver import KVReceiver
+from kvtransfer.reservation import ReservationTable
+
+log = logging.getLogger("duet.decode")
+FOLLOWER_TTL_MARGIN_S = 60.0
+
+
+def kv_address_key(rank: int) -> str:
+    return f"kv_address/{rank}"
+
+
+class DecodeRankHooks(FollowerHooks):
+    def __init__(self, rank: int, receiver: KVReceiver, store, advertise_host: str):
+        self.rank = rank
+        self.receiver = receiver
+        self.reservations = receiver.reservations
+        receiver.start()
+        host = f"[{advertise_host}]" if ":" in advertise_host else advertise_host
+        store.set(kv_address_key(rank), f"{host}:{receiver.port}")
+
+    @classmethod
+    def build(cls, rank: int, layout, kv_caches, store, host: str, advertise_host: str) -> DecodeRankHooks:
+        table = ReservationTable(layout.num_layers, complete_grace_s=30.0 + FOLLOWER_TTL_MARGIN_S)
+        return cls(rank, KVReceiver(layout, kv_caches, table, host=host), store, advertise_host)
+
+    def call(self, op: str, args: dict) -> bool:
+        if op == "reserve":
+            self.reservations.add(args["request_id"], args["blocks"], args["num_tokens"],
+                                  args["ttl_s"] + FOLLOWER_TTL_MARGIN_S, reservation_id=args["id"])
+            return True
+        if op == "release":
+            self.reservations.pop(args["id"])
+            return True
+        if op == "commit":
+            reservation = self.reservations.pop(args["id"])
+            if reservation is None or not reservation.complete or reservation.error is not None:
+                log.warning("tp rank=%d reservation=%d event=commit_incomplete received=%s", self.rank, args["id"],
+                            None if reservation is None else f"{reservation.num_received}/{reservation.num_expected}")
+                return False
+            return True
+        return super().call(op, args)
+
+    def close(self) -> None:
+        self.receiver.close()

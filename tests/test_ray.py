@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from cluster_helpers import children
 
 ray = pytest.importorskip("ray")
 
@@ -221,3 +222,27 @@ def test_duet_ray_up_flags_map_to_the_launcher_config(monkeypatch):
     assert config.worker_args == ["--num-kv-blocks", "64", "--max-model-len", "512"] and config.router_args == []
     with pytest.raises(ValueError, match="min_replicas=2, max_replicas=1"):
         RayLauncherConfig(prefill=PoolConfig(min_replicas=2, max_replicas=1))
+
+
+def test_tp2_workers_run_their_ranks_in_one_placement_group(ray_cluster, tiny_llama_dir):
+    config = RayLauncherConfig(
+        model_dir=str(tiny_llama_dir), router_host="127.0.0.1", port=0, num_cpus_per_rank=0.25, tp=2,
+        prefill=PoolConfig(min_replicas=1, max_replicas=1), decode=PoolConfig(min_replicas=1, max_replicas=1),
+        worker_args=WORKER_ARGS, router_args=["--max-model-len", "2048"], poll_interval_s=0.25,
+        ready_timeout_s=120.0)
+    launcher = RayLauncher(config).start()
+    try:
+        comps = [c for role in ("prefill", "decode") for c in launcher.pools[role]]
+        assert [c.pg.bundle_count for c in comps] == [2, 2]  # rank 0 + rank 1, STRICT_PACK on one node
+        ranks = [pid for c in comps for pid in children(c.pid)]
+        assert len(ranks) == 2  # each worker started its rank-1 process
+        prompt, params = _prompt(40, 3), SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+        ref = LLM(tiny_llama_dir, **ENGINE).generate([prompt], params)[0]
+        with Client(launcher.router_address) as client:
+            assert stream_to_record(client.generate(prompt, params, timeout_s=60))["token_ids"] == ref.token_ids
+    finally:
+        launcher.stop()
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in ranks) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert [p for p in ranks if _alive(p)] == []

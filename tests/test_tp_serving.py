@@ -8,11 +8,10 @@ from __future__ import annotations
 import os
 import signal
 import time
-from pathlib import Path
 
 import grpc
 import pytest
-from cluster_helpers import rpc_error, wait_idle, worker_components
+from cluster_helpers import alive, children, rpc_error, wait_idle, worker_components
 from test_engine_vs_hf import assert_matches_hf, hf_model, prompts_for
 
 from deploy.local_cluster import ClusterConfig, LocalCluster
@@ -27,30 +26,6 @@ WORKER_ARGS = ["--num-kv-blocks", "96", "--max-num-batched-tokens", "32", "--max
                "--layer-group-size", "1"]
 
 
-def children(pid: int) -> list[int]:
-    """Live child processes of pid (from /proc)."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()
-        if int(fields[1]) == pid and fields[0] != "Z":
-            out.append(int(entry.name))
-    return out
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 def run(client, prompt, params):
     return stream_to_record(client.generate(prompt, params, timeout_s=60))
 
@@ -58,8 +33,9 @@ def run(client, prompt, params):
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_tp2_cluster_matches_tp1_offline_and_hf(arch, tiny_llama_dir, tiny_qwen2_dir):
     model_dir = tiny_llama_dir if arch == "llama" else tiny_qwen2_dir
-    config = ClusterConfig(model_dir=str(model_dir), worker_args=[*WORKER_ARGS, "--tp", "2"],
-                           router_args=["--max-model-len", "512"])
+    transport = "tcp" if arch == "llama" else "torch"  # torch: gloo pair groups between the ranks' KV endpoints
+    config = ClusterConfig(model_dir=str(model_dir), router_args=["--max-model-len", "512"],
+                           worker_args=[*WORKER_ARGS, "--tp", "2", "--kv-transport", transport])
     offline = LLM(model_dir, **ENGINE)
     vocab = offline.engine.model_config.vocab_size
     prompts = prompts_for(vocab, [1, 17, 40, 100], seed=5)  # 40 and 100 take several 32-token chunks

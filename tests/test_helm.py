@@ -528,3 +528,14 @@ def test_dockerfiles_match_the_chart(name):
     assert "torch==2.13.0" in text and re.search(r"pip install[^\n]* \.", text)
     pod = deployment(objects("default"), "router")["spec"]["template"]["spec"]["securityContext"]
     assert pod["runAsUser"] == 10001 and pod["runAsNonRoot"]
+
+
+@pytest.mark.parametrize("name", ["Dockerfile.cpu", "Dockerfile.cuda"])
+def test_dockerfiles_copy_every_package_pyproject_installs(name):
+    import tomllib
+
+    text = (ROOT / "deploy" / "docker" / name).read_text()
+    copied = set(re.findall(r"^COPY (\S+) \1$", text, flags=re.M))
+    include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    assert copied == {pattern.rstrip("*") for pattern in include}
+    assert re.search(r"^COPY pyproject.toml README.md \./$", text, flags=re.M)

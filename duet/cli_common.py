@@ -25,6 +25,24 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (processes; gloo on CPU)")
+    g.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu",
+                   help="where weights, KV cache and steps live; auto: cuda when available (default: cpu)")
+    g.add_argument("--no-cuda-graphs", action="store_true",
+                   help="on CUDA, run decode steps eagerly instead of replaying captured CUDA graphs")
+    g.add_argument("--cuda-graph-batch-sizes", type=_parse_sizes, default=None,
+                   help="batch sizes captured as CUDA graphs, e.g. 1,2,4,8 (default: 1,2,4,8,16,24,32,48,... "
+                        "up to --max-num-seqs)")
+
+
+def _parse_sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(t) for t in text.replace(" ", "").split(",") if t != "")
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"--cuda-graph-batch-sizes={text!r} is invalid: must be comma-separated "
+                                         "ints >= 1")
+    return sizes
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -55,6 +73,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enable_prefix_caching=not args.no_prefix_caching,
         num_threads=args.threads,
         tp_size=args.tp,
+        device=args.device,
+        cuda_graphs=not args.no_cuda_graphs,
+        cuda_graph_batch_sizes=args.cuda_graph_batch_sizes,
     )
 
 

@@ -42,6 +42,9 @@ class AttentionMetadata:
     decode_block_ids: torch.Tensor | None  # [num_decodes * max_blocks] int64: block tables, padded, flat
     decode_mask: torch.Tensor | None  # [num_decodes, max_blocks * block_size] float32: 0 or -inf past the end
     prefills: list[PrefillChunk]
+    # [num_decodes] int32 context lengths, for the Triton kernel; given, decode_mask may be None (the twin
+    # then builds it from these): CUDA steps send lengths, not a mask
+    decode_context_lens: torch.Tensor | None = None
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor):
@@ -65,7 +68,8 @@ def paged_attention(
     out = torch.empty_like(q)
     n = meta.num_decode_tokens
     if n:
-        out[:n] = decode_attention(q[:n], k_cache, v_cache, meta.decode_block_ids, meta.decode_mask, scale)
+        out[:n] = decode_attention(q[:n], k_cache, v_cache, meta.decode_block_ids, meta.decode_mask, scale,
+                                   context_lens=meta.decode_context_lens)
     for chunk in meta.prefills:
         rows = slice(chunk.query_start, chunk.query_start + chunk.num_query_tokens)
         if chunk.num_context_tokens == chunk.num_query_tokens:

@@ -16,6 +16,20 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16", "float": "float32"}
 
 
+DEVICES = ("cpu", "cuda", "auto")
+
+
+def resolve_device(name: str) -> torch.device:
+    """The engine's device for `EngineConfig.device`: "auto" is CUDA when torch sees a GPU, else CPU."""
+    if name not in DEVICES:
+        raise ValueError(f"device={name!r} is invalid: must be one of {', '.join(DEVICES)}")
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' is invalid here: torch sees no CUDA device (use cpu or auto)")
+    return torch.device(name)
+
+
 def parse_dtype(name: str) -> torch.dtype:
     key = DTYPE_ALIASES.get(name, name)
     if key not in DTYPES:
@@ -131,6 +145,9 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads; None: torch's default
     tp_size: int = 1  # tensor-parallel ranks (processes; gloo on CPU, NCCL on CUDA)
     fast_linears: bool = True  # CPU fast paths for linear layers (engine/linear_fast.py); False: plain F.linear
+    device: str = "cpu"  # "cpu", "cuda" or "auto" (cuda when available): weights, KV cache and step tensors
+    cuda_graphs: bool = True  # on CUDA, decode-only steps replay captured graphs (engine/cuda_graphs.py)
+    cuda_graph_batch_sizes: tuple[int, ...] | None = None  # graph buckets; None: 1, 2, 4, 8, 16, 24, 32, 48, ...
 
     def __post_init__(self) -> None:
         if self.dtype is not None:
@@ -142,3 +159,11 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks} is invalid: must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len={self.max_model_len} is invalid: must be >= 2")
+        if self.device not in DEVICES:
+            raise ValueError(f"device={self.device!r} is invalid: must be one of {', '.join(DEVICES)}")
+        sizes = self.cuda_graph_batch_sizes
+        if sizes is not None:
+            sizes = tuple(sizes)
+            object.__setattr__(self, "cuda_graph_batch_sizes", sizes)  # frozen: a list given is kept as a tuple
+            if not sizes or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in sizes):
+                raise ValueError(f"cuda_graph_batch_sizes={sizes!r} is invalid: must be ints >= 1, at least one")

@@ -24,11 +24,15 @@ class SampledToken:
     logprobs: TokenLogprobs | None
 
 
-def allocate_kv_caches(model: LlamaForCausalLM, num_blocks: int, block_size: int, dtype: torch.dtype) -> list[KVCache]:
-    """Zeroed (never NaN: padded gathers read unused slots, and 0 * NaN would poison the sum)."""
+def allocate_kv_caches(model: LlamaForCausalLM, num_blocks: int, block_size: int, dtype: torch.dtype,
+                       device: torch.device | str | None = None) -> list[KVCache]:
+    """Zeroed (never NaN: padded gathers read unused slots, and 0 * NaN would poison the sum), on `device`
+    (None: the model's)."""
     cfg = model.config
+    device = model.embed_tokens.weight.device if device is None else device
     shape = (cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)  # head-major: see engine/attention.py
-    return [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(cfg.num_layers)]
+    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(cfg.num_layers)]
 
 
 def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
@@ -43,6 +47,7 @@ class ModelRunner:
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.sampler = sampler
+        self.device = kv_caches[0][0].device
 
     @torch.inference_mode()
     def execute(
@@ -57,7 +62,10 @@ class ModelRunner:
         ordered = [c for c in chunks if len(c.token_ids) == 1] + [c for c in chunks if len(c.token_ids) > 1]
         input_ids, positions, meta = self.prepare_inputs(ordered)
         hidden = self.model(input_ids, positions, self.kv_caches, meta, on_layer_done)
+        return self.sample(hidden, ordered)
 
+    def sample(self, hidden: torch.Tensor, ordered: list[ScheduledChunk]) -> dict[str, SampledToken]:
+        """Sample for the chunks that ask for it, from `hidden` [T, hidden]: row i is `ordered`'s i-th token."""
         sample_rows, sample_chunks, offset = [], [], 0
         for chunk in ordered:
             offset += len(chunk.token_ids)
@@ -67,7 +75,7 @@ class ModelRunner:
         if not sample_chunks:
             return {}
         if len(sample_rows) < hidden.shape[0]:  # else every token is a sampled decode: all rows, in order
-            hidden = hidden.index_select(0, int64_tensor(sample_rows))
+            hidden = hidden.index_select(0, self._on_device(int64_tensor(sample_rows)))
         logits = self.model.compute_logits(hidden)
         rows = [SamplingRow(c.sampling_params, c.prompt_token_ids, c.output_token_ids) for c in sample_chunks]
         sampled = self.sampler(logits, rows)
@@ -83,36 +91,44 @@ class ModelRunner:
         input_ids = [c.token_ids[0] for c in decodes]
         positions = [c.start_position for c in decodes]
         slots = [c.block_ids[pos // bs] * bs + pos % bs for c, pos in zip(decodes, positions)]
-        decode_block_ids = decode_mask = None
+        decode_block_ids = decode_mask = decode_context_lens = None
         if decodes:
             width = max(len(c.block_ids) for c in decodes)
             padded: list[int] = []
             for c in decodes:
                 padded += c.block_ids
                 padded += [0] * (width - len(c.block_ids))
-            decode_block_ids = int64_tensor(padded)
-            context_lens = int64_tensor([pos + 1 for pos in positions])
-            past_end = torch.arange(width * bs) >= context_lens.unsqueeze(1)
-            decode_mask = torch.zeros(past_end.shape).masked_fill_(past_end, float("-inf"))
+            decode_block_ids = self._on_device(int64_tensor(padded))
+            if self.device.type == "cpu":  # the torch twin takes a mask
+                context_lens = int64_tensor([pos + 1 for pos in positions])
+                past_end = torch.arange(width * bs) >= context_lens.unsqueeze(1)
+                decode_mask = torch.zeros(past_end.shape).masked_fill_(past_end, float("-inf"))
+            else:  # the Triton kernel takes lengths (engine/kernels/decode_attention.py)
+                decode_context_lens = torch.tensor([pos + 1 for pos in positions], dtype=torch.int32).to(self.device)
 
         prefills = []
         for c in ordered[len(decodes) :]:
             num_q = len(c.token_ids)
             num_ctx = c.start_position + num_q
             table = c.block_ids[: -(-num_ctx // bs)]
-            prefills.append(PrefillChunk(len(input_ids), num_q, num_ctx, int64_tensor(table)))
+            prefills.append(PrefillChunk(len(input_ids), num_q, num_ctx, self._on_device(int64_tensor(table))))
             input_ids += c.token_ids
             positions += range(c.start_position, num_ctx)
             slots += [table[pos // bs] * bs + pos % bs for pos in range(c.start_position, num_ctx)]
 
         meta = AttentionMetadata(
-            slot_mapping=int64_tensor(slots),
+            slot_mapping=self._on_device(int64_tensor(slots)),
             num_decode_tokens=len(decodes),
             decode_block_ids=decode_block_ids,
             decode_mask=decode_mask,
             prefills=prefills,
+            decode_context_lens=decode_context_lens,
         )
-        return int64_tensor(input_ids), int64_tensor(positions), meta
+        return self._on_device(int64_tensor(input_ids)), self._on_device(int64_tensor(positions)), meta
+
+    def _on_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A host-built step tensor on the model's device (as it is, on CPU)."""
+        return t if self.device.type == "cpu" else t.to(self.device)
 
 
 def int64_tensor(values: list[int]) -> torch.Tensor:

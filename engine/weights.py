@@ -102,11 +102,13 @@ def _natural_key(name: str) -> list:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
 
-def build_model(config: ModelConfig, model_dir: str | Path, dtype: torch.dtype, max_positions: int) -> LlamaForCausalLM:
-    """Make the model without initializing weights (they are all loaded), then load them."""
+def build_model(config: ModelConfig, model_dir: str | Path, dtype: torch.dtype, max_positions: int,
+                device: torch.device | str = "cpu") -> LlamaForCausalLM:
+    """Make the model on `device` without initializing weights (they are all loaded), then load them."""
     with torch.device("meta"):
         model = LlamaForCausalLM(config, max_positions).to(dtype)
-    model.to_empty(device="cpu")
+    model.to_empty(device=device)
+    model.rotary.to(device)  # a plain attribute, not a buffer: built on CPU in the constructor
     with torch.no_grad():
         load_weights(model, model_dir)
     return model.eval().requires_grad_(False)

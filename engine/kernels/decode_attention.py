@@ -35,24 +35,37 @@ def decode_attention(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     block_ids: torch.Tensor,
-    mask: torch.Tensor,
+    mask: torch.Tensor | None,
     scale: float,
+    context_lens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, heads, head_dim] -> [B, heads, head_dim]; Triton on CUDA, the twin otherwise.
 
     `block_ids` [B * width] are the block tables padded to a common width, flat; `mask`
     [B, width * block_size] is 0 over each sequence's context and -inf past its end (as the model runner
-    builds it, once per step), so a sequence's context length is its count of zeros.
+    builds it, once per step), so a sequence's context length is its count of zeros. `context_lens` [B]
+    int32, when given, are those lengths and `mask` may be None (whichever path needs the other form
+    derives it).
     """
     if use_triton(q):
         block_tables = block_ids.view(q.shape[0], -1)
-        return decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens_from_mask(mask), scale)
+        if context_lens is None:
+            context_lens = context_lens_from_mask(mask)
+        return decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale)
+    if mask is None:
+        mask = mask_from_context_lens(context_lens, block_ids.numel() // q.shape[0] * k_cache.shape[2])
     return decode_attention_torch(q, k_cache, v_cache, block_ids, mask, scale)
 
 
 def context_lens_from_mask(mask: torch.Tensor) -> torch.Tensor:
     """[B] int32 context lengths from the step's additive decode mask (0 over the context, -inf after)."""
     return (mask == 0).sum(-1, dtype=torch.int32)
+
+
+def mask_from_context_lens(context_lens: torch.Tensor, width_tokens: int) -> torch.Tensor:
+    """The additive decode mask [B, width_tokens] float32 (0 over each context, -inf after) from lengths [B]."""
+    past_end = torch.arange(width_tokens, device=context_lens.device) >= context_lens.unsqueeze(1)
+    return torch.zeros(past_end.shape, device=context_lens.device).masked_fill_(past_end, float("-inf"))
 
 
 # --- torch twin ------------------------------------------------------------------------------------------

@@ -22,6 +22,12 @@ def _engine_argv(args: argparse.Namespace) -> list[str]:
         argv.append("--no-prefix-caching")
     if args.tp != 1:
         argv += ["--tp", str(args.tp)]
+    if args.device != "cpu":
+        argv += ["--device", args.device]
+    if args.no_cuda_graphs:
+        argv.append("--no-cuda-graphs")
+    if args.cuda_graph_batch_sizes is not None:
+        argv += ["--cuda-graph-batch-sizes", ",".join(map(str, args.cuda_graph_batch_sizes))]
     return argv
 
 

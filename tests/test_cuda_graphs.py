@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from duet.cli_common import add_engine_args, engine_kwargs
+from duet.cli_serving import _engine_argv
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig, ModelConfig, resolve_device
 from engine.cuda_graphs import (
@@ -214,6 +215,9 @@ def test_cli_flags_map_onto_the_engine_config():
     args = parser.parse_args(["--device", "cuda", "--no-cuda-graphs", "--cuda-graph-batch-sizes", "1,2,4"])
     config = EngineConfig(**engine_kwargs(args))
     assert (config.device, config.cuda_graphs, config.cuda_graph_batch_sizes) == ("cuda", False, (1, 2, 4))
+    # `duet up` / `duet demo` pass them on to every worker
+    assert _engine_argv(args)[-5:] == ["--device", "cuda", "--no-cuda-graphs", "--cuda-graph-batch-sizes", "1,2,4"]
+    assert "--device" not in _engine_argv(parser.parse_args([]))
 
 
 def test_cpu_engine_keeps_the_plain_runner(tiny_llama_dir):

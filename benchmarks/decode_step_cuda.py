@@ -1,0 +1,165 @@
+"""One decode step of a ~1B-parameter Llama on CUDA, eager and replayed from CUDA graphs, against the
+weights-read roofline, in one run (issue 5).
+
+A decode step at small batch is bound by reading the weights once: its floor is (bytes of every weight
+the step reads) / (device memory bandwidth). The bandwidth is measured in the same run, as a
+device-to-device copy of a buffer far larger than L2 ((read + write bytes) / time), so the figure that
+matters is the fraction roofline / step. The step is the engine's whole `ModelRunner.execute` for B
+single-token decodes (host input prep, forward, logits, greedy sampling, the host sync of the tokens),
+each sequence with `--context` cached tokens; the eager runner and the graph-replaying
+`StaticDecodeRunner` share one model and KV cache.
+
+The model is made locally with random weights by engine.tiny_model.make_tiny_model (16 layers, hidden
+2048, MLP 8192, 32 heads, 8 KV heads, vocab 32000: 1.1B parameters), once per --model-dir.
+
+    python benchmarks/decode_step_cuda.py [--dtype bfloat16] [--batch 1 64] [--context 512] [--repeats 50]
+
+Without CUDA it prints why and exits 0: it measures GPU steps only. Not part of CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+GiB = 1 << 30
+MODEL = dict(arch="llama", layers=16, hidden=2048, intermediate=8192, heads=32, kv_heads=8, vocab=32000)
+
+
+def copy_bandwidth(num_bytes: int, repeats: int) -> float:
+    """Bytes/s of a device-to-device copy (it reads and writes `num_bytes`: 2 * num_bytes moved), median."""
+    src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda").random_(0, 256)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    return 2 * num_bytes / statistics.median(times)
+
+
+def weight_bytes_read(model) -> int:
+    """Bytes of the weights one decode step reads: every parameter but the input embedding table, of
+    which a step reads B rows only (a tied table is read whole, as the output projection)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    if model.lm_head is not None:
+        total -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+    return total
+
+
+def decode_chunks(batch: int, context: int, block_size: int, vocab: int, seed: int):
+    """B single-token decodes at position context - 1, each over its own run of blocks."""
+    from engine.sampling_params import SamplingParams
+    from engine.scheduler import ScheduledChunk
+
+    g = torch.Generator().manual_seed(seed)
+    blocks_per_seq = -(-context // block_size)
+    greedy = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    chunks = []
+    for i in range(batch):
+        token = int(torch.randint(4, vocab, (1,), generator=g))
+        block_ids = list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
+        chunks.append(ScheduledChunk(f"s{i}", [token], context - 1, block_ids, True, greedy, [token], []))
+    return chunks
+
+
+def time_steps(runner, chunks, warmup: int, repeats: int) -> list[float]:
+    """Seconds of each `runner.execute(chunks)` (it ends with the sampled tokens on the host)."""
+    for _ in range(warmup):
+        runner.execute(chunks)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        runner.execute(chunks)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 64])
+    p.add_argument("--context", type=int, default=512, help="cached tokens per sequence")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=50)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--copy-gib", type=float, default=2.0, help="size of the bandwidth-measuring copy")
+    p.add_argument("--model-dir", type=Path, default=None, help="where the random model is made (reused if there)")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("decode_step_cuda: no CUDA device here; this benchmark times GPU decode steps only (skipped)")
+        return 0
+
+    from engine.config import EngineConfig
+    from engine.cuda_graphs import make_static_decode_runner
+    from engine.model_runner import ModelRunner
+    from engine.runtime import build_runtime
+    from engine.sampler import Sampler
+    from engine.tiny_model import make_tiny_model
+
+    model_dir = args.model_dir or Path(tempfile.gettempdir()) / f"duet-decode-bench-1b-{args.dtype}"
+    if not (model_dir / "config.json").is_file():
+        print(f"making the random model in {model_dir} ...", flush=True)
+        make_tiny_model(model_dir, **MODEL, max_position_embeddings=4096, dtype=args.dtype, initializer_range=0.02,
+                        seed=args.seed)
+    max_batch = max(args.batch)
+    blocks_needed = max_batch * -(-args.context // args.block_size)
+    config = EngineConfig(dtype=args.dtype, device="cuda", cuda_graphs=False, block_size=args.block_size,
+                          num_kv_blocks=blocks_needed, max_num_seqs=max_batch,
+                          max_model_len=max(args.context + 1, 2048), cuda_graph_batch_sizes=tuple(sorted(args.batch)))
+    rt = build_runtime(model_dir, config)
+    eager = rt.runner
+    assert type(eager) is ModelRunner
+    graphs = make_static_decode_runner(rt.model, rt.kv_caches, Sampler(config.seed), config, rt.max_model_len,
+                                       scratch_block=rt.num_kv_blocks)
+    capture_start = time.perf_counter()
+    graphs.capture()
+    capture_s = time.perf_counter() - capture_start
+
+    num_params = sum(p.numel() for p in rt.model.parameters())
+    weights = weight_bytes_read(rt.model)
+    bandwidth = copy_bandwidth(int(args.copy_gib * GiB), repeats=20)
+    roofline_s = weights / bandwidth
+    props = torch.cuda.get_device_properties(0)
+    print(f"device: {props.name} ({props.total_memory / GiB:.0f} GiB), torch {torch.__version__}")
+    print(f"model: {MODEL}, {num_params / 1e9:.2f}B params, {args.dtype}; weights read per step "
+          f"{weights / GiB:.2f} GiB")
+    print(f"context {args.context} tokens/sequence, max_model_len {rt.max_model_len} (static block tables that "
+          f"wide), block size {args.block_size}, repeats {args.repeats} "
+          f"(+{args.warmup} warm-up), seed {args.seed}; graphs captured for batch {list(graphs.batch_sizes)} "
+          f"in {capture_s:.1f} s")
+    print(f"copy bandwidth (same run): {bandwidth / 1e9:.0f} GB/s -> weights-read roofline "
+          f"{roofline_s * 1e3:.3f} ms/step\n")
+    print("| batch | runner | min ms | median ms | max ms | roofline / median | graphs speedup |")
+    print("|---:|---|---:|---:|---:|---:|---:|")
+    for batch in args.batch:
+        chunks = decode_chunks(batch, args.context, args.block_size, rt.model_config.vocab_size, args.seed)
+        assert graphs.bucket_for_step(chunks) == batch
+        medians = {}
+        for name, runner in (("eager", eager), ("cuda graphs", graphs)):
+            times = time_steps(runner, chunks, args.warmup, args.repeats)
+            medians[name] = statistics.median(times)
+            speedup = f"{medians['eager'] / medians[name]:.2f}x" if name == "cuda graphs" else ""
+            print(f"| {batch} | {name} | {min(times) * 1e3:.3f} | {medians[name] * 1e3:.3f} | "
+                  f"{max(times) * 1e3:.3f} | {roofline_s / medians[name]:.0%} | {speedup} |")
+        same = eager.execute(chunks) == graphs.execute(chunks)
+        print(f"|  | (same greedy tokens: {'yes' if same else 'NO'}) | | | | | |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 
 from engine.block_pool import BlockPool
-from engine.config import EngineConfig, ModelConfig, parse_dtype
+from engine.config import EngineConfig, ModelConfig, parse_dtype, resolve_device
+from engine.cuda_graphs import SCRATCH_BLOCKS, make_static_decode_runner, static_decode_enabled
 from engine.errors import ModelLoadError
 from engine.kv_cache_manager import KVCacheManager, cdiv
 from engine.linear_fast import fast_linears
@@ -79,6 +80,10 @@ def build_runtime(model_dir: str | Path, config: EngineConfig, follower_module: 
         torch.set_num_threads(config.num_threads)
     model_dir = Path(model_dir)
     model_config = ModelConfig.from_dir(model_dir)
+    device = resolve_device(config.device)
+    if device.type != "cpu" and config.tp_size > 1:
+        raise ValueError(f"device={config.device!r} with tp_size={config.tp_size} is not supported: "
+                         "tensor-parallel ranks build their shards on CPU (use device='cpu')")
     dtype = parse_dtype(config.dtype) if config.dtype else model_config.torch_dtype
     tokenizer = Tokenizer.from_dir(model_dir)
     model_id = config.model_id or model_dir.resolve().name
@@ -113,7 +118,7 @@ def build_runtime(model_dir: str | Path, config: EngineConfig, follower_module: 
         model, followers, control = start_group(model_config, model_dir, dtype, max_positions, max_model_len,
                                                 num_blocks, config, follower_module, follower_argv)
     else:
-        model = build_model(model_config, model_dir, dtype, max_positions=max_positions)
+        model = build_model(model_config, model_dir, dtype, max_positions=max_positions, device=device)
         if config.fast_linears:
             fast_linears(model)  # after loading (and any sharding): a transformation of the plain model
     assert kv_bytes_per_block(model, config.block_size, dtype) == block_bytes
@@ -123,16 +128,21 @@ def build_runtime(model_dir: str | Path, config: EngineConfig, follower_module: 
     scheduler = Scheduler(
         SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_model_len), kv_cache
     )
-    kv_caches = allocate_kv_caches(model, num_blocks, config.block_size, dtype)
+    # the pool's blocks and, past them, a scratch block no request owns (engine/cuda_graphs.py pads into it)
+    kv_caches = allocate_kv_caches(model, num_blocks + SCRATCH_BLOCKS, config.block_size, dtype, device)
     if followers:
         from engine.tp_runner import TPDriverRunner
 
         runner: ModelRunner = TPDriverRunner(model, kv_caches, config.block_size, Sampler(config.seed), control)
+    elif static_decode_enabled(config, device):  # CUDA, tp_size 1: decode steps replay CUDA graphs
+        runner = make_static_decode_runner(model, kv_caches, Sampler(config.seed), config, max_model_len, num_blocks)
+        runner.capture()
     else:
         runner = ModelRunner(model, kv_caches, config.block_size, Sampler(config.seed))
     log.info(
-        "engine model=%s dtype=%s blocks=%d block_size=%d max_model_len=%d tp=%d",
-        model_id, str(dtype).removeprefix("torch."), num_blocks, config.block_size, max_model_len, config.tp_size,
+        "engine model=%s dtype=%s device=%s blocks=%d block_size=%d max_model_len=%d tp=%d",
+        model_id, str(dtype).removeprefix("torch."), device, num_blocks, config.block_size, max_model_len,
+        config.tp_size,
     )
     return Runtime(
         config=config, model_dir=model_dir, model_config=model_config, model_id=model_id, dtype=dtype,

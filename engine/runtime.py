@@ -81,9 +81,6 @@ def build_runtime(model_dir: str | Path, config: EngineConfig, follower_module: 
     model_dir = Path(model_dir)
     model_config = ModelConfig.from_dir(model_dir)
     device = resolve_device(config.device)
-    if device.type != "cpu" and config.tp_size > 1:
-        raise ValueError(f"device={config.device!r} with tp_size={config.tp_size} is not supported: "
-                         "tensor-parallel ranks build their shards on CPU (use device='cpu')")
     dtype = parse_dtype(config.dtype) if config.dtype else model_config.torch_dtype
     tokenizer = Tokenizer.from_dir(model_dir)
     model_id = config.model_id or model_dir.resolve().name
@@ -116,7 +113,7 @@ def build_runtime(model_dir: str | Path, config: EngineConfig, follower_module: 
         from engine.tp_runner import start_group
 
         model, followers, control = start_group(model_config, model_dir, dtype, max_positions, max_model_len,
-                                                num_blocks, config, follower_module, follower_argv)
+                                                num_blocks, config, follower_module, follower_argv, device)
     else:
         model = build_model(model_config, model_dir, dtype, max_positions=max_positions, device=device)
         if config.fast_linears:

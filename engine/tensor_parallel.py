@@ -210,14 +210,16 @@ def load_shard(model: LlamaForCausalLM, model_dir: str | Path, full: ModelConfig
 
 
 def build_tp_model(full: ModelConfig, model_dir: str | Path, dtype: torch.dtype, max_positions: int,
-                   tp: TPGroup) -> LlamaForCausalLM:
-    """This rank's model: the plain model from its local config, parallelized, loaded from its shard."""
+                   tp: TPGroup, device: torch.device | str = "cpu") -> LlamaForCausalLM:
+    """This rank's model on `device`: the plain model from its local config, parallelized, loaded from its
+    shard."""
     shard = plan_shard(full, tp.rank, tp.size)
     with torch.device("meta"):
         model = LlamaForCausalLM(local_config(full, shard), max_positions)
         parallelize(model, full, shard, tp)
         model = model.to(dtype)
-    model.to_empty(device="cpu")  # the rotary tables are built on CPU already (engine/rope.py)
+    model.to_empty(device=device)
+    model.rotary.to(device)  # a plain attribute, not a buffer: built on CPU in the constructor
     with torch.no_grad():
         load_shard(model, model_dir, full, shard)
     return model.eval().requires_grad_(False)

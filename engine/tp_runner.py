@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import socket
 import subprocess
 import sys
@@ -75,19 +74,21 @@ def pack_step(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionM
     parts = [input_ids, positions, meta.slot_mapping]
     if num_decodes:
         width = meta.decode_block_ids.numel() // num_decodes
-        context_lens = (meta.decode_mask == 0).sum(dim=1)
+        context_lens = meta.decode_context_lens  # CUDA steps carry lengths; CPU steps a mask
+        if context_lens is None:
+            context_lens = (meta.decode_mask == 0).sum(dim=1)
         parts += [meta.decode_block_ids, context_lens]
     tables = [p.block_table for p in meta.prefills]
     desc = [[p.query_start, p.num_query_tokens, p.num_context_tokens, p.block_table.numel()] for p in meta.prefills]
     parts += [torch.tensor(desc, dtype=torch.int64).view(-1), *tables, torch.tensor(sample_rows, dtype=torch.int64)]
-    payload = torch.cat([t.to(torch.int64).view(-1) for t in parts])
+    payload = torch.cat([t.to("cpu", torch.int64).view(-1) for t in parts])  # the control group is gloo: host memory
     header = torch.tensor([STEP, input_ids.numel(), num_decodes, width, len(tables), sum(t.numel() for t in tables),
                            len(sample_rows)], dtype=torch.int64)
     return header, payload
 
 
-def unpack_step(header: torch.Tensor, payload: torch.Tensor, block_size: int):
-    """The inverse of `pack_step`: (input_ids, positions, meta, sample_rows)."""
+def unpack_step(header: torch.Tensor, payload: torch.Tensor, block_size: int, device: torch.device | None = None):
+    """The inverse of `pack_step`: (input_ids, positions, meta, sample_rows), tensors on `device` (CPU default)."""
     _, num_tokens, num_decodes, width, num_prefills, _, num_samples = header.tolist()
     cursor = 0
 
@@ -97,19 +98,28 @@ def unpack_step(header: torch.Tensor, payload: torch.Tensor, block_size: int):
         cursor += n
         return out
 
+    on_device = device is not None and device.type != "cpu"
+
+    def put(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device) if on_device else t.clone()
+
     input_ids, positions, slots = take(num_tokens), take(num_tokens), take(num_tokens)
-    decode_block_ids = decode_mask = None
+    decode_block_ids = decode_mask = decode_context_lens = None
     if num_decodes:
-        decode_block_ids = take(num_decodes * width).clone()
+        decode_block_ids = put(take(num_decodes * width))
         context_lens = take(num_decodes)
-        past_end = torch.arange(width * block_size) >= context_lens.unsqueeze(1)
-        decode_mask = torch.zeros(past_end.shape).masked_fill_(past_end, float("-inf"))
+        if on_device:  # the Triton kernel takes lengths
+            decode_context_lens = context_lens.to(device, torch.int32)
+        else:  # the torch twin takes a mask
+            past_end = torch.arange(width * block_size) >= context_lens.unsqueeze(1)
+            decode_mask = torch.zeros(past_end.shape).masked_fill_(past_end, float("-inf"))
     desc = take(4 * num_prefills).view(num_prefills, 4).tolist()
-    prefills = [PrefillChunk(q0, nq, nctx, take(n).clone()) for q0, nq, nctx, n in desc]
+    prefills = [PrefillChunk(q0, nq, nctx, put(take(n))) for q0, nq, nctx, n in desc]
     sample_rows = take(num_samples).tolist()
-    meta = AttentionMetadata(slot_mapping=slots.clone(), num_decode_tokens=num_decodes,
-                             decode_block_ids=decode_block_ids, decode_mask=decode_mask, prefills=prefills)
-    return input_ids.clone(), positions.clone(), meta, sample_rows
+    meta = AttentionMetadata(slot_mapping=put(slots), num_decode_tokens=num_decodes,
+                             decode_block_ids=decode_block_ids, decode_mask=decode_mask, prefills=prefills,
+                             decode_context_lens=decode_context_lens)
+    return put(input_ids), put(positions), meta, sample_rows
 
 
 class TPDriverRunner(ModelRunner):
@@ -187,6 +197,7 @@ def follow(model: LlamaForCausalLM, kv_caches: list[KVCache], block_size: int, g
            hooks: FollowerHooks | None = None) -> None:
     """A follower rank's loop: run every step and call rank 0 broadcasts, until STOP."""
     hooks = hooks or FollowerHooks()
+    device = model.embed_tokens.weight.device
     while True:
         header = torch.empty(_HEADER, dtype=torch.int64)
         dist.broadcast(header, src=0, group=group)
@@ -199,7 +210,7 @@ def follow(model: LlamaForCausalLM, kv_caches: list[KVCache], block_size: int, g
             + int(header[6])
         payload = torch.empty(size, dtype=torch.int64)
         dist.broadcast(payload, src=0, group=group)
-        input_ids, positions, meta, sample_rows = unpack_step(header, payload, block_size)
+        input_ids, positions, meta, sample_rows = unpack_step(header, payload, block_size, device)
         hidden = model(input_ids, positions, kv_caches, meta, hooks.layer_callback())
         if sample_rows:
             model.compute_logits(hidden[sample_rows])  # joins the all-gather; rank 0 samples
@@ -212,14 +223,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_group(rank: int, size: int, init_method: str, timeout_s: float = 120.0):
+def init_group(rank: int, size: int, init_method: str, timeout_s: float = 120.0, device: torch.device | None = None):
     """Join the ranks; returns the control group the step loop broadcasts on.
 
-    The default group (gloo on CPU, NCCL when the model runs on CUDA) carries the model's collectives and
-    bounds the rendezvous and every step's collectives by `timeout_s`. The control group is gloo (its
+    The default group (gloo on CPU, NCCL when the model runs on CUDA: rank r on cuda:r) carries the model's
+    collectives and bounds the rendezvous and every step's collectives by `timeout_s`. The control group is gloo (its
     tensors are on the CPU) with a timeout of a day: a follower waits on it for rank 0's next command for as
     long as the worker is idle. A dead rank still fails it at once (gloo sees the connection close)."""
-    backend = "nccl" if torch.cuda.is_available() and os.environ.get("DUET_DEVICE") == "cuda" else "gloo"
+    backend = "gloo"
+    if device is not None and device.type == "cuda":
+        torch.cuda.set_device(device)
+        backend = "nccl"
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
                             timeout=timedelta(seconds=timeout_s))
     return dist.new_group(list(range(size)), timeout=timedelta(days=1), backend="gloo")
@@ -239,10 +253,12 @@ def spawn_followers(size: int, init_method: str, argv: list[str], module: str = 
 
 
 def start_group(model_config, model_dir, dtype: torch.dtype, max_positions: int, max_model_len: int, num_blocks: int,
-                config, follower_module: str = "engine.tp_worker", follower_argv: list[str] | tuple = ()):
+                config, follower_module: str = "engine.tp_worker", follower_argv: list[str] | tuple = (),
+                device: torch.device | None = None):
     """Rank 0's side of starting a tensor-parallel engine: spawn the followers with the settings resolved
     here, join the process group, load rank 0's shard, wait until every rank has loaded (and built its
-    hooks). Returns (model, follower processes, control group)."""
+    hooks). On CUDA rank r runs on cuda:r of the GPUs this process sees. Returns (model, follower
+    processes, control group)."""
     from engine.tensor_parallel import TPGroup, build_tp_model
 
     init_method = f"tcp://127.0.0.1:{free_port()}"
@@ -250,10 +266,17 @@ def start_group(model_config, model_dir, dtype: torch.dtype, max_positions: int,
             str(config.block_size), "--num-kv-blocks", str(num_blocks), "--max-model-len", str(max_positions)]
     if config.num_threads:
         argv += ["--threads", str(config.num_threads)]
+    cuda = device is not None and device.type == "cuda"
+    if cuda:
+        argv += ["--device", "cuda"]
+        if torch.cuda.device_count() < config.tp_size:
+            raise ValueError(f"tp_size={config.tp_size} is invalid here: needs one GPU per rank, torch sees "
+                             f"{torch.cuda.device_count()}")
     followers = spawn_followers(config.tp_size, init_method, [*argv, *follower_argv], follower_module)
     try:
-        control = init_group(0, config.tp_size, init_method)
-        model = build_tp_model(model_config, model_dir, dtype, max_positions, TPGroup(0, config.tp_size))
+        device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+        control = init_group(0, config.tp_size, init_method, device=device)
+        model = build_tp_model(model_config, model_dir, dtype, max_positions, TPGroup(0, config.tp_size), device)
         dist.barrier()
     except BaseException:
         for proc in followers:

@@ -38,6 +38,7 @@ def engine_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-kv-blocks", type=int, required=True)
     p.add_argument("--max-model-len", type=int, required=True)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: this rank runs on cuda:<rank>")
     return p
 
 
@@ -46,12 +47,13 @@ def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None =
     args = (parser or engine_arg_parser()).parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    control = init_group(args.rank, args.size, args.init_method)
+    device = torch.device("cuda", args.rank) if args.device == "cuda" else torch.device("cpu")
+    control = init_group(args.rank, args.size, args.init_method, device=device)
     hooks = None
     try:
         config = ModelConfig.from_dir(args.model)
         dtype = parse_dtype(args.dtype)
-        model = build_tp_model(config, args.model, dtype, args.max_model_len, TPGroup(args.rank, args.size))
+        model = build_tp_model(config, args.model, dtype, args.max_model_len, TPGroup(args.rank, args.size), device)
         kv_caches = allocate_kv_caches(model, args.num_kv_blocks, args.block_size, dtype)
         hooks = make_hooks(args, model, kv_caches, dtype) if make_hooks else None
         dist.barrier()  # every rank loaded: rank 0 may start stepping

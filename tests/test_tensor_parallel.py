@@ -90,3 +90,32 @@ def test_generate_cli_with_tp(tiny_llama_dir):
     import json
 
     assert json.loads(out.stdout)["token_ids"] == ref.token_ids
+
+
+def test_step_payload_round_trip_with_a_mask_or_with_lengths():
+    """Rank 0 packs a step as int64 on the host whether its metadata carries a mask (CPU) or lengths (CUDA); a
+    follower rebuilds the same step for its own device."""
+    import torch
+
+    from engine.attention import AttentionMetadata, PrefillChunk
+    from engine.tp_runner import pack_step, unpack_step
+
+    bs, lens = 4, [3, 9]
+    block_ids = torch.tensor([5, 0, 0, 7, 8, 2])  # two decodes, 3 blocks wide, padded
+    past_end = torch.arange(3 * bs) >= torch.tensor(lens).unsqueeze(1)
+    mask = torch.zeros(past_end.shape).masked_fill_(past_end, float("-inf"))
+    prefill = PrefillChunk(2, 3, 7, torch.tensor([1, 4]))
+    ids, pos = torch.tensor([10, 11, 12, 13, 14]), torch.tensor([2, 8, 4, 5, 6])
+    slots = torch.tensor([22, 40, 20, 21, 22])
+    with_mask = AttentionMetadata(slots, 2, block_ids, mask, [prefill])
+    with_lens = AttentionMetadata(slots, 2, block_ids, None, [prefill],
+                                  decode_context_lens=torch.tensor(lens, dtype=torch.int32))
+    packed = [pack_step(ids, pos, meta, bs, [1, 4]) for meta in (with_mask, with_lens)]
+    assert all(torch.equal(a, b) for a, b in zip(*packed))
+    i2, p2, meta, rows = unpack_step(*packed[1], bs)  # on CPU: the torch twin's mask comes back
+    assert torch.equal(i2, ids) and torch.equal(p2, pos) and rows == [1, 4]
+    assert torch.equal(meta.decode_mask, mask) and torch.equal(meta.decode_block_ids, block_ids)
+    assert torch.equal(meta.slot_mapping, slots) and meta.decode_context_lens is None
+    (chunk,) = meta.prefills
+    assert (chunk.query_start, chunk.num_query_tokens, chunk.num_context_tokens) == (2, 3, 7)
+    assert torch.equal(chunk.block_table, prefill.block_table)

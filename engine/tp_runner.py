@@ -259,6 +259,7 @@ def start_group(model_config, model_dir, dtype: torch.dtype, max_positions: int,
     here, join the process group, load rank 0's shard, wait until every rank has loaded (and built its
     hooks). On CUDA rank r runs on cuda:r of the GPUs this process sees. Returns (model, follower
     processes, control group)."""
+    from engine.linear_fast import fast_linears
     from engine.tensor_parallel import TPGroup, build_tp_model
 
     init_method = f"tcp://127.0.0.1:{free_port()}"
@@ -266,6 +267,8 @@ def start_group(model_config, model_dir, dtype: torch.dtype, max_positions: int,
             str(config.block_size), "--num-kv-blocks", str(num_blocks), "--max-model-len", str(max_positions)]
     if config.num_threads:
         argv += ["--threads", str(config.num_threads)]
+    if not config.fast_linears:
+        argv.append("--no-fast-linears")
     cuda = device is not None and device.type == "cuda"
     if cuda:
         argv += ["--device", "cuda"]
@@ -277,6 +280,8 @@ def start_group(model_config, model_dir, dtype: torch.dtype, max_positions: int,
         device = torch.device("cuda", 0) if cuda else torch.device("cpu")
         control = init_group(0, config.tp_size, init_method, device=device)
         model = build_tp_model(model_config, model_dir, dtype, max_positions, TPGroup(0, config.tp_size), device)
+        if config.fast_linears:
+            fast_linears(model)  # the column-parallel shards and the lm_head shard (CPU only; no-op on CUDA)
         dist.barrier()
     except BaseException:
         for proc in followers:

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from engine.config import ModelConfig, parse_dtype
+from engine.linear_fast import fast_linears
 from engine.model_runner import allocate_kv_caches
 from engine.tensor_parallel import TPGroup, build_tp_model
 from engine.tp_runner import FollowerHooks, follow, init_group
@@ -38,6 +39,7 @@ def engine_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-kv-blocks", type=int, required=True)
     p.add_argument("--max-model-len", type=int, required=True)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--no-fast-linears", action="store_true", help="plain F.linear (engine/linear_fast.py off)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: this rank runs on cuda:<rank>")
     return p
 
@@ -54,6 +56,8 @@ def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None =
         config = ModelConfig.from_dir(args.model)
         dtype = parse_dtype(args.dtype)
         model = build_tp_model(config, args.model, dtype, args.max_model_len, TPGroup(args.rank, args.size), device)
+        if not args.no_fast_linears:
+            fast_linears(model)  # as rank 0 does
         kv_caches = allocate_kv_caches(model, args.num_kv_blocks, args.block_size, dtype)
         hooks = make_hooks(args, model, kv_caches, dtype) if make_hooks else None
         dist.barrier()  # every rank loaded: rank 0 may start stepping

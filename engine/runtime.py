@@ -14,6 +14,7 @@ import torch
 
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig, ModelConfig, parse_dtype, resolve_device
+from engine.cpu_allocator import reuse_freed_memory
 from engine.cuda_graphs import SCRATCH_BLOCKS, make_static_decode_runner, static_decode_enabled
 from engine.errors import ModelLoadError
 from engine.kv_cache_manager import KVCacheManager, cdiv
@@ -136,6 +137,8 @@ def build_runtime(model_dir: str | Path, config: EngineConfig, follower_module: 
         runner.capture()
     else:
         runner = ModelRunner(model, kv_caches, config.block_size, Sampler(config.seed))
+    if device.type == "cpu":
+        reuse_freed_memory()  # after the long-lived weights and KV cache: only step temporaries are affected
     log.info(
         "engine model=%s dtype=%s device=%s blocks=%d block_size=%d max_model_len=%d tp=%d",
         model_id, str(dtype).removeprefix("torch."), device, num_blocks, config.block_size, max_model_len,

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from engine.config import ModelConfig, parse_dtype
+from engine.cpu_allocator import reuse_freed_memory
 from engine.model_runner import allocate_kv_caches
 from engine.tensor_parallel import TPGroup, build_tp_model
 from engine.tp_runner import FollowerHooks, follow, init_group
@@ -56,6 +57,8 @@ def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None =
         model = build_tp_model(config, args.model, dtype, args.max_model_len, TPGroup(args.rank, args.size), device)
         kv_caches = allocate_kv_caches(model, args.num_kv_blocks, args.block_size, dtype)
         hooks = make_hooks(args, model, kv_caches, dtype) if make_hooks else None
+        if device.type == "cpu":
+            reuse_freed_memory()  # as rank 0's build_runtime: step temporaries reuse freed memory
         dist.barrier()  # every rank loaded: rank 0 may start stepping
         follow(model, kv_caches, args.block_size, control, hooks)
     except RuntimeError as e:  # a collective failed: rank 0 is gone or broke; nothing to finish

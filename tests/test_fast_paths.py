@@ -84,6 +84,19 @@ def test_fast_linear_matches_f_linear_in_bf16(pack, fp32_math, rows):
     assert relative_error(got, F.linear(x, w, b)) < BF16_RTOL
 
 
+@requires_packing
+def test_fp32_single_row_reads_the_plain_weight_without_a_copy():
+    """One row is F.linear itself on the original weight (the GEMV); more rows take the packed copy."""
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(1376, 512, generator=g) * 0.05, torch.randn(1376, generator=g)
+    fast = FastLinear(w, b, pack=True)
+    assert fast.one_row.weight.data_ptr() == w.data_ptr() and not fast.one_row.packed
+    x = torch.randn(5, 512, generator=g)
+    assert torch.equal(fast(x[:1]), F.linear(x[:1], w, b))
+    assert torch.equal(fast(x), packed_linear(x, fast.rows.weight, b))
+    assert FastLinear(w.bfloat16(), None, pack=False, fp32_math=True).one_row.weight.dtype == torch.bfloat16
+
+
 def test_fast_path_is_chosen_only_where_it_helps():
     big, small = torch.empty(2048, 1024), torch.empty(256, 256)  # 8 MiB and 256 KiB in fp32
     assert fast_linear_for(small, None) is None  # packing's fixed cost outweighs the gain

@@ -17,6 +17,9 @@ Two named tricks, each a few percent of code and each measured in benchmarks/RES
   of the weight (bf16 -> fp32 is lossless; products of bf16 values are exact in fp32, so this is a bf16
   GEMM with fp32 accumulation, like the emulated one, in another summation order); single rows, which
   are bandwidth-bound, keep reading the bf16 copy. Costs 3x the bf16 weight memory.
+- **A bf16 GEMV kernel for those single rows** (`bf16_gemv`, engine/kernels/cpu_native.py, where the C
+  kernels build): torch's bf16 GEMV reaches ~11 GB/s here and oneDNN's packed one ~14; the kernel streams
+  the plain bf16 weight at ~17 (all of qwen05b's GEMMs at one row, 2 threads: 72 ms packed -> 59-63).
 
 Both are a transformation of a loaded model, applied after any sharding, never part of loading:
 
@@ -36,6 +39,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from engine.kernels.cpu_native import gemv_bf16_native, native_library
 
 # oneDNN picks its blocked layout for a batch size; one layout serves every batch size (a mismatch
 # costs speed, never correctness). 8 was as fast as 64 at 8-64 rows and faster than 1 (linear_prepack.py).
@@ -71,20 +76,31 @@ def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tens
 
 @dataclass(frozen=True)
 class GemmWeight:
-    """One copy of a linear's weight, plain ([out, in], for F.linear) or packed (for packed_linear)."""
+    """One copy of a linear's weight and how it is multiplied: `plain` ([out, in], F.linear), `packed`
+    (packed_linear) or `bf16_gemv` (a plain bf16 weight, one row at a time through the C kernel)."""
 
     weight: torch.Tensor
     bias: torch.Tensor | None
-    packed: bool
+    kind: str
+
+    KINDS = ("plain", "packed", "bf16_gemv")
 
     @classmethod
-    def make(cls, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool) -> GemmWeight:
+    def make(cls, weight: torch.Tensor, bias: torch.Tensor | None, kind: str) -> GemmWeight:
+        if kind not in cls.KINDS:
+            raise ValueError(f"kind={kind!r} is invalid: must be one of {', '.join(cls.KINDS)}")
         weight, bias = weight.detach(), None if bias is None else bias.detach().contiguous()
-        return cls(pack_weight(weight) if pack else weight, bias, pack)
+        return cls(pack_weight(weight) if kind == "packed" else weight, bias, kind)
+
+    @property
+    def packed(self) -> bool:
+        return self.kind == "packed"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed:
+        if self.kind == "packed":
             return packed_linear(x, self.weight, self.bias)
+        if self.kind == "bf16_gemv":
+            return gemv_bf16_native(x, self.weight, self.bias).view(*x.shape[:-1], -1)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -106,14 +122,15 @@ class FastLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.pack, self.fp32_math = pack, fp32_math
         if fp32_math:
-            self.one_row: GemmWeight | None = GemmWeight.make(weight, bias, pack)
+            kind = "bf16_gemv" if native_library() is not None else "packed" if pack else "plain"
+            self.one_row: GemmWeight | None = GemmWeight.make(weight, bias, kind)
         elif pack and weight.dtype == torch.float32:
-            self.one_row = GemmWeight.make(weight, bias, pack=False)  # the GEMV: see the module docstring
+            self.one_row = GemmWeight.make(weight, bias, "plain")  # the GEMV: see the module docstring
         else:
             self.one_row = None
         if fp32_math:
             weight, bias = weight.float(), None if bias is None else bias.float()
-        self.rows = GemmWeight.make(weight, bias, pack)
+        self.rows = GemmWeight.make(weight, bias, "packed" if pack else "plain")
         self.math_dtype = weight.dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

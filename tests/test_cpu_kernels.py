@@ -185,3 +185,17 @@ def test_f_silu_reference_is_what_the_model_ran():
     """The twin is the model's former two ops."""
     x = torch.randn(4, 20)
     assert torch.equal(silu_and_mul_torch(x), F.silu(x[:, :10]) * x[:, 10:])
+
+
+@pytest.mark.parametrize("shape,bias", [((9728, 896), True), ((20000, 896), False), ((13, 40), True)])
+def test_bf16_gemv_matches_f_linear(shape, bias):
+    g = torch.Generator().manual_seed(shape[1])
+    w = (torch.randn(shape, generator=g) * 0.05).bfloat16()
+    b = torch.randn(shape[0], generator=g).bfloat16() if bias else None
+    x = torch.randn(1, shape[1], generator=g).bfloat16()
+    got = cpu_native.gemv_bf16_native(x, w, b)
+    assert got.shape == (1, shape[0]) and got.dtype == torch.bfloat16
+    # float32 sums in another order, each rounded once to bf16: one bf16 ulp of the output's scale
+    assert scaled_error(got, F.linear(x.float(), w.float(), None if b is None else b.float())) < BF16_ULP
+    with pytest.raises(ValueError, match="one bf16 row"):
+        cpu_native.gemv_bf16_native(torch.cat([x, x]), w, b)

@@ -4,7 +4,8 @@ On CPU the model's small ops are torch twins that each make a pass over memory a
 a layer's decode step runs ~30 of them around its four GEMMs (qwen05b: ~35 ms of a 150 ms batch-1 step,
 and the padded-gather decode attention alone ~1.5-2.5 ms per layer at batch 64). The C kernels do each
 job in one pass: RMSNorm with its residual add, SiLU-and-multiply, rotary, and decode attention read in
-place from the paged cache.
+place from the paged cache. And one GEMV: a single bf16 row times a bf16 weight, which torch and oneDNN
+run well below DRAM bandwidth on CPUs without bf16 arithmetic (engine/linear_fast.py uses it).
 
 Build: `cc -O3 -march=native -fopenmp -ffp-contract=off -shared` into $DUET_CACHE_DIR/kernels (default
 ~/.cache/duet/kernels), one library per source, compiler and CPU, written atomically; later processes load
@@ -92,6 +93,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "duet_silu_and_mul": [p, i64, p, i64, i64, i32],
         "duet_rotary": [p, i64, i64, p, p, p, i64, i64, i64, i32],
         "duet_decode_attention": [p, i64, i64, p, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, f32, i32],
+        "duet_gemv_bf16": [p, p, p, p, i64, i64],
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
@@ -216,3 +218,20 @@ def decode_attention_native(
                               block_ids.data_ptr(), mask.data_ptr(), out.data_ptr(), batch, heads, kv_heads, head_dim,
                               num_blocks, block_size, width, scale, _bf16(q))
     return out
+
+
+def gemv_bf16_native(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear for one bf16 row: x [1, in] (or [in]) and weight [out, in] bf16 -> [1, out] bf16, accumulated in
+    float32 and rounded once (after the bias)."""
+    lib = native_library()
+    n_out, k_in = weight.shape
+    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.numel() != k_in:
+        raise ValueError(f"gemv_bf16_native: x {tuple(x.shape)} {x.dtype} and weight {tuple(weight.shape)} "
+                         f"{weight.dtype} are invalid: must be one bf16 row of {k_in} and a bf16 weight")
+    if bias is not None and (bias.dtype != torch.bfloat16 or bias.numel() != n_out):
+        raise ValueError(f"gemv_bf16_native: bias {tuple(bias.shape)} {bias.dtype} is invalid: must be {n_out} bf16")
+    x, weight = x.contiguous(), weight.contiguous()
+    bias = None if bias is None else bias.contiguous()
+    y = torch.empty((1, n_out), dtype=torch.bfloat16)
+    lib.duet_gemv_bf16(x.data_ptr(), weight.data_ptr(), _ptr(bias), y.data_ptr(), n_out, k_in)
+    return y

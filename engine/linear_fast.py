@@ -7,11 +7,19 @@ Two named tricks, each a few percent of code and each measured in benchmarks/RES
   `pack_weight` reorders a weight once into oneDNN's blocked layout (what vLLM's CPU backend and
   inductor's weight freezing do): 1.3-2.4x faster GEMMs at 8-64 rows. A packed call has ~40 us of fixed
   overhead, so only weights of at least MIN_PACKED_BYTES are packed (small models stay plain).
+- **Single rows read the plain fp32 weight** (`one_row`): at one row a GEMM is a GEMV that streams the
+  weight once from DRAM, and MKL's GEMV on the plain [out, in] weight does that at ~20 GB/s while the
+  packed call reaches ~18: all of qwen05b's GEMMs at one row, 2 threads, 97 vs 110 ms. So an fp32 packed
+  layer keeps its original weight as well (2x its weight memory); a tied lm_head's plain weight is the
+  embedding table, which exists anyway.
 - **fp32 math for bf16 weights on CPUs without bf16 arithmetic** (no avx512_bf16 / AMX): there oneDNN
   emulates bf16 and is 2-3x slower than fp32 from 8 rows on. Multi-row GEMMs run on an exact fp32 copy
   of the weight (bf16 -> fp32 is lossless; products of bf16 values are exact in fp32, so this is a bf16
   GEMM with fp32 accumulation, like the emulated one, in another summation order); single rows, which
   are bandwidth-bound, keep reading the bf16 copy. Costs 3x the bf16 weight memory.
+- **A bf16 GEMV kernel for those single rows** (`bf16_gemv`, engine/kernels/cpu_native.py, where the C
+  kernels build): torch's bf16 GEMV reaches ~11 GB/s here and oneDNN's packed one ~14; the kernel streams
+  the plain bf16 weight at ~17 (all of qwen05b's GEMMs at one row, 2 threads: 72 ms packed -> 59-63).
 
 Both are a transformation of a loaded model, applied after any sharding, never part of loading:
 
@@ -31,6 +39,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from engine.kernels.cpu_native import gemv_bf16_native, native_library
 
 # oneDNN picks its blocked layout for a batch size; one layout serves every batch size (a mismatch
 # costs speed, never correctness). 8 was as fast as 64 at 8-64 rows and faster than 1 (linear_prepack.py).
@@ -66,28 +76,40 @@ def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tens
 
 @dataclass(frozen=True)
 class GemmWeight:
-    """One copy of a linear's weight, plain ([out, in], for F.linear) or packed (for packed_linear)."""
+    """One copy of a linear's weight and how it is multiplied: `plain` ([out, in], F.linear), `packed`
+    (packed_linear) or `bf16_gemv` (a plain bf16 weight, one row at a time through the C kernel)."""
 
     weight: torch.Tensor
     bias: torch.Tensor | None
-    packed: bool
+    kind: str
+
+    KINDS = ("plain", "packed", "bf16_gemv")
 
     @classmethod
-    def make(cls, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool) -> GemmWeight:
+    def make(cls, weight: torch.Tensor, bias: torch.Tensor | None, kind: str) -> GemmWeight:
+        if kind not in cls.KINDS:
+            raise ValueError(f"kind={kind!r} is invalid: must be one of {', '.join(cls.KINDS)}")
         weight, bias = weight.detach(), None if bias is None else bias.detach().contiguous()
-        return cls(pack_weight(weight) if pack else weight, bias, pack)
+        return cls(pack_weight(weight) if kind == "packed" else weight, bias, kind)
+
+    @property
+    def packed(self) -> bool:
+        return self.kind == "packed"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed:
+        if self.kind == "packed":
             return packed_linear(x, self.weight, self.bias)
+        if self.kind == "bf16_gemv":
+            return gemv_bf16_native(x, self.weight, self.bias).view(*x.shape[:-1], -1)
         return F.linear(x, self.weight, self.bias)
 
 
 class FastLinear(nn.Module):
     """Drop-in for an inference-only `nn.Linear` (input [rows, in_features]): same result up to rounding.
 
-    `pack`: the weight is packed for oneDNN. `fp32_math` (bf16 weights only): inputs of more than one row
-    are computed in fp32 on an fp32 copy, one row on the bf16 weight; the output is bf16 either way.
+    `pack`: the weight is packed for oneDNN; in fp32 one row still reads the plain weight, which the module
+    keeps (without copying it). `fp32_math` (bf16 weights only): inputs of more than one row are computed in
+    fp32 on an fp32 copy, one row on the bf16 weight; the output is bf16 either way.
     The module has no `weight` parameter to read back (a packed copy is opaque).
     """
 
@@ -99,10 +121,16 @@ class FastLinear(nn.Module):
             raise ValueError(f"weight {tuple(weight.shape)} {weight.dtype} on {weight.device} cannot be packed")
         self.out_features, self.in_features = weight.shape
         self.pack, self.fp32_math = pack, fp32_math
-        self.one_row = GemmWeight.make(weight, bias, pack) if fp32_math else None
+        if fp32_math:
+            kind = "bf16_gemv" if native_library() is not None else "packed" if pack else "plain"
+            self.one_row: GemmWeight | None = GemmWeight.make(weight, bias, kind)
+        elif pack and weight.dtype == torch.float32:
+            self.one_row = GemmWeight.make(weight, bias, "plain")  # the GEMV: see the module docstring
+        else:
+            self.one_row = None
         if fp32_math:
             weight, bias = weight.float(), None if bias is None else bias.float()
-        self.rows = GemmWeight.make(weight, bias, pack)
+        self.rows = GemmWeight.make(weight, bias, "packed" if pack else "plain")
         self.math_dtype = weight.dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

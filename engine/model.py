@@ -16,7 +16,7 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention
 from engine.config import ModelConfig
-from engine.kernels import apply_rotary, fused_add_rms_norm, rms_norm
+from engine.kernels import apply_rotary, fused_add_rms_norm, rms_norm, silu_and_mul
 from engine.rope import RotaryEmbedding
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -66,8 +66,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # silu(gate) * up
 
 
 class DecoderLayer(nn.Module):

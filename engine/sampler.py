@@ -88,7 +88,7 @@ class Sampler:
         """Token ids [B]: argmax for greedy rows, a draw from the shaped distribution for the rest."""
         greedy = [i for i, row in enumerate(rows) if row.params.greedy]
         if len(greedy) == len(rows):
-            return penalized.argmax(dim=-1)  # torch.argmax returns the first maximum: ties -> lowest id
+            return greedy_argmax(penalized)
         if not greedy:
             return self._sample(penalized, rows)
         device = penalized.device
@@ -96,7 +96,7 @@ class Sampler:
         random = [i for i, row in enumerate(rows) if not row.params.greedy]
         random_idx = torch.tensor(random, device=device)
         token_ids = torch.empty(len(rows), dtype=torch.long, device=device)
-        token_ids[greedy_idx] = penalized.index_select(0, greedy_idx).argmax(dim=-1)
+        token_ids[greedy_idx] = greedy_argmax(penalized.index_select(0, greedy_idx))
         token_ids[random_idx] = self._sample(penalized.index_select(0, random_idx), [rows[i] for i in random])
         return token_ids
 
@@ -145,6 +145,28 @@ class Sampler:
                 generator.manual_seed(self._seed)
             self._generators[device] = generator
         return generator
+
+
+ARGMAX_CHUNK = 1024  # greedy_argmax's two-level search: tokens per chunk
+
+
+def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """`logits.argmax(dim=-1)` (the first maximum: ties -> lowest token id; a NaN counts as the maximum),
+    in two levels because torch's CPU argmax runs at ~1 ns per element (9 ms for [64, 151936] on 2 cores)
+    while a plain max reduction runs at memory speed: each chunk's max, the first chunk holding the
+    row's max, then argmax within that chunk only (3 ms there). Same index as argmax, NaN included: a
+    chunk holding a NaN has max NaN, and argmax picks the first NaN both across chunks and within one."""
+    rows, vocab = logits.shape
+    if logits.device.type != "cpu" or vocab <= 2 * ARGMAX_CHUNK:
+        return logits.argmax(dim=-1)
+    whole = vocab // ARGMAX_CHUNK
+    chunk_max = logits[:, : whole * ARGMAX_CHUNK].reshape(rows, whole, ARGMAX_CHUNK).amax(dim=-1)
+    if whole * ARGMAX_CHUNK < vocab:  # the shorter last chunk
+        chunk_max = torch.cat([chunk_max, logits[:, whole * ARGMAX_CHUNK :].amax(dim=-1, keepdim=True)], dim=1)
+    start = chunk_max.argmax(dim=-1) * ARGMAX_CHUNK
+    # positions past the vocab (the last chunk) read the last token again, after its own position
+    columns = (start.unsqueeze(1) + torch.arange(ARGMAX_CHUNK, device=logits.device)).clamp_(max=vocab - 1)
+    return start + logits.gather(1, columns).argmax(dim=-1)
 
 
 def splitmix64(x: int) -> int:

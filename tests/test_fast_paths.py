@@ -14,6 +14,7 @@ from torch import nn
 
 from engine import LLM, SamplingParams
 from engine.config import ModelConfig
+from engine.kernels import native_library
 from engine.linear_fast import (
     FastLinear,
     can_pack,
@@ -82,6 +83,35 @@ def test_fast_linear_matches_f_linear_in_bf16(pack, fp32_math, rows):
     got = FastLinear(w, b, pack=pack, fp32_math=fp32_math)(x)
     assert got.dtype == torch.bfloat16
     assert relative_error(got, F.linear(x, w, b)) < BF16_RTOL
+
+
+@requires_packing
+def test_fp32_single_row_reads_the_plain_weight_without_a_copy():
+    """One row is F.linear itself on the original weight (the GEMV); more rows take the packed copy."""
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(1376, 512, generator=g) * 0.05, torch.randn(1376, generator=g)
+    fast = FastLinear(w, b, pack=True)
+    assert fast.one_row.weight.data_ptr() == w.data_ptr() and not fast.one_row.packed
+    x = torch.randn(5, 512, generator=g)
+    assert torch.equal(fast(x[:1]), F.linear(x[:1], w, b))
+    assert torch.equal(fast(x), packed_linear(x, fast.rows.weight, b))
+    assert FastLinear(w.bfloat16(), None, pack=False, fp32_math=True).one_row.weight.dtype == torch.bfloat16
+
+
+@pytest.mark.skipif(native_library() is None, reason="the C kernels could not be built here")
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(1376, 512), (100, 37), (8, 4096)])
+def test_bf16_single_row_runs_the_gemv_kernel(shape, bias):
+    """Emulated bf16: one row is the C GEMV on the plain bf16 weight (no copy), within one bf16 ulp of F.linear."""
+    g = torch.Generator().manual_seed(shape[0])
+    w = (torch.randn(shape, generator=g) * 0.05).bfloat16()
+    b = torch.randn(shape[0], generator=g).bfloat16() if bias else None
+    fast = FastLinear(w, b, pack=False, fp32_math=True)
+    assert fast.one_row.kind == "bf16_gemv" and fast.one_row.weight.data_ptr() == w.data_ptr()
+    for x in (torch.randn(1, shape[1], generator=g).bfloat16(), torch.randn(1, 1, shape[1], generator=g).bfloat16()):
+        got = fast(x)
+        assert got.shape == (*x.shape[:-1], shape[0]) and got.dtype == torch.bfloat16
+        assert relative_error(got, F.linear(x, w, b)) < BF16_RTOL
 
 
 def test_fast_path_is_chosen_only_where_it_helps():

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
 from engine import kernels
+from engine.kernels import cpu_native
 from engine.kernels.decode_attention import context_lens_from_mask
 from engine.rope import RotaryEmbedding
 
@@ -285,22 +286,46 @@ def test_rotary_twin_matches_complex_rotation_and_hf(dtype):
     assert torch.equal(out, hf_q[0].transpose(0, 1))
 
 
-def test_dispatchers_run_the_twins_on_cpu():
-    """The CPU path is the twin, bit for bit (engine/model.py and engine/attention.py call the dispatchers)."""
+def dispatcher_cases():
+    """(dispatcher, its twin, its C kernel, args) on CPU tensors, for every dispatcher with a C kernel."""
     case = DECODE_CASES[1]
     q, paged = decode_inputs(case, torch.float32, device="cpu")
     k, v, tables, mask = paged.k_cache, paged.v_cache, paged.block_tables, paged.decode_mask()
-    args = (q, k, v, tables.flatten(), mask, 0.125)
-    assert torch.equal(kernels.decode_attention(*args), kernels.decode_attention_torch(*args))
-    table, n = tables[0, : math.ceil(case.context_lens[0] / case.block_size)], case.context_lens[0]
-    prefix_args = (q[:1], k, v, table, n, 0.125)
-    assert torch.equal(kernels.prefix_attention(*prefix_args), kernels.prefix_attention_torch(*prefix_args))
     x, r, w = torch.randn(3, 32), torch.randn(3, 32), torch.randn(32)
-    assert torch.equal(kernels.rms_norm(x, w, 1e-6), kernels.rms_norm_torch(x, w, 1e-6))
-    for a, b in zip(kernels.fused_add_rms_norm(x, r, w, 1e-6), kernels.fused_add_rms_norm_torch(x, r, w, 1e-6)):
-        assert torch.equal(a, b)
     xr, cos, sin = torch.randn(3, 4, 32), torch.randn(3, 1, 32), torch.randn(3, 1, 32)
-    assert torch.equal(kernels.apply_rotary(xr, cos, sin), kernels.apply_rotary_torch(xr, cos, sin))
+    return [
+        (kernels.decode_attention, kernels.decode_attention_torch, cpu_native.decode_attention_native,
+         (q, k, v, tables.flatten(), mask, 0.125)),
+        (kernels.rms_norm, kernels.rms_norm_torch, lambda *a: cpu_native.add_rms_norm_native(a[0], None, *a[1:])[0],
+         (x, w, 1e-6)),
+        (kernels.fused_add_rms_norm, kernels.fused_add_rms_norm_torch, cpu_native.add_rms_norm_native, (x, r, w, 1e-6)),
+        (kernels.apply_rotary, kernels.apply_rotary_torch, cpu_native.rotary_native, (xr, cos, sin)),
+        (kernels.silu_and_mul, kernels.silu_and_mul_torch, cpu_native.silu_and_mul_native, (torch.randn(3, 64),)),
+    ]
+
+
+def test_dispatchers_run_the_twins_on_cpu_without_the_c_kernels(monkeypatch):
+    """Without the C library the CPU path is the twin, bit for bit (engine/model.py and engine/attention.py call
+    the dispatchers)."""
+    monkeypatch.setattr(cpu_native, "_library", None)
+    monkeypatch.setattr(cpu_native, "_tried", True)
+    for dispatcher, twin, _, args in dispatcher_cases():
+        got, want = dispatcher(*args), twin(*args)
+        for a, b in zip(got, want) if isinstance(want, tuple) else [(got, want)]:
+            assert torch.equal(a, b), dispatcher.__name__
+    case = DECODE_CASES[1]
+    q, paged = decode_inputs(case, torch.float32, device="cpu")
+    table, n = paged.block_tables[0, : math.ceil(case.context_lens[0] / case.block_size)], case.context_lens[0]
+    prefix_args = (q[:1], paged.k_cache, paged.v_cache, table, n, 0.125)
+    assert torch.equal(kernels.prefix_attention(*prefix_args), kernels.prefix_attention_torch(*prefix_args))
+
+
+@pytest.mark.skipif(cpu_native.native_library() is None, reason="the C kernels could not be built here")
+def test_dispatchers_run_the_c_kernels_on_cpu():
+    for dispatcher, _, native, args in dispatcher_cases():
+        got, want = dispatcher(*args), native(*args)
+        for a, b in zip(got, want) if isinstance(want, tuple) else [(got, want)]:
+            assert torch.equal(a, b), dispatcher.__name__
 
 
 def test_context_lens_from_mask():

@@ -20,6 +20,7 @@ from engine.sampler import (
     SamplingRow,
     apply_penalties,
     apply_top_k_top_p,
+    greedy_argmax,
     splitmix64,
     step_seed,
     top_k_top_p_cutoffs,
@@ -228,6 +229,38 @@ def test_greedy_is_argmax_with_ties_to_the_lowest_id() -> None:
     out = Sampler()(logits, [row(SamplingParams(temperature=0.0))] * 6)
     assert out.token_ids == logits.argmax(dim=-1).tolist()
     assert out.token_ids[5] == 1
+
+
+@pytest.mark.parametrize("vocab", [50, 2048, 2049, 3000, 151936])
+def test_greedy_argmax_is_torch_argmax_with_ties_nan_and_inf(vocab) -> None:
+    """The two-level search against torch.argmax, on rows built to catch every edge: ties within a chunk and
+    across chunks, the maximum in the short last chunk or on the very last token, NaNs, all -inf."""
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(12, vocab, generator=gen)
+    last = vocab - 1
+    logits[0, [3, vocab // 2, last]] = 9.0  # a three-way tie across chunks: the lowest id wins
+    logits[1, [last - 1, last]] = 9.0  # a tie inside the last chunk
+    logits[2, last] = 9.0  # the very last token
+    logits[3, [5, vocab // 3]] = float("nan")  # the first NaN is the argmax
+    logits[4, vocab // 2] = float("nan")
+    logits[4, 0] = float("inf")
+    logits[5] = float("-inf")  # no finite logit: token 0
+    logits[6] = 0.0  # all equal: token 0
+    logits[7, [7, 8]] = float("inf")
+    logits[8, last] = float("nan")
+    expected = logits.argmax(dim=-1)
+    assert torch.equal(greedy_argmax(logits), expected)
+    assert torch.equal(greedy_argmax(logits.t().contiguous().t()), expected)  # a column-major view
+    assert torch.equal(greedy_argmax(logits[3:9]), expected[3:9])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 4), st.integers(2049, 5000), st.integers(0, 2**31 - 1), st.integers(0, 6))
+def test_greedy_argmax_matches_torch_argmax_on_coarse_values(rows, vocab, seed, levels) -> None:
+    """Few distinct values (ties everywhere) at random vocab sizes."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randint(0, levels + 1, (rows, vocab), generator=gen).float()
+    assert torch.equal(greedy_argmax(logits), logits.argmax(dim=-1))
 
 
 def test_greedy_rows_in_a_mixed_batch_take_the_penalized_argmax() -> None:

@@ -1,11 +1,15 @@
-"""Kernels of the model's hot path: a Triton kernel and its torch twin for each, and a dispatcher.
+"""Kernels of the model's hot path: a Triton kernel, a C kernel for CPU, and their torch twin for each,
+and a dispatcher.
 
 The dispatchers (the names without a suffix) run the Triton launcher (`*_triton`) on CUDA tensors when
-triton is importable and the torch twin (`*_torch`) otherwise, so the CPU path is always the twin. Each
-twin is the code the model ran before the kernel existed, and is the kernel's test reference
-(tests/test_kernels.py, under TRITON_INTERPRET=1 on CPU).
+triton is importable, the C kernel (`*_native`, engine/kernels/cpu_native.py) on CPU tensors when it
+could be built, and the torch twin (`*_torch`) otherwise. Each twin is the code the model ran before the
+kernels existed, and is their test reference (tests/test_kernels.py, Triton under TRITON_INTERPRET=1 on
+CPU; tests/test_cpu_kernels.py).
 """
 
+from engine.kernels.activation import silu_and_mul, silu_and_mul_torch
+from engine.kernels.cpu_native import native_library, use_native
 from engine.kernels.decode_attention import decode_attention, decode_attention_torch, decode_attention_triton
 from engine.kernels.prefix_attention import prefix_attention, prefix_attention_torch, prefix_attention_triton
 from engine.kernels.rmsnorm import (
@@ -29,12 +33,16 @@ __all__ = [
     "fused_add_rms_norm",
     "fused_add_rms_norm_torch",
     "fused_add_rms_norm_triton",
+    "native_library",
     "prefix_attention",
     "prefix_attention_torch",
     "prefix_attention_triton",
     "rms_norm",
     "rms_norm_torch",
     "rms_norm_triton",
+    "silu_and_mul",
+    "silu_and_mul_torch",
     "triton_available",
+    "use_native",
     "use_triton",
 ]

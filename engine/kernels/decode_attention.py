@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.kernels.cpu_native import decode_attention_native, use_native
 from engine.kernels.triton_jit import cdiv, dot_precision, jit, next_power_of_2, pipeline_stages, tl, use_triton
 
 MAX_SPLITS = 32
@@ -54,6 +55,8 @@ def decode_attention(
         return decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale)
     if mask is None:
         mask = mask_from_context_lens(context_lens, block_ids.numel() // q.shape[0] * k_cache.shape[2])
+    if k_cache.dtype == q.dtype and use_native(q):
+        return decode_attention_native(q, k_cache, v_cache, block_ids, mask, scale)
     return decode_attention_torch(q, k_cache, v_cache, block_ids, mask, scale)
 
 

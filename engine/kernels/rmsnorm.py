@@ -16,22 +16,28 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.kernels.cpu_native import add_rms_norm_native, use_native
 from engine.kernels.triton_jit import jit, next_power_of_2, tl, use_triton
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim of x [..., hidden]; Triton on CUDA, the twin otherwise."""
+    """RMSNorm over the last dim of x [..., hidden]; Triton on CUDA, C on CPU (2-D x), the twin otherwise."""
     if use_triton(x):
         return rms_norm_triton(x, weight, eps)
+    if x.dim() == 2 and weight.dtype == x.dtype and use_native(x):
+        return add_rms_norm_native(x, None, weight, eps)[0]
     return rms_norm_torch(x, weight, eps)
 
 
 def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(x + residual), x + residual); neither input is modified. Triton on CUDA, the twin otherwise."""
+    """(rms_norm(x + residual), x + residual); neither input is modified. Triton on CUDA, C on CPU (2-D x),
+    the twin otherwise."""
     if use_triton(x):
         return fused_add_rms_norm_triton(x, residual, weight, eps)
+    if x.dim() == 2 and residual.dtype == weight.dtype == x.dtype and use_native(x):
+        return add_rms_norm_native(x, residual, weight, eps)
     return fused_add_rms_norm_torch(x, residual, weight, eps)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.kernels.cpu_native import rotary_native, use_native
 from engine.kernels.triton_jit import cdiv, jit, next_power_of_2, tl, use_triton
 from engine.rope import apply_rotary as apply_rotary_torch
 
@@ -22,6 +23,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """x [T, heads, head_dim] rotated by cos/sin ([T, 1, head_dim] or [T, head_dim]) -> a new tensor."""
     if use_triton(x):
         return apply_rotary_triton(x, cos, sin)
+    if cos.dtype == sin.dtype == x.dtype and use_native(x):
+        return rotary_native(x, cos, sin)
     return apply_rotary_torch(x, cos, sin)
 
 

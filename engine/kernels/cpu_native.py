@@ -1,0 +1,237 @@
+"""CPU kernels in C (engine/kernels/csrc/cpu_kernels.c), built on first use with the system compiler.
+
+On CPU the model's small ops are torch twins that each make a pass over memory and pay torch's dispatch:
+a layer's decode step runs ~30 of them around its four GEMMs (qwen05b: ~35 ms of a 150 ms batch-1 step,
+and the padded-gather decode attention alone ~1.5-2.5 ms per layer at batch 64). The C kernels do each
+job in one pass: RMSNorm with its residual add, SiLU-and-multiply, rotary, and decode attention read in
+place from the paged cache. And one GEMV: a single bf16 row times a bf16 weight, which torch and oneDNN
+run well below DRAM bandwidth on CPUs without bf16 arithmetic (engine/linear_fast.py uses it).
+
+Build: `cc -O3 -march=native -fopenmp -ffp-contract=off -shared` into $DUET_CACHE_DIR/kernels (default
+~/.cache/duet/kernels), one library per source, compiler and CPU, written atomically; later processes load
+it without compiling. No compiler, or a failed build, leaves the twins in place (logged once).
+`DUET_CPU_KERNELS=0` is the documented override that keeps the twins.
+
+The wrappers below (`*_native`) take and return tensors like their twins and check what the C side
+assumes (CPU, dtype, unit last stride); the dispatchers in each kernel module call them through
+`use_native(x)`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("duet.engine")
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_kernels.c"
+FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-ffp-contract=off", "-fno-math-errno",
+         "-fno-trapping-math", "-shared", "-fPIC"]
+DTYPES = (torch.float32, torch.bfloat16)
+MAX_HEAD_DIM, MAX_GROUP = 512, 64  # the C side's fixed buffers (cpu_kernels.c)
+
+_lock = threading.Lock()
+_library: ctypes.CDLL | None = None
+_tried = False
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("DUET_CACHE_DIR")
+    return (Path(base) if base else Path.home() / ".cache" / "duet") / "kernels"
+
+
+def _cpu_signature() -> str:
+    """What -march=native compiles for: the CPU's model and flags (a shared home directory may serve
+    machines of several kinds)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    keep = [line for line in info.splitlines() if line.startswith(("model name", "flags"))]
+    return "\n".join(sorted(set(keep)))
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def _build(compiler: str) -> Path:
+    source = SOURCE.read_bytes()
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), version.encode(),
+                                     _cpu_signature().encode()])).hexdigest()[:20]
+    target = cache_dir() / f"duet_cpu_kernels-{key}.so"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
+                       check=True)
+        os.replace(tmp, target)  # atomic: a concurrent build of the same key writes the same bytes
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    p, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+    signatures = {
+        "duet_add_rms_norm": [p, i64, p, i64, p, f32, p, p, i64, i64, i32],
+        "duet_silu_and_mul": [p, i64, p, i64, i64, i32],
+        "duet_rotary": [p, i64, i64, p, p, p, i64, i64, i64, i32],
+        "duet_decode_attention": [p, i64, i64, p, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, f32, i32],
+        "duet_gemv_bf16": [p, p, p, p, i64, i64],
+    }
+    for name, argtypes in signatures.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, None
+    return lib
+
+
+def native_library() -> ctypes.CDLL | None:
+    """The loaded kernel library, building it if needed; None where it cannot be had (then twins run)."""
+    global _library, _tried
+    if _tried:
+        return _library
+    with _lock:
+        if _tried:
+            return _library
+        try:
+            if os.environ.get("DUET_CPU_KERNELS", "1") == "0":
+                log.info("cpu_kernels event=disabled reason=DUET_CPU_KERNELS=0")
+            elif (compiler := _compiler()) is None:
+                log.warning("cpu_kernels event=unavailable reason=no C compiler (cc/gcc, or $CC): torch twins run")
+            else:
+                path = _build(compiler)
+                _library = _declare(ctypes.CDLL(str(path)))
+                log.info("cpu_kernels event=loaded path=%s", path)
+        except (OSError, subprocess.CalledProcessError) as e:
+            detail = getattr(e, "stderr", None) or str(e)
+            log.warning("cpu_kernels event=unavailable reason=build failed: %s", detail.strip()[-2000:])
+            _library = None
+        _tried = True
+    return _library
+
+
+def use_native(x: torch.Tensor) -> bool:
+    """Whether the dispatchers run the C kernel for `x`: a CPU tensor of float32 or bfloat16, library built."""
+    return x.device.type == "cpu" and x.dtype in DTYPES and native_library() is not None
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _unit_last(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _bf16(t: torch.Tensor) -> int:
+    return int(t.dtype == torch.bfloat16)
+
+
+def add_rms_norm_native(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(rms_norm(x + residual) * weight, x + residual), or (rms_norm(x) * weight, None) without a residual;
+    x, residual [T, hidden] (any row stride), weight [hidden] in x's dtype."""
+    lib = native_library()
+    rows, hidden = x.shape
+    x = _unit_last(x)
+    weight = weight.to(x.dtype).contiguous()
+    out = torch.empty((rows, hidden), dtype=x.dtype)
+    residual_out = None
+    if residual is not None:
+        residual = _unit_last(residual.to(x.dtype))
+        residual_out = torch.empty((rows, hidden), dtype=x.dtype)
+    lib.duet_add_rms_norm(x.data_ptr(), x.stride(0), _ptr(residual), 0 if residual is None else residual.stride(0),
+                          weight.data_ptr(), eps, out.data_ptr(), _ptr(residual_out), rows, hidden, _bf16(x))
+    return out, residual_out
+
+
+def silu_and_mul_native(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up [T, 2 * intermediate] = [gate | up] -> [T, intermediate]."""
+    lib = native_library()
+    gate_up = _unit_last(gate_up)
+    rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty((rows, inter), dtype=gate_up.dtype)
+    lib.duet_silu_and_mul(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, inter, _bf16(gate_up))
+    return out
+
+
+def rotary_native(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, head_dim] rotated by cos/sin ([T, 1, head_dim] or [T, head_dim], any float dtype: cast
+    to x's as the twin's products are) -> a new contiguous tensor."""
+    lib = native_library()
+    tokens, heads, head_dim = x.shape
+    if head_dim % 2 or head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"rotary: head_dim {head_dim} is invalid: must be even and <= {MAX_HEAD_DIM}")
+    x = _unit_last(x)
+    cos = cos.to(x.dtype).reshape(tokens, head_dim).contiguous()
+    sin = sin.to(x.dtype).reshape(tokens, head_dim).contiguous()
+    out = torch.empty((tokens, heads, head_dim), dtype=x.dtype)
+    lib.duet_rotary(x.data_ptr(), x.stride(0), x.stride(1), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), tokens,
+                    heads, head_dim, _bf16(x))
+    return out
+
+
+def decode_attention_native(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_ids: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """As `decode_attention_torch` (same arguments), read in place from the paged cache: no gathered copy."""
+    lib = native_library()
+    batch, heads, head_dim = q.shape
+    kv_heads, num_blocks, block_size = k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(f"K/V cache dtype {k_cache.dtype}/{v_cache.dtype} is invalid: must be q's, {q.dtype}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("K/V caches must be contiguous")
+    if head_dim > MAX_HEAD_DIM or heads % kv_heads or heads // kv_heads > MAX_GROUP:
+        raise ValueError(f"heads={heads}, kv_heads={kv_heads}, head_dim={head_dim} is invalid: heads must be a "
+                         f"multiple of kv_heads, at most {MAX_GROUP} per kv head, and head_dim <= {MAX_HEAD_DIM}")
+    q = _unit_last(q)
+    block_ids = block_ids.to(torch.int64).contiguous()
+    mask = mask.to(torch.float32).contiguous()
+    width = block_ids.numel() // batch
+    if mask.shape != (batch, width * block_size):
+        raise ValueError(f"decode mask shape {tuple(mask.shape)} is invalid: must be ({batch}, {width * block_size})")
+    out = torch.empty((batch, heads, head_dim), dtype=q.dtype)
+    lib.duet_decode_attention(q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
+                              block_ids.data_ptr(), mask.data_ptr(), out.data_ptr(), batch, heads, kv_heads, head_dim,
+                              num_blocks, block_size, width, scale, _bf16(q))
+    return out
+
+
+def gemv_bf16_native(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear for one bf16 row: x [1, in] (or [in]) and weight [out, in] bf16 -> [1, out] bf16, accumulated in
+    float32 and rounded once (after the bias)."""
+    lib = native_library()
+    n_out, k_in = weight.shape
+    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.numel() != k_in:
+        raise ValueError(f"gemv_bf16_native: x {tuple(x.shape)} {x.dtype} and weight {tuple(weight.shape)} "
+                         f"{weight.dtype} are invalid: must be one bf16 row of {k_in} and a bf16 weight")
+    if bias is not None and (bias.dtype != torch.bfloat16 or bias.numel() != n_out):
+        raise ValueError(f"gemv_bf16_native: bias {tuple(bias.shape)} {bias.dtype} is invalid: must be {n_out} bf16")
+    x, weight = x.contiguous(), weight.contiguous()
+    bias = None if bias is None else bias.contiguous()
+    y = torch.empty((1, n_out), dtype=torch.bfloat16)
+    lib.duet_gemv_bf16(x.data_ptr(), weight.data_ptr(), _ptr(bias), y.data_ptr(), n_out, k_in)
+    return y

@@ -26,8 +26,9 @@ Both are a transformation of a loaded model, applied after any sharding, never p
     model = build_model(...)      # plain nn.Linear everywhere: the reference the tests compare against
     fast_linears(model)           # swaps each eligible nn.Linear for a FastLinear, in place
 
-Only modules of exactly type `nn.Linear` are swapped (a subclass, e.g. a row-parallel layer that
-all-reduces, keeps its own forward). The tied embedding keeps its original tensor for lookups; the
+Only modules of exactly type `nn.Linear` are swapped. A subclass keeps its own forward; one that has a
+`local_gemm` slot (tensor parallelism's row-parallel layer, which all-reduces its product and then adds
+its bias) gets a bias-free FastLinear there. The tied embedding keeps its original tensor for lookups; the
 lm_head gets its own copy. Results differ from `F.linear` by summation order only (~1e-6 relative in
 fp32, one bf16 ulp in bf16): tests/test_fast_paths.py pins that, and the same greedy tokens.
 """
@@ -166,11 +167,17 @@ def fast_linears(model: nn.Module, min_packed_bytes: int = MIN_PACKED_BYTES) -> 
     swapped = []
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
+            full_name = f"{name}.{child_name}" if name else child_name
             if type(child) is nn.Linear:
                 fast = fast_linear_for(child.weight, child.bias, min_packed_bytes)
                 if fast is not None:
                     setattr(module, child_name, fast)
-                    swapped.append(f"{name}.{child_name}" if name else child_name)
+                    swapped.append(full_name)
+            elif isinstance(child, nn.Linear) and getattr(child, "local_gemm", "absent") is None:
+                fast = fast_linear_for(child.weight, None, min_packed_bytes)
+                if fast is not None:
+                    child.local_gemm = fast
+                    swapped.append(full_name)
     embed = getattr(model, "embed_tokens", None)
     if getattr(model, "lm_head", "absent") is None and embed is not None:
         fast = fast_linear_for(embed.weight, None, min_packed_bytes)

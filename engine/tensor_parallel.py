@@ -88,14 +88,19 @@ def local_config(config: ModelConfig, shard: Shard) -> ModelConfig:
 
 
 class RowParallelLinear(nn.Linear):
-    """x[..., local in] @ W[:, local in].T summed over ranks; the bias is added once, after the sum."""
+    """x[..., local in] @ W[:, local in].T summed over ranks; the bias is added once, after the sum.
+
+    `local_gemm`, when set (engine/linear_fast.py's `fast_linears` does on CPU), computes the local product
+    instead of `F.linear` on the weight; the all-reduce and the bias stay here.
+    """
 
     def __init__(self, in_local: int, out_features: int, bias: bool, tp: TPGroup):
         super().__init__(in_local, out_features, bias)
         self.tp = tp
+        self.local_gemm: nn.Module | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = F.linear(x, self.weight) if self.local_gemm is None else self.local_gemm(x)
         dist.all_reduce(y, group=self.tp.group)
         return y if self.bias is None else y + self.bias
 

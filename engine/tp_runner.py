@@ -281,7 +281,7 @@ def start_group(model_config, model_dir, dtype: torch.dtype, max_positions: int,
         control = init_group(0, config.tp_size, init_method, device=device)
         model = build_tp_model(model_config, model_dir, dtype, max_positions, TPGroup(0, config.tp_size), device)
         if config.fast_linears:
-            fast_linears(model)  # the column-parallel shards and the lm_head shard (CPU only; no-op on CUDA)
+            fast_linears(model)  # every shard's GEMMs and the lm_head shard (CPU only; no-op on CUDA)
         dist.barrier()
     except BaseException:
         for proc in followers:

@@ -7,6 +7,10 @@ rounding only: fp32 within FP32_RTOL of the output scale and the same greedy tok
 and the same greedy tokens up to a near-tie.
 """
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -29,6 +33,7 @@ from engine.scheduler import ScheduledChunk
 from engine.tiny_model import make_tiny_model
 from engine.weights import build_model
 
+REPO = Path(__file__).resolve().parent.parent
 FP32_RTOL = 1e-5  # max |fast - reference| / max |reference|, per GEMM and per logits row
 GREEDY = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
 PROMPT_LENS = [1, 7, 32, 33, 90]
@@ -134,14 +139,24 @@ def test_swaps_plain_linears_only_and_keeps_the_tied_embedding(tiny_qwen2_dir):
     assert model.lm_head is None  # tied
     embedding = model.embed_tokens.weight.clone()
 
-    class RowParallel(nn.Linear):  # a subclass keeps its own forward (tensor parallelism's all-reduce)
+    class Subclass(nn.Linear):  # a subclass keeps its own forward
         pass
 
-    model.layers[0].mlp.down_proj = RowParallel(config.intermediate_size, config.hidden_size, bias=False)
+    class WithSlot(nn.Linear):  # ... and one with a `local_gemm` slot gets a bias-free FastLinear there
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.local_gemm = None
+
+    model.layers[0].mlp.down_proj = Subclass(config.intermediate_size, config.hidden_size, bias=False)
+    model.layers[1].mlp.down_proj = WithSlot(config.intermediate_size, config.hidden_size, bias=True)
     assert fast_linears(model) == []  # the tiny model's weights are all below MIN_PACKED_BYTES
     swapped = fast_linears(model, min_packed_bytes=0)
-    assert "layers.0.mlp.down_proj" not in swapped and type(model.layers[0].mlp.down_proj) is RowParallel
-    assert {"layers.0.self_attn.qkv_proj", "layers.1.mlp.down_proj", "lm_head"} <= set(swapped)
+    assert "layers.0.mlp.down_proj" not in swapped and type(model.layers[0].mlp.down_proj) is Subclass
+    slotted = model.layers[1].mlp.down_proj
+    assert type(slotted) is WithSlot and isinstance(slotted.local_gemm, FastLinear)
+    assert slotted.local_gemm.rows.bias is None and slotted.bias is not None
+    assert {"layers.0.self_attn.qkv_proj", "layers.1.mlp.down_proj", "layers.0.mlp.gate_up_proj",
+            "lm_head"} <= set(swapped)
     assert not any(type(m) is nn.Linear for m in model.modules())
     assert isinstance(model.lm_head, FastLinear) and model.layers[1].self_attn.qkv_proj.rows.bias is not None
     assert torch.equal(model.embed_tokens.weight, embedding)  # lookups still read the original table
@@ -210,3 +225,44 @@ def test_packed_bf16_engine_follows_the_reference_up_to_a_near_tie(wide_model_di
         else:
             identical += 1
     assert identical >= len(prompts) // 2  # divergence is the exception, not the rule
+
+
+ROW_PARALLEL_RANK = """
+import sys, torch, torch.distributed as dist
+from engine.linear_fast import FastLinear, fast_linears
+from engine.tensor_parallel import RowParallelLinear, TPGroup
+rank, init_method, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2)
+g = torch.Generator().manual_seed(5)
+weight, bias = torch.randn(640, 768, generator=g), torch.randn(640, generator=g)
+layer = RowParallelLinear(384, 640, True, TPGroup(rank, 2))
+with torch.no_grad():
+    layer.weight.copy_(weight[:, rank * 384:(rank + 1) * 384])
+    layer.bias.copy_(bias)
+    assert fast_linears(layer, min_packed_bytes=0) == [] and layer.local_gemm is None  # the root is not swapped
+    holder = torch.nn.Sequential(layer)
+    assert fast_linears(holder, min_packed_bytes=0) == ["0"] and isinstance(layer.local_gemm, FastLinear)
+    rows = {}
+    for m in (1, 7):
+        x = torch.randn(m, 768, generator=g)
+        rows[m] = (layer(x[:, rank * 384:(rank + 1) * 384]), torch.nn.functional.linear(x, weight, bias))
+torch.save(rows, out)
+dist.destroy_process_group()
+"""
+
+
+@requires_packing
+def test_row_parallel_layer_runs_its_local_product_on_the_fast_path(tmp_path):
+    """Two gloo ranks, each with half of a row-parallel layer's input columns: with the fast local GEMM the
+    all-reduced output equals the whole layer's F.linear within fp32 tolerance, at one row and at 7."""
+    from engine.tp_runner import free_port
+
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    procs = [subprocess.Popen([sys.executable, "-c", ROW_PARALLEL_RANK, str(rank), init_method,
+                               str(tmp_path / f"rank{rank}.pt")], cwd=REPO) for rank in range(2)]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    for rank in range(2):
+        rows = torch.load(tmp_path / f"rank{rank}.pt")
+        for m, (got, want) in rows.items():
+            assert got.shape == (m, 640)
+            assert relative_error(got, want) < FP32_RTOL

@@ -19,6 +19,17 @@ QUESTIONS = ["What is a KV cache?", "Why page it into blocks?", "What does a pre
              "Explain continuous batching.", "Ünïcödé and 日本語 survive detokenization?"]
 
 
+def wait_for_index(client, prompt, worker: str, timeout_s: float = 15.0) -> None:
+    """Until the router's index shows `worker` holding a cached prefix of `prompt` (its KV events travel
+    worker -> Redis -> router asynchronously; on a loaded machine that takes a moment), at most timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        route = client.explain_route(prompt)
+        if any(e.worker_id == worker and e.cached_tokens > 0 for e in route.prefill):
+            return
+        time.sleep(0.05)
+
+
 def run_demo(model: Path | None, max_tokens: int = 24, worker_args: list[str] | None = None) -> int:
     from deploy.local_cluster import ClusterConfig, LocalCluster
 
@@ -35,7 +46,7 @@ def run_demo(model: Path | None, max_tokens: int = 24, worker_args: list[str] | 
         ]
         with Client(cluster.router_address) as client:
             first = stream_to_record(client.generate(conversations[0], params[0], timeout_s=60))
-            time.sleep(0.2)  # the prefill worker's KV events reach the index (a later request would hit anyway)
+            wait_for_index(client, conversations[1], first["prefill_worker"])
             with ThreadPoolExecutor(len(QUESTIONS) - 1) as pool:  # the rest stream concurrently
                 rest = list(pool.map(lambda cp: stream_to_record(client.generate(*cp, timeout_s=60)),
                                      zip(conversations[1:], params[1:])))

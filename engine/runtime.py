@@ -17,6 +17,7 @@ from engine.config import EngineConfig, ModelConfig, parse_dtype, resolve_device
 from engine.cpu_allocator import reuse_freed_memory
 from engine.cuda_graphs import SCRATCH_BLOCKS, make_static_decode_runner, static_decode_enabled
 from engine.errors import ModelLoadError
+from engine.kernels.cpu_native import native_library
 from engine.kv_cache_manager import KVCacheManager, cdiv
 from engine.linear_fast import fast_linears
 from engine.model import KVCache, LlamaForCausalLM
@@ -120,6 +121,8 @@ def build_runtime(model_dir: str | Path, config: EngineConfig, follower_module: 
         if config.fast_linears:
             fast_linears(model)  # after loading (and any sharding): a transformation of the plain model
     assert kv_bytes_per_block(model, config.block_size, dtype) == block_bytes
+    if torch.device(device).type == "cpu":
+        native_library()  # build (first run) or load the C kernels now, not inside the first request's step
 
     block_pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
     kv_cache = KVCacheManager(block_pool, model_id)

@@ -15,7 +15,6 @@ comparison is offline_throughput.py, whose RESULTS section cites this split.
 from __future__ import annotations
 
 import argparse
-import functools
 import sys
 import time
 from collections import defaultdict
@@ -25,6 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from offline_throughput import ensure_checkpoint  # noqa: E402
+from profile_duet import timer  # noqa: E402
 
 from engine.config import ModelConfig, parse_dtype  # noqa: E402
 from engine.cpu_allocator import reuse_freed_memory  # noqa: E402
@@ -38,15 +38,7 @@ TIMES: dict[str, float] = defaultdict(float)
 
 
 def timed(name: str, fn):
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            TIMES[name] += time.perf_counter() - t0
-
-    return wrapper
+    return timer(TIMES, name, fn)
 
 
 def instrument() -> None:

@@ -34,18 +34,22 @@ from engine import LLM, SamplingParams  # noqa: E402
 PHASES: dict[str, float] = defaultdict(float)
 
 
-def _timed(owner: type, name: str, phase: str) -> None:
-    original = getattr(owner, name)
+def timer(totals: dict[str, float], key: str, fn):
+    """`fn`, adding the wall time of every call to totals[key] (also benchmarks/decode_step_cpu.py)."""
 
-    @functools.wraps(original)
+    @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         t0 = time.perf_counter()
         try:
-            return original(*args, **kwargs)
+            return fn(*args, **kwargs)
         finally:
-            PHASES[phase] += time.perf_counter() - t0
+            totals[key] += time.perf_counter() - t0
 
-    setattr(owner, name, wrapper)
+    return wrapper
+
+
+def _timed(owner: type, name: str, phase: str) -> None:
+    setattr(owner, name, timer(PHASES, phase, getattr(owner, name)))
 
 
 def instrument() -> None:

@@ -122,6 +122,22 @@ def make_llm(model_dir, static: bool) -> LLM:
     return llm
 
 
+def run_in_lockstep(llms: dict, schedule: dict[int, list], after_step=None) -> tuple[dict, int]:
+    """Step every engine once per round, adding `schedule`'s requests at their step, until the first engine
+    is done; `after_step()` runs after each round. Returns ({name: {request_id: last output}}, rounds)."""
+    outputs, step, first = {name: {} for name in llms}, 0, next(iter(llms.values()))
+    while step in schedule or first.engine.has_unfinished_requests():
+        for name, llm in llms.items():
+            for rid, prompt, params in schedule.get(step, []):
+                llm.engine.add_request(prompt, params, request_id=rid)
+            for out in llm.engine.step():
+                outputs[name][out.request_id] = out
+        if after_step is not None:
+            after_step()
+        step += 1
+    return outputs, step
+
+
 def arrivals(vocab: int) -> dict[int, list]:
     """Requests joining at given steps so the running batch is 1, 3, 5 and 9 sequences (the last past the
     largest bucket), of different lengths, finishing at different steps so it shrinks across buckets."""
@@ -143,14 +159,10 @@ def test_padded_static_steps_match_eager_tokens_logprobs_and_kv(tiny_llama_dir):
     num_blocks = eager.engine.num_kv_blocks
     assert static.engine.num_kv_blocks == num_blocks and runner.scratch_block == num_blocks
     schedule = arrivals(eager.engine.model_config.vocab_size)
-    outputs = {"eager": {}, "static": {}}
-    running_sizes, scratch_written, step = set(), False, 0
-    while step in schedule or eager.engine.has_unfinished_requests():
-        for name, llm in (("eager", eager), ("static", static)):
-            for rid, prompt, params in schedule.get(step, []):
-                llm.engine.add_request(prompt, params, request_id=rid)
-            for out in llm.engine.step():
-                outputs[name][out.request_id] = out
+    running_sizes, scratch_written = set(), False
+
+    def check_step():
+        nonlocal scratch_written
         running_sizes.add(eager.engine.scheduler.num_running)
         # every block a request can own holds the same K/V on both paths; only the scratch block differs
         for (ek, ev), (sk, sv) in zip(eager.engine.runtime.kv_caches, static.engine.runtime.kv_caches):
@@ -159,7 +171,8 @@ def test_padded_static_steps_match_eager_tokens_logprobs_and_kv(tiny_llama_dir):
                 torch.testing.assert_close(s[:, :num_blocks], e[:, :num_blocks], rtol=0, atol=1e-5)
                 assert not e[:, num_blocks:].any()  # the eager path never touches it
                 scratch_written |= bool(s[:, num_blocks:].any())
-        step += 1
+
+    outputs, step = run_in_lockstep({"eager": eager, "static": static}, schedule, check_step)
     assert step >= 90 and scratch_written
     assert {1, 3, 5, 9} <= running_sizes
     assert set(buckets) == {1, 2, 4, 8}  # 9 running ran eagerly; every bucket replayed
@@ -281,15 +294,7 @@ def test_cuda_graphs_match_eager_cuda(tiny_llama_dir):
     run_bucket = runner.run_bucket
     runner.run_bucket = lambda b: buckets.update([b]) or run_bucket(b)
     schedule = arrivals(graphs.engine.model_config.vocab_size)
-    outputs = {"eager": {}, "graphs": {}}
-    step = 0
-    while step in schedule or eager.engine.has_unfinished_requests():
-        for name, llm in (("eager", eager), ("graphs", graphs)):
-            for rid, prompt, params in schedule.get(step, []):
-                llm.engine.add_request(prompt, params, request_id=rid)
-            for out in llm.engine.step():
-                outputs[name][out.request_id] = out
-        step += 1
+    outputs, _ = run_in_lockstep({"eager": eager, "graphs": graphs}, schedule)
     assert set(buckets) == {1, 2, 4, 8}
     for rid, want in outputs["eager"].items():
         got = outputs["graphs"][rid]

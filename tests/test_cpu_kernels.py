@@ -4,7 +4,8 @@ Exact where both sides do the same IEEE operations in the same order (rotary, th
 rounding points); within a few float32 ulps where the kernel computes exp or 1/sqrt itself or sums in
 another order (RMS, SiLU, attention scores); bf16 outputs within one bf16 ulp of the twin, attention
 within the Triton kernels' tolerance (the twin rounds its intermediate products to bf16, the kernel
-does not). Shapes cover the parallel and serial paths, odd sizes, strided rows and GQA ratios.
+does not). Shapes cover the parallel and serial paths, odd sizes, strided rows and GQA ratios; each
+kernel test runs on the build for this CPU and on a build without AVX-512 (the plain loops).
 """
 
 from __future__ import annotations
@@ -33,13 +34,27 @@ BF16_ULP = 2**-7  # relative spacing of bf16 values
 ATTN_TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
 
 
+@pytest.fixture(scope="module")
+def portable_library():
+    """The same source built without AVX-512: the plain loops that CPUs without it run."""
+    return cpu_native.load(cpu_native._build(cpu_native._compiler(), [*cpu_native.FLAGS, "-mno-avx512f"]))
+
+
+@pytest.fixture(params=["native", "portable"])
+def kernels(request, monkeypatch):
+    """Runs a test on the library as built for this CPU and on the portable build (the same wrappers)."""
+    if request.param == "portable":
+        monkeypatch.setattr(cpu_native, "_library", request.getfixturevalue("portable_library"))
+    return request.param
+
+
 def scaled_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-30))
 
 
-def within_one_bf16_ulp(got: torch.Tensor, want: torch.Tensor) -> bool:
+def within_bf16_ulps(got: torch.Tensor, want: torch.Tensor, ulps: int = 1) -> bool:
     g, w = got.float(), want.float()
-    return bool(((g - w).abs() <= w.abs() * BF16_ULP + 1e-30).all())
+    return bool(((g - w).abs() <= w.abs() * BF16_ULP * ulps + 1e-30).all())
 
 
 def strided_rows(rows: int, cols: int, dtype, seed: int, scale: float = 1.0) -> torch.Tensor:
@@ -50,6 +65,7 @@ def strided_rows(rows: int, cols: int, dtype, seed: int, scale: float = 1.0) -> 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,hidden", [(1, 896), (3, 7), (64, 896), (40, 4096), (2, 9000)])
+@pytest.mark.usefixtures("kernels")
 def test_add_rms_norm_matches_the_twin(dtype, rows, hidden):
     x, residual = strided_rows(rows, hidden, dtype, 1), strided_rows(rows, hidden, dtype, 2)
     weight = (torch.rand(hidden, generator=torch.Generator().manual_seed(3)) + 0.5).to(dtype)
@@ -62,12 +78,14 @@ def test_add_rms_norm_matches_the_twin(dtype, rows, hidden):
         assert got.dtype == dtype and got.shape == (rows, hidden) and got.is_contiguous()
         if dtype == torch.float32:
             assert scaled_error(got, want) < FP32_TOL
-        else:
-            assert within_one_bf16_ulp(got, want)
+        else:  # HF's order rounds the normalized row to bf16 before the weight scales it: an RMS that differs
+            # in its last float32 bits can flip that rounding by one ulp, which the weight (0.5-1.5) scales
+            assert within_bf16_ulps(got, want, ulps=2)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,inter", [(1, 4864), (5, 33), (64, 4864)])
+@pytest.mark.usefixtures("kernels")
 def test_silu_and_mul_matches_the_twin(dtype, rows, inter):
     gate_up = strided_rows(rows, 2 * inter, dtype, 4, scale=4.0)
     got, want = cpu_native.silu_and_mul_native(gate_up), silu_and_mul_torch(gate_up)
@@ -75,10 +93,11 @@ def test_silu_and_mul_matches_the_twin(dtype, rows, inter):
     if dtype == torch.float32:
         assert scaled_error(got, want) < FP32_TOL
     else:
-        assert within_one_bf16_ulp(got, want)
+        assert within_bf16_ulps(got, want)
         assert (got == want).float().mean() > 0.99  # exp differs by an ulp at most: rounding rarely flips
 
 
+@pytest.mark.usefixtures("kernels")
 def test_silu_saturates_like_torch():
     """Far tails: silu(g) -> g for large g, -> -0 for very negative g (exp overflows to inf), and NaN stays."""
     g = torch.tensor([[-1e4, -200.0, -90.0, -88.0, 0.0, 20.0, 90.0, 1e4, float("inf"), float("nan")]])
@@ -89,6 +108,7 @@ def test_silu_saturates_like_torch():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens", [1, 3, 64])
+@pytest.mark.usefixtures("kernels")
 def test_rotary_is_the_twin_bit_for_bit(dtype, tokens):
     heads, kv_heads, head_dim = 14, 2, 64
     rope = RotaryEmbedding(head_dim, 4096, theta=1e6, scaling={})
@@ -119,12 +139,14 @@ def paged_decode_case(rng: random.Random, dtype, lens: list[int], group: int, kv
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.usefixtures("kernels")
 def test_decode_attention_matches_the_twin(dtype, seed):
     rng = random.Random(seed)
-    block_size = rng.choice([8, 16, 32])
+    block_size = rng.choice([8, 16, 32, 64])
     lens = [rng.choice([1, block_size, block_size + 1, rng.randint(1, 300)]) for _ in range(rng.randint(1, 9))]
-    group, kv_heads, head_dim = rng.choice([1, 2, 7, 8]), rng.choice([1, 2, 4]), rng.choice([32, 64, 128])
+    # head_dim: the AVX-512 paths take multiples of 16 (scores) and of 64 (the weighted sum); 40 takes neither
+    group, kv_heads, head_dim = rng.choice([1, 2, 7, 8]), rng.choice([1, 2, 4]), rng.choice([40, 64, 80, 128])
     q, k_cache, v_cache, block_ids, mask = paged_decode_case(rng, dtype, lens, group, kv_heads, head_dim, block_size)
     scale = head_dim**-0.5
     got = cpu_native.decode_attention_native(q, k_cache, v_cache, block_ids, mask, scale)
@@ -188,6 +210,7 @@ def test_f_silu_reference_is_what_the_model_ran():
 
 
 @pytest.mark.parametrize("shape,bias", [((9728, 896), True), ((20000, 896), False), ((13, 40), True)])
+@pytest.mark.usefixtures("kernels")
 def test_bf16_gemv_matches_f_linear(shape, bias):
     g = torch.Generator().manual_seed(shape[1])
     w = (torch.randn(shape, generator=g) * 0.05).bfloat16()

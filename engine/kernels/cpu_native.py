@@ -65,10 +65,11 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-def _build(compiler: str) -> Path:
+def _build(compiler: str, flags: list[str] = FLAGS) -> Path:
+    """The library for this source, compiler, `flags` and CPU, compiled unless the cache has it."""
     source = SOURCE.read_bytes()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), version.encode(),
+    key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), version.encode(),
                                      _cpu_signature().encode()])).hexdigest()[:20]
     target = cache_dir() / f"duet_cpu_kernels-{key}.so"
     if target.is_file():
@@ -77,13 +78,18 @@ def _build(compiler: str) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
+        subprocess.run([compiler, *flags, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
                        check=True)
         os.replace(tmp, target)  # atomic: a concurrent build of the same key writes the same bytes
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return target
+
+
+def load(path: Path) -> ctypes.CDLL:
+    """A built library with its functions' signatures declared."""
+    return _declare(ctypes.CDLL(str(path)))
 
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -116,7 +122,7 @@ def native_library() -> ctypes.CDLL | None:
                 log.warning("cpu_kernels event=unavailable reason=no C compiler (cc/gcc, or $CC): torch twins run")
             else:
                 path = _build(compiler)
-                _library = _declare(ctypes.CDLL(str(path)))
+                _library = load(path)
                 log.info("cpu_kernels event=loaded path=%s", path)
         except (OSError, subprocess.CalledProcessError) as e:
             detail = getattr(e, "stderr", None) or str(e)

@@ -9,11 +9,18 @@
  * and differ from torch's by an ulp or so; reductions (RMS, attention) sum in another order.
  *
  * Loops are written so the compiler vectorizes them (plain typed loops, branch-free helpers, type
- * punning through a union). Threads: OpenMP, which binds to the libgomp torch already loaded (same
- * soname), so torch.set_num_threads applies; a kernel parallelizes only with enough work for a barrier.
+ * punning through a union). Where the compiler cannot find the fast form, an AVX-512 version sits inside
+ * `#ifdef DUET_AVX512` next to the plain loop it replaces (the SiLU's exp, decode attention's dot products
+ * and weighted sum, the bf16 GEMV); the tests run both builds against the twins. float32 rows are read
+ * and written in place, never staged through copies. Threads: OpenMP, which binds to the libgomp torch
+ * already loaded (same soname), so torch.set_num_threads applies; a kernel parallelizes only with enough
+ * work for a barrier.
  */
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define DUET_AVX512 1
+#endif
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 #include <math.h>
@@ -64,6 +71,45 @@ static inline float exp_f32(float x) {
     return x != x ? x : y;
 }
 
+#ifdef DUET_AVX512
+/* The vector twins of the helpers above, 16 lanes; `keep` masks a row's tail. */
+static inline __m512 load_bf16x16(const uint16_t *p, __mmask16 keep) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(keep, p)), 16));
+}
+
+static inline __m256i f32x16_to_bf16(__m512 v) {
+    __m512i u = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, _mm512_set1_epi32(0x7fc0)));
+}
+
+static inline __m512 round_bf16x16(__m512 v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(f32x16_to_bf16(v)), 16));
+}
+
+/* exp_f32's 16-lane twin: the same reduction and polynomial. The clamp maps ±inf into range (max/min return
+ * their second operand for NaN, so NaN passes) and vscalefps applies 2^n, saturating to inf above and 0 below. */
+static inline __m512 exp_f32x16(__m512 x) {
+    __m512 xc = _mm512_min_ps(_mm512_set1_ps(89.0f), _mm512_max_ps(_mm512_set1_ps(-104.0f), x));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(y, n);
+}
+
+static inline __mmask16 tail_mask(int64_t left) { return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u); }
+#endif
+
 static void widen(const void *src, int64_t offset, float *dst, int64_t n, int bf16) {
     if (bf16) {
         const uint16_t *s = (const uint16_t *)src + offset;
@@ -93,33 +139,56 @@ static void narrow(const float *src, void *dst, int64_t offset, int64_t n, int b
 void duet_add_rms_norm(const void *x, int64_t x_stride, const void *residual, int64_t residual_stride,
                        const void *weight, float eps, void *out, void *residual_out, int64_t rows,
                        int64_t hidden, int bf16) {
-#pragma omp parallel for schedule(static) if (rows * hidden >= PARALLEL_MIN_ELEMENTS && rows > 1)
+    if (!bf16) { /* float32 in place: no staging copies */
+        const float *w = (const float *)weight;
+#pragma omp parallel for schedule(static) if (rows * hidden >= PARALLEL_MIN_ELEMENTS / 2 && rows > 1)
+        for (int64_t t = 0; t < rows; t++) {
+            const float *restrict xr = (const float *)x + t * x_stride;
+            float *restrict o = (float *)out + t * hidden;
+            const float *src = xr;
+            float sum = 0.0f;
+            if (residual) {
+                const float *restrict rr = (const float *)residual + t * residual_stride;
+                float *restrict ro = (float *)residual_out + t * hidden;
+#pragma omp simd reduction(+ : sum)
+                for (int64_t i = 0; i < hidden; i++) {
+                    float v = xr[i] + rr[i];
+                    ro[i] = v;
+                    sum += v * v;
+                }
+                src = ro;
+            } else {
+#pragma omp simd reduction(+ : sum)
+                for (int64_t i = 0; i < hidden; i++) sum += xr[i] * xr[i];
+            }
+            float inv = 1.0f / sqrtf(sum / (float)hidden + eps);
+            for (int64_t i = 0; i < hidden; i++) o[i] = src[i] * inv * w[i];
+        }
+        return;
+    }
+    float *w = malloc(sizeof(float) * hidden); /* the weight widened once, not per row */
+    widen(weight, 0, w, hidden, 1);
+#pragma omp parallel for schedule(static) if (rows * hidden >= PARALLEL_MIN_ELEMENTS / 2 && rows > 1)
     for (int64_t t = 0; t < rows; t++) {
-        float stack_r[MAX_HIDDEN_ON_STACK], stack_w[MAX_HIDDEN_ON_STACK], stack_y[MAX_HIDDEN_ON_STACK];
+        float stack_r[MAX_HIDDEN_ON_STACK], stack_y[MAX_HIDDEN_ON_STACK];
         int heap = hidden > MAX_HIDDEN_ON_STACK;
-        float *r = heap ? malloc(sizeof(float) * 3 * hidden) : stack_r;
-        float *w = heap ? r + hidden : stack_w, *y = heap ? r + 2 * hidden : stack_y;
-        widen(x, t * x_stride, r, hidden, bf16);
-        widen(weight, 0, w, hidden, bf16);
+        float *r = heap ? malloc(sizeof(float) * 2 * hidden) : stack_r;
+        float *y = heap ? r + hidden : stack_y;
+        widen(x, t * x_stride, r, hidden, 1);
         if (residual) {
-            widen(residual, t * residual_stride, y, hidden, bf16);
-            if (bf16)
-                for (int64_t i = 0; i < hidden; i++) r[i] = round_bf16(r[i] + y[i]);
-            else
-                for (int64_t i = 0; i < hidden; i++) r[i] = r[i] + y[i];
-            narrow(r, residual_out, t * hidden, hidden, bf16);
+            widen(residual, t * residual_stride, y, hidden, 1);
+            for (int64_t i = 0; i < hidden; i++) r[i] = round_bf16(r[i] + y[i]);
+            narrow(r, residual_out, t * hidden, hidden, 1);
         }
         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t i = 0; i < hidden; i++) sum += r[i] * r[i];
         float inv = 1.0f / sqrtf(sum / (float)hidden + eps);
-        if (bf16)
-            for (int64_t i = 0; i < hidden; i++) y[i] = w[i] * round_bf16(r[i] * inv);
-        else
-            for (int64_t i = 0; i < hidden; i++) y[i] = r[i] * inv * w[i];
-        narrow(y, out, t * hidden, hidden, bf16);
+        for (int64_t i = 0; i < hidden; i++) y[i] = w[i] * round_bf16(r[i] * inv);
+        narrow(y, out, t * hidden, hidden, 1);
         if (heap) free(r);
     }
+    free(w);
 }
 
 /* ---- SwiGLU: out = silu(gate) * up, gate_up [T, 2I] (row stride gu_stride) -> out [T, I] -------------
@@ -127,6 +196,28 @@ void duet_add_rms_norm(const void *x, int64_t x_stride, const void *residual, in
 void duet_silu_and_mul(const void *gate_up, int64_t gu_stride, void *out, int64_t rows, int64_t inter, int bf16) {
 #pragma omp parallel for schedule(static) if (rows * inter >= PARALLEL_MIN_ELEMENTS && rows > 1)
     for (int64_t t = 0; t < rows; t++) {
+#ifdef DUET_AVX512
+        const __m512 one = _mm512_set1_ps(1.0f);
+        if (bf16) {
+            const uint16_t *g = (const uint16_t *)gate_up + t * gu_stride, *u = g + inter;
+            uint16_t *o = (uint16_t *)out + t * inter;
+            for (int64_t i = 0; i < inter; i += 16) {
+                __mmask16 keep = tail_mask(inter - i);
+                __m512 gv = load_bf16x16(g + i, keep);
+                __m512 sv = round_bf16x16(_mm512_div_ps(gv, _mm512_add_ps(one, exp_f32x16(_mm512_sub_ps(_mm512_setzero_ps(), gv)))));
+                _mm256_mask_storeu_epi16(o + i, keep, f32x16_to_bf16(_mm512_mul_ps(sv, load_bf16x16(u + i, keep))));
+            }
+        } else {
+            const float *g = (const float *)gate_up + t * gu_stride, *u = g + inter;
+            float *o = (float *)out + t * inter;
+            for (int64_t i = 0; i < inter; i += 16) {
+                __mmask16 keep = tail_mask(inter - i);
+                __m512 gv = _mm512_maskz_loadu_ps(keep, g + i);
+                __m512 sv = _mm512_div_ps(gv, _mm512_add_ps(one, exp_f32x16(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+                _mm512_mask_storeu_ps(o + i, keep, _mm512_mul_ps(sv, _mm512_maskz_loadu_ps(keep, u + i)));
+            }
+        }
+#else
         if (bf16) {
             const uint16_t *g = (const uint16_t *)gate_up + t * gu_stride, *u = g + inter;
             uint16_t *o = (uint16_t *)out + t * inter;
@@ -140,6 +231,7 @@ void duet_silu_and_mul(const void *gate_up, int64_t gu_stride, void *out, int64_
             float *o = (float *)out + t * inter;
             for (int64_t i = 0; i < inter; i++) o[i] = g[i] / (1.0f + exp_f32(-g[i])) * u[i];
         }
+#endif
     }
 }
 
@@ -149,24 +241,32 @@ void duet_silu_and_mul(const void *gate_up, int64_t gu_stride, void *out, int64_
 void duet_rotary(const void *x, int64_t x_st, int64_t x_sh, const void *cos_t, const void *sin_t, void *out,
                  int64_t tokens, int64_t heads, int64_t head_dim, int bf16) {
     int64_t half = head_dim / 2;
+    if (!bf16) { /* float32 in place: no staging copies */
+#pragma omp parallel for schedule(static) if (tokens * heads * head_dim >= PARALLEL_MIN_ELEMENTS && tokens > 1)
+        for (int64_t t = 0; t < tokens; t++) {
+            const float *restrict c = (const float *)cos_t + t * head_dim, *restrict s = (const float *)sin_t + t * head_dim;
+            for (int64_t h = 0; h < heads; h++) {
+                const float *restrict v = (const float *)x + t * x_st + h * x_sh;
+                float *restrict o = (float *)out + (t * heads + h) * head_dim;
+                for (int64_t i = 0; i < half; i++) o[i] = v[i] * c[i] + -v[i + half] * s[i];
+                for (int64_t i = half; i < head_dim; i++) o[i] = v[i] * c[i] + v[i - half] * s[i];
+            }
+        }
+        return;
+    }
 #pragma omp parallel for schedule(static) if (tokens * heads * head_dim >= PARALLEL_MIN_ELEMENTS && tokens > 1)
     for (int64_t t = 0; t < tokens; t++) {
         float c[512], s[512], v[512], o[512];
         if (head_dim > 512) abort(); /* the wrapper checks */
-        widen(cos_t, t * head_dim, c, head_dim, bf16);
-        widen(sin_t, t * head_dim, s, head_dim, bf16);
+        widen(cos_t, t * head_dim, c, head_dim, 1);
+        widen(sin_t, t * head_dim, s, head_dim, 1);
         for (int64_t h = 0; h < heads; h++) {
-            widen(x, t * x_st + h * x_sh, v, head_dim, bf16);
-            if (bf16) {
-                for (int64_t i = 0; i < half; i++)
-                    o[i] = round_bf16(round_bf16(v[i] * c[i]) + round_bf16(-v[i + half] * s[i]));
-                for (int64_t i = half; i < head_dim; i++)
-                    o[i] = round_bf16(round_bf16(v[i] * c[i]) + round_bf16(v[i - half] * s[i]));
-            } else {
-                for (int64_t i = 0; i < half; i++) o[i] = v[i] * c[i] + -v[i + half] * s[i];
-                for (int64_t i = half; i < head_dim; i++) o[i] = v[i] * c[i] + v[i - half] * s[i];
-            }
-            narrow(o, out, (t * heads + h) * head_dim, head_dim, bf16);
+            widen(x, t * x_st + h * x_sh, v, head_dim, 1);
+            for (int64_t i = 0; i < half; i++)
+                o[i] = round_bf16(round_bf16(v[i] * c[i]) + round_bf16(-v[i + half] * s[i]));
+            for (int64_t i = half; i < head_dim; i++)
+                o[i] = round_bf16(round_bf16(v[i] * c[i]) + round_bf16(v[i - half] * s[i]));
+            narrow(o, out, (t * heads + h) * head_dim, head_dim, 1);
         }
     }
 }
@@ -175,11 +275,167 @@ void duet_rotary(const void *x, int64_t x_st, int64_t x_sh, const void *cos_t, c
  * q [B, heads, D] (strides q_sb, q_sh; unit last); k_cache/v_cache [kv_heads, num_blocks, block_size, D]
  * contiguous; block_ids [B * width] int64 (each sequence's table, padded); mask [B, width * block_size]
  * float32, 0 over the context and -inf past it (a row's context length is its count of zeros);
- * out [B, heads, D] contiguous. Query head j reads kv head j / (heads / kv_heads). Scores, softmax and the
- * weighted sum are float32 throughout (FMA); bf16 rounds only the output. One task per (sequence, kv
- * head): its query heads share each K/V row read. */
+ * out [B, heads, D] contiguous. Query head j reads kv head j / (heads / kv_heads).
+ *
+ * One task per (sequence, kv head): its `group` query heads share each K/V row read. The context is
+ * walked in tiles of at most ATTN_TILE tokens, each within one cache block (rows contiguous in memory):
+ *
+ *     scores[j][i] = (scale · q_j) · k_i             group x n   (AVX-512: 4 heads share each K load)
+ *     online softmax per head j: m_j = running max, l_j = running Σ exp(s - m_j), acc_j rescaled
+ *     acc_j += Σ_i exp(scores[j][i] - m_j) · v_i     (AVX-512: 4 heads share each V load)
+ *
+ * and out_j = acc_j / l_j. float32 throughout (FMA); bf16 caches are widened a tile at a time and only
+ * the output is rounded. */
 #define MAX_GROUP 64
 #define MAX_HEAD_DIM 512
+#define ATTN_TILE 32
+
+#ifdef DUET_AVX512
+/* r[i] = the sum of v[i]'s 16 lanes, for 16 vectors at once: a transposing tree of 15 add + 30 shuffle ops,
+ * where 16 separate horizontal sums would take ~130. */
+static inline __m512 sum_lanes_x16(const __m512 v[16]) {
+    __m512 pairs[8], quads[4], octs[2];
+    for (int i = 0; i < 8; i++) /* per 128-bit lane: [v2i, v2i+1, v2i, v2i+1] partials */
+        pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) /* per 128-bit lane: [v4i .. v4i+3] partials */
+        quads[i] = _mm512_add_ps(_mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], 0x44),
+                                 _mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], 0xEE));
+    for (int i = 0; i < 2; i++) /* lanes [A0+A1, A2+A3, B0+B1, B2+B3] for quads A, B */
+        octs[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0x88),
+                                _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(octs[0], octs[1], 0x88), _mm512_shuffle_f32x4(octs[0], octs[1], 0xDD));
+}
+
+/* scores[i] = q · k_i for i < n <= 16, one query head: 16 accumulators, no horizontal sum per token. Rows
+ * past n repeat row n - 1 (never past the tile) and their lanes are not stored. */
+static inline void tile_scores_x16(const float *q, const float *k, int64_t n, int64_t head_dim, float *scores) {
+    __m512 acc[16];
+    const float *rows[16];
+    for (int i = 0; i < 16; i++) {
+        acc[i] = _mm512_setzero_ps();
+        rows[i] = k + (i < n ? i : n - 1) * head_dim;
+    }
+    for (int64_t d = 0; d < head_dim; d += 16) {
+        __m512 qv = _mm512_loadu_ps(q + d);
+        for (int i = 0; i < 16; i++) acc[i] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(rows[i] + d), acc[i]);
+    }
+    _mm512_mask_storeu_ps(scores, tail_mask(n), sum_lanes_x16(acc));
+}
+
+/* acc[h] += Σ_i probs[h][i] · v_i for `nh` (1..4, a constant after inlining) heads over 64 dims at d: 16
+ * independent FMA chains, each V load feeding nh of them. */
+static inline __attribute__((always_inline)) void tile_accumulate_x64(const float *probs, int nh, const float *v,
+                                                                      int64_t n, int64_t head_dim, float *acc) {
+    __m512 a[4][4];
+    for (int h = 0; h < nh; h++)
+        for (int c = 0; c < 4; c++) a[h][c] = _mm512_loadu_ps(acc + h * head_dim + 16 * c);
+    for (int64_t i = 0; i < n; i++) {
+        const float *vr = v + i * head_dim;
+        __m512 vv[4] = {_mm512_loadu_ps(vr), _mm512_loadu_ps(vr + 16), _mm512_loadu_ps(vr + 32),
+                        _mm512_loadu_ps(vr + 48)};
+        for (int h = 0; h < nh; h++) {
+            __m512 p = _mm512_set1_ps(probs[h * ATTN_TILE + i]);
+            for (int c = 0; c < 4; c++) a[h][c] = _mm512_fmadd_ps(p, vv[c], a[h][c]);
+        }
+    }
+    for (int h = 0; h < nh; h++)
+        for (int c = 0; c < 4; c++) _mm512_storeu_ps(acc + h * head_dim + 16 * c, a[h][c]);
+}
+#endif
+
+static void attention_tile_scores(const float *q, int64_t group, const float *k, int64_t n, int64_t head_dim,
+                                  float *scores) {
+#ifdef DUET_AVX512
+    if (head_dim % 16 == 0) {
+        for (int64_t j = 0; j < group; j++)
+            for (int64_t i = 0; i < n; i += 16)
+                tile_scores_x16(q + j * head_dim, k + i * head_dim, n - i < 16 ? n - i : 16, head_dim,
+                                scores + j * ATTN_TILE + i);
+        return;
+    }
+#endif
+    for (int64_t j = 0; j < group; j++) {
+        const float *qj = q + j * head_dim;
+        for (int64_t i = 0; i < n; i++) {
+            const float *kr = k + i * head_dim;
+            float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < head_dim; d++) dot = fmaf(qj[d], kr[d], dot);
+            scores[j * ATTN_TILE + i] = dot;
+        }
+    }
+}
+
+static void attention_tile_accumulate(const float *probs, int64_t group, const float *v, int64_t n,
+                                      int64_t head_dim, float *acc) {
+#ifdef DUET_AVX512
+    if (head_dim % 64 == 0) {
+        for (int64_t j = 0; j < group; j += 4)
+            for (int64_t d = 0; d < head_dim; d += 64) {
+                const float *pj = probs + j * ATTN_TILE;
+                float *aj = acc + j * head_dim + d;
+                switch (group - j) {
+                case 1: tile_accumulate_x64(pj, 1, v + d, n, head_dim, aj); break;
+                case 2: tile_accumulate_x64(pj, 2, v + d, n, head_dim, aj); break;
+                case 3: tile_accumulate_x64(pj, 3, v + d, n, head_dim, aj); break;
+                default: tile_accumulate_x64(pj, 4, v + d, n, head_dim, aj); break;
+                }
+            }
+        return;
+    }
+#endif
+    for (int64_t j = 0; j < group; j++) {
+        float *a = acc + j * head_dim;
+        for (int64_t i = 0; i < n; i++) {
+            float p = probs[j * ATTN_TILE + i];
+            const float *vr = v + i * head_dim;
+            for (int64_t d = 0; d < head_dim; d++) a[d] = fmaf(p, vr[d], a[d]);
+        }
+    }
+}
+
+/* One tile's online-softmax update for head j: scores s[0..n) become exp(s - m_new) in place; returns
+ * alpha = exp(m_old - m_new), the factor for what was accumulated before (0 on the first tile). */
+static inline float softmax_tile(float *s, int64_t n, float *m, float *l) {
+    float tile_max = -INFINITY, total = 0.0f;
+#ifdef DUET_AVX512
+    for (int64_t i = 0; i < n; i += 16) {
+        __mmask16 keep = tail_mask(n - i);
+        float part = _mm512_mask_reduce_max_ps(keep, _mm512_maskz_loadu_ps(keep, s + i));
+        tile_max = part > tile_max ? part : tile_max;
+    }
+#else
+    for (int64_t i = 0; i < n; i++) tile_max = s[i] > tile_max ? s[i] : tile_max;
+#endif
+    float m_new = tile_max > *m ? tile_max : *m;
+#ifdef DUET_AVX512
+    for (int64_t i = 0; i < n; i += 16) {
+        __mmask16 keep = tail_mask(n - i);
+        __m512 e = exp_f32x16(_mm512_sub_ps(_mm512_maskz_loadu_ps(keep, s + i), _mm512_set1_ps(m_new)));
+        _mm512_mask_storeu_ps(s + i, keep, e);
+        total += _mm512_mask_reduce_add_ps(keep, e);
+    }
+#else
+    for (int64_t i = 0; i < n; i++) s[i] = exp_f32(s[i] - m_new);
+#pragma omp simd reduction(+ : total)
+    for (int64_t i = 0; i < n; i++) total += s[i];
+#endif
+    float alpha = exp_f32(*m - m_new);
+    *l = *l * alpha + total;
+    *m = m_new;
+    return alpha;
+}
+
+/* The tile that starts at context token `start`: returns its token count (within one cache block, at most
+ * ATTN_TILE, not past len) and sets *row to the cache offset, in elements, of its first token's K (and V). */
+static inline int64_t attention_tile(const int64_t *table, int64_t start, int64_t len, int64_t kvh, int64_t num_blocks,
+                                     int64_t block_size, int64_t head_dim, int64_t *row) {
+    int64_t offset = start % block_size, n = block_size - offset;
+    n = n < ATTN_TILE ? n : ATTN_TILE;
+    n = n < len - start ? n : len - start;
+    *row = ((kvh * num_blocks + table[start / block_size]) * block_size + offset) * head_dim;
+    return n;
+}
 
 void duet_decode_attention(const void *q, int64_t q_sb, int64_t q_sh, const void *k_cache, const void *v_cache,
                            const int64_t *block_ids, const float *mask, void *out, int64_t batch, int64_t heads,
@@ -188,52 +444,55 @@ void duet_decode_attention(const void *q, int64_t q_sb, int64_t q_sh, const void
     int64_t group = heads / kv_heads;
     int64_t max_len = width * block_size;
     if (group > MAX_GROUP || head_dim > MAX_HEAD_DIM) abort(); /* the wrapper checks */
-#pragma omp parallel for schedule(dynamic, 1) if (batch * kv_heads > 1)
-    for (int64_t task = 0; task < batch * kv_heads; task++) {
-        int64_t b = task / kv_heads, kvh = task % kv_heads;
-        int64_t len = 0;
-        for (int64_t t = 0; t < max_len; t++) len += mask[b * max_len + t] == 0.0f;
-        float row[MAX_HEAD_DIM];
-        float *qf = malloc(sizeof(float) * (2 * group * head_dim + group * (len > 0 ? len : 1)));
+#pragma omp parallel if (batch * kv_heads > 1)
+    {
+        /* per thread: scaled queries, accumulators, one tile's scores, and (bf16) the widened K and V tile */
+        float *qf = malloc(sizeof(float) * (2 * group * head_dim + group * ATTN_TILE +
+                                            (bf16 ? 2 * ATTN_TILE * head_dim : 0)));
         float *acc = qf + group * head_dim, *scores = acc + group * head_dim;
-        for (int64_t j = 0; j < group; j++) {
-            widen(q, b * q_sb + (kvh * group + j) * q_sh, qf + j * head_dim, head_dim, bf16);
-            for (int64_t d = 0; d < head_dim; d++) qf[j * head_dim + d] *= scale;
-        }
-        for (int64_t t = 0; t < len; t++) {
-            int64_t at = ((kvh * num_blocks + block_ids[b * width + t / block_size]) * block_size + t % block_size) *
-                         head_dim;
-            widen(k_cache, at, row, head_dim, bf16);
+        float *k_wide = scores + group * ATTN_TILE, *v_wide = k_wide + ATTN_TILE * head_dim;
+        float m[MAX_GROUP], l[MAX_GROUP];
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < batch * kv_heads; task++) {
+            int64_t b = task / kv_heads, kvh = task % kv_heads;
+            int64_t len = 0;
+            for (int64_t t = 0; t < max_len; t++) len += mask[b * max_len + t] == 0.0f;
             for (int64_t j = 0; j < group; j++) {
-                const float *qj = qf + j * head_dim;
-                float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                for (int64_t d = 0; d < head_dim; d++) dot = fmaf(qj[d], row[d], dot);
-                scores[j * len + t] = dot;
+                widen(q, b * q_sb + (kvh * group + j) * q_sh, qf + j * head_dim, head_dim, bf16);
+                for (int64_t d = 0; d < head_dim; d++) qf[j * head_dim + d] *= scale;
+                m[j] = -INFINITY;
+                l[j] = 0.0f;
             }
-        }
-        for (int64_t j = 0; j < group; j++) {
-            float *s = scores + j * len;
-            float m = -INFINITY, total = 0.0f;
-            for (int64_t t = 0; t < len; t++) m = s[t] > m ? s[t] : m;
-            for (int64_t t = 0; t < len; t++) s[t] = exp_f32(s[t] - m);
-            for (int64_t t = 0; t < len; t++) total += s[t];
-            float norm = len > 0 ? 1.0f / total : 0.0f;
-            for (int64_t t = 0; t < len; t++) s[t] *= norm;
-        }
-        for (int64_t i = 0; i < group * head_dim; i++) acc[i] = 0.0f;
-        for (int64_t t = 0; t < len; t++) {
-            int64_t at = ((kvh * num_blocks + block_ids[b * width + t / block_size]) * block_size + t % block_size) *
-                         head_dim;
-            widen(v_cache, at, row, head_dim, bf16);
+            for (int64_t i = 0; i < group * head_dim; i++) acc[i] = 0.0f;
+            const int64_t *table = block_ids + b * width;
+            int64_t row;
+            for (int64_t start = 0, n; start < len; start += n) {
+                n = attention_tile(table, start, len, kvh, num_blocks, block_size, head_dim, &row);
+                const float *k, *v;
+                if (bf16) {
+                    widen(k_cache, row, k_wide, n * head_dim, 1);
+                    widen(v_cache, row, v_wide, n * head_dim, 1);
+                    k = k_wide;
+                    v = v_wide;
+                } else {
+                    k = (const float *)k_cache + row;
+                    v = (const float *)v_cache + row;
+                }
+                attention_tile_scores(qf, group, k, n, head_dim, scores);
+                for (int64_t j = 0; j < group; j++) {
+                    float alpha = softmax_tile(scores + j * ATTN_TILE, n, &m[j], &l[j]);
+                    if (alpha != 1.0f)
+                        for (int64_t d = 0; d < head_dim; d++) acc[j * head_dim + d] *= alpha;
+                }
+                attention_tile_accumulate(scores, group, v, n, head_dim, acc);
+            }
             for (int64_t j = 0; j < group; j++) {
-                float p = scores[j * len + t];
+                float norm = l[j] > 0.0f ? 1.0f / l[j] : 0.0f; /* an empty context writes zeros */
                 float *a = acc + j * head_dim;
-                for (int64_t d = 0; d < head_dim; d++) a[d] = fmaf(p, row[d], a[d]);
+                for (int64_t d = 0; d < head_dim; d++) a[d] *= norm;
+                narrow(a, out, (b * heads + kvh * group + j) * head_dim, head_dim, bf16);
             }
         }
-        for (int64_t j = 0; j < group; j++)
-            narrow(acc + j * head_dim, out, (b * heads + kvh * group + j) * head_dim, head_dim, bf16);
         free(qf);
     }
 }

@@ -6,7 +6,8 @@
 One decode step = the model forward of `--batch` single-token sequences, each with `--context` cached tokens,
 plus the lm_head (`compute_logits`); no scheduler, no sampling. Every linear (FastLinear, engine/linear_fast.py,
 or a plain nn.Linear where none applies), every C kernel wrapper (engine/kernels/cpu_native.py, `*_native`)
-and the KV write are wrapped with a timer for the life of this process (engine/ is not modified); the table
+and the torch KV write (`write_kv`: with the C kernels the KV store rides in `rotary_store_kv_native`) are
+wrapped with a timer for the life of this process (engine/ is not modified); the table
 gives ms per step, averaged over `--steps` after `--warmup`. "forward" and "logits" contain the GEMMs they
 call; whatever the named rows do not cover is Python and torch glue. A profile, not a comparison: the peer
 comparison is offline_throughput.py, whose RESULTS section cites this split.

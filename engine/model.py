@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionMetadata, paged_attention
+from engine.attention import AttentionMetadata, paged_attention, rotate_and_store_kv
 from engine.config import ModelConfig
-from engine.kernels import apply_rotary, fused_add_rms_norm, rms_norm, silu_and_mul
+from engine.kernels import fused_add_rms_norm, rms_norm, silu_and_mul
 from engine.rope import RotaryEmbedding
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -50,10 +50,11 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        # q and k heads sit side by side and share each token's angle: rotate them in one go
-        qk = apply_rotary(qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
+        # q and k heads sit side by side and share each token's angle: rotate them in one go; K and V go to the cache
+        qk = rotate_and_store_kv(qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim), v, cos, sin,
+                                 kv_cache[0], kv_cache[1], meta.slot_mapping)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out.flatten(1))
 

@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine.attention import write_kv
 from engine.kernels import cpu_native
 from engine.kernels.activation import silu_and_mul_torch
 from engine.kernels.decode_attention import decode_attention_torch
@@ -118,6 +119,38 @@ def test_rotary_is_the_twin_bit_for_bit(dtype, tokens):
     qk = qkv[:, : heads + kv_heads]  # as the model passes it: a strided view of the projection
     got = cpu_native.rotary_native(qk, cos, sin)
     assert torch.equal(got, apply_rotary(qk, cos, sin))
+
+
+@pytest.mark.usefixtures("kernels")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 3, 64])
+def test_rotary_store_kv_is_rotary_then_write_kv(dtype, tokens):
+    """The fused call gives apply_rotary's qk bit for bit and leaves the caches exactly as write_kv does."""
+    heads, kv_heads, head_dim, block_size, num_blocks = 14, 2, 64, 16, 9
+    g = torch.Generator().manual_seed(tokens)
+    cos, sin = RotaryEmbedding(head_dim, 4096, theta=1e6, scaling={}).cos_sin(torch.randint(0, 4096, (tokens,)), dtype)
+    qkv = strided_rows(tokens, (heads + 2 * kv_heads) * head_dim, dtype, 6).view(tokens, -1, head_dim)
+    qk, v = qkv[:, : heads + kv_heads], qkv[:, heads + kv_heads :]  # strided views, as the model passes them
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:tokens]
+    k_cache, v_cache = (torch.randn(kv_heads, num_blocks, block_size, head_dim, generator=g).to(dtype) for _ in "kv")
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    want = apply_rotary(qk, cos, sin)
+    write_kv(want[:, heads:], v, want_k, want_v, slots)
+    got = cpu_native.rotary_store_kv_native(qk, v, cos, sin, k_cache, v_cache, slots)
+    assert torch.equal(got, want)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+
+def test_rotary_store_kv_refuses_a_slot_outside_the_cache():
+    heads, kv_heads, head_dim = 4, 2, 32
+    x, v = torch.randn(2, heads, head_dim), torch.randn(2, kv_heads, head_dim)
+    cos, sin = torch.ones(2, head_dim), torch.zeros(2, head_dim)
+    k_cache, v_cache = torch.zeros(kv_heads, 3, 16, head_dim), torch.zeros(kv_heads, 3, 16, head_dim)
+    with pytest.raises(ValueError, match=r"slot_mapping\[1\] = 48 is invalid: must be in \[0, 48\)"):
+        cpu_native.rotary_store_kv_native(x, v, cos, sin, k_cache, v_cache, torch.tensor([5, 48]))
+    with pytest.raises(ValueError, match=r"slot_mapping\[0\] = -1 is invalid"):
+        cpu_native.rotary_store_kv_native(x, v, cos, sin, k_cache, v_cache, torch.tensor([-1, 0]))
+    assert not k_cache.any() and not v_cache.any()  # nothing stored
 
 
 def paged_decode_case(rng: random.Random, dtype, lens: list[int], group: int, kv_heads: int, head_dim: int,

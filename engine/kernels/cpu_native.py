@@ -100,10 +100,12 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "duet_rotary": [p, i64, i64, p, p, p, i64, i64, i64, i32],
         "duet_decode_attention": [p, i64, i64, p, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, f32, i32],
         "duet_gemv_bf16": [p, p, p, p, i64, i64],
+        "duet_rotary_store_kv": [p, i64, i64, p, p, p, p, i64, p, p, p, i64, i64, i64, i64, i64, i32],
     }
+    returns = {"duet_rotary_store_kv": i64}
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
-        fn.argtypes, fn.restype = argtypes, None
+        fn.argtypes, fn.restype = argtypes, returns.get(name)
     return lib
 
 
@@ -191,6 +193,41 @@ def rotary_native(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
     out = torch.empty((tokens, heads, head_dim), dtype=x.dtype)
     lib.duet_rotary(x.data_ptr(), x.stride(0), x.stride(1), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), tokens,
                     heads, head_dim, _bf16(x))
+    return out
+
+
+def rotary_store_kv_native(
+    x: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+    v_cache: torch.Tensor, slots: torch.Tensor
+) -> torch.Tensor:
+    """`rotary_native(x, cos, sin)`, and the step's K (x's last kv_heads heads, rotated) and V ([T, kv_heads,
+    head_dim]) stored at `slots` [T] of the caches [kv_heads, num_blocks, block_size, head_dim], as write_kv."""
+    lib = native_library()
+    tokens, heads, head_dim = x.shape
+    kv_heads = k_cache.shape[0]
+    if head_dim % 2 or head_dim > MAX_HEAD_DIM or kv_heads > heads:
+        raise ValueError(f"rotary_store_kv: head_dim {head_dim} / kv_heads {kv_heads} of {heads} heads is invalid: "
+                         f"head_dim must be even and <= {MAX_HEAD_DIM}")
+    same_dtype = k_cache.dtype == v_cache.dtype == v.dtype == x.dtype
+    if not (same_dtype and k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError(f"rotary_store_kv: caches {k_cache.dtype}/{v_cache.dtype} and v {v.dtype} must be x's dtype "
+                         f"{x.dtype}, the caches contiguous")
+    if v.shape != (tokens, kv_heads, head_dim) or k_cache.shape[-1] != head_dim:
+        raise ValueError(f"rotary_store_kv: v {tuple(v.shape)} / cache {tuple(k_cache.shape)} do not fit x "
+                         f"{tuple(x.shape)} with {kv_heads} kv heads")
+    x = _unit_last(x)
+    if v.stride(2) != 1 or v.stride(1) != head_dim:
+        v = v.contiguous()
+    cos = cos.to(x.dtype).reshape(tokens, head_dim).contiguous()
+    sin = sin.to(x.dtype).reshape(tokens, head_dim).contiguous()
+    slots = slots.to(torch.int64).contiguous()
+    num_slots = k_cache.numel() // (kv_heads * head_dim)
+    out = torch.empty((tokens, heads, head_dim), dtype=x.dtype)
+    bad = lib.duet_rotary_store_kv(x.data_ptr(), x.stride(0), x.stride(1), cos.data_ptr(), sin.data_ptr(),
+                                   out.data_ptr(), v.data_ptr(), v.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                                   slots.data_ptr(), num_slots, tokens, heads, kv_heads, head_dim, _bf16(x))
+    if bad:
+        raise ValueError(f"slot_mapping[{bad - 1}] = {int(slots[bad - 1])} is invalid: must be in [0, {num_slots})")
     return out
 
 

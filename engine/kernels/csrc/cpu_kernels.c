@@ -26,6 +26,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #define PARALLEL_MIN_ELEMENTS 32768 /* as torch's grain size for elementwise ops */
 #define MAX_HIDDEN_ON_STACK 8192
@@ -269,6 +270,29 @@ void duet_rotary(const void *x, int64_t x_st, int64_t x_sh, const void *cos_t, c
             narrow(o, out, (t * heads + h) * head_dim, head_dim, 1);
         }
     }
+}
+
+/* ---- Rotary, then the step's K and V stored in the paged cache: the two in one call --------------------
+ * x [T, heads, D] as duet_rotary, whose last kv_heads heads are K; v [T, kv_heads, D] (row stride v_st,
+ * head stride D); out as duet_rotary; k_cache/v_cache [kv_heads, num_slots, D] contiguous (slot =
+ * block * block_size + offset, the cache's head-major layout) receive each token's rotated K and its V at
+ * slots[t]. Returns 0, or 1 + the index of the first slot outside [0, num_slots) (nothing is stored then). */
+int64_t duet_rotary_store_kv(const void *x, int64_t x_st, int64_t x_sh, const void *cos_t, const void *sin_t,
+                             void *out, const void *v, int64_t v_st, void *k_cache, void *v_cache,
+                             const int64_t *slots, int64_t num_slots, int64_t tokens, int64_t heads,
+                             int64_t kv_heads, int64_t head_dim, int bf16) {
+    for (int64_t t = 0; t < tokens; t++)
+        if (slots[t] < 0 || slots[t] >= num_slots) return 1 + t;
+    duet_rotary(x, x_st, x_sh, cos_t, sin_t, out, tokens, heads, head_dim, bf16);
+    size_t elem = bf16 ? 2 : 4, row_bytes = (size_t)head_dim * elem;
+    for (int64_t t = 0; t < tokens; t++)
+        for (int64_t h = 0; h < kv_heads; h++) {
+            size_t at = ((size_t)h * num_slots + slots[t]) * row_bytes;
+            memcpy((char *)k_cache + at, (const char *)out + ((t * heads + heads - kv_heads + h) * head_dim) * elem,
+                   row_bytes);
+            memcpy((char *)v_cache + at, (const char *)v + (t * v_st + h * head_dim) * elem, row_bytes);
+        }
+    return 0;
 }
 
 /* ---- Paged decode attention: one query token per sequence over its cached context -------------------

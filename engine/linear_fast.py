@@ -7,11 +7,11 @@ Two named tricks, each a few percent of code and each measured in benchmarks/RES
   `pack_weight` reorders a weight once into oneDNN's blocked layout (what vLLM's CPU backend and
   inductor's weight freezing do): 1.3-2.4x faster GEMMs at 8-64 rows. A packed call has ~40 us of fixed
   overhead, so only weights of at least MIN_PACKED_BYTES are packed (small models stay plain).
-- **Single rows read the plain fp32 weight** (`one_row`): at one row a GEMM is a GEMV that streams the
-  weight once from DRAM, and MKL's GEMV on the plain [out, in] weight does that at ~20 GB/s while the
-  packed call reaches ~18: all of qwen05b's GEMMs at one row, 2 threads, 97 vs 110 ms. So an fp32 packed
-  layer keeps its original weight as well (2x its weight memory); a tied lm_head's plain weight is the
-  embedding table, which exists anyway.
+- **A few fp32 rows read the plain weight** (`few_rows`): at 1-3 rows a GEMM streams the weight once from
+  DRAM, and MKL on the plain [out, in] weight does that at ~18-22 GB/s while the packed call reaches
+  ~12-18 (qwen05b's shapes, 2 threads; all its GEMMs at one row: 97 vs 110 ms). From 4 rows MKL's plain
+  GEMM halves its speed and packed wins. So an fp32 packed layer keeps its original weight as well (2x its
+  weight memory); a tied lm_head's plain weight is the embedding table, which exists anyway.
 - **fp32 math for bf16 weights on CPUs without bf16 arithmetic** (no avx512_bf16 / AMX): there oneDNN
   emulates bf16 and is 2-3x slower than fp32 from 8 rows on. Multi-row GEMMs run on an exact fp32 copy
   of the weight (bf16 -> fp32 is lossless; products of bf16 values are exact in fp32, so this is a bf16
@@ -49,6 +49,8 @@ PACK_BATCH_HINT = 8
 # Packing pays for its fixed per-call overhead from about this size (qwen05b's smallest weight, o_proj,
 # is 3.2 MB in fp32; the small benchmark model's biggest is 4 MB and gains nothing).
 MIN_PACKED_BYTES = 2 * 1024**2
+# Up to this many fp32 rows MKL on the plain weight beats the packed GEMM (from 4 it drops to ~10 GB/s).
+PLAIN_MAX_ROWS = 3
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -108,9 +110,9 @@ class GemmWeight:
 class FastLinear(nn.Module):
     """Drop-in for an inference-only `nn.Linear` (input [rows, in_features]): same result up to rounding.
 
-    `pack`: the weight is packed for oneDNN; in fp32 one row still reads the plain weight, which the module
-    keeps (without copying it). `fp32_math` (bf16 weights only): inputs of more than one row are computed in
-    fp32 on an fp32 copy, one row on the bf16 weight; the output is bf16 either way.
+    `pack`: the weight is packed for oneDNN; in fp32 up to PLAIN_MAX_ROWS rows still read the plain weight,
+    which the module keeps (without copying it). `fp32_math` (bf16 weights only): inputs of more than one row
+    are computed in fp32 on an fp32 copy, one row on the bf16 weight; the output is bf16 either way.
     The module has no `weight` parameter to read back (a packed copy is opaque).
     """
 
@@ -122,21 +124,23 @@ class FastLinear(nn.Module):
             raise ValueError(f"weight {tuple(weight.shape)} {weight.dtype} on {weight.device} cannot be packed")
         self.out_features, self.in_features = weight.shape
         self.pack, self.fp32_math = pack, fp32_math
+        self.few_rows_max = 1  # rows that take `few_rows` (the bf16 GEMV takes one)
         if fp32_math:
             kind = "bf16_gemv" if native_library() is not None else "packed" if pack else "plain"
-            self.one_row: GemmWeight | None = GemmWeight.make(weight, bias, kind)
+            self.few_rows: GemmWeight | None = GemmWeight.make(weight, bias, kind)
         elif pack and weight.dtype == torch.float32:
-            self.one_row = GemmWeight.make(weight, bias, "plain")  # the GEMV: see the module docstring
+            self.few_rows = GemmWeight.make(weight, bias, "plain")  # MKL's GEMV: see the module docstring
+            self.few_rows_max = PLAIN_MAX_ROWS
         else:
-            self.one_row = None
+            self.few_rows = None
         if fp32_math:
             weight, bias = weight.float(), None if bias is None else bias.float()
         self.rows = GemmWeight.make(weight, bias, "packed" if pack else "plain")
         self.math_dtype = weight.dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.one_row is not None and x.numel() == x.shape[-1]:
-            return self.one_row(x)
+        if self.few_rows is not None and x.numel() <= self.few_rows_max * x.shape[-1]:
+            return self.few_rows(x)
         if x.dtype != self.math_dtype:
             return self.rows(x.to(self.math_dtype)).to(x.dtype)
         return self.rows(x)

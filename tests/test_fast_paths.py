@@ -91,16 +91,19 @@ def test_fast_linear_matches_f_linear_in_bf16(pack, fp32_math, rows):
 
 
 @requires_packing
-def test_fp32_single_row_reads_the_plain_weight_without_a_copy():
-    """One row is F.linear itself on the original weight (the GEMV); more rows take the packed copy."""
+def test_fp32_few_rows_read_the_plain_weight_without_a_copy():
+    """Up to PLAIN_MAX_ROWS (3) rows are F.linear itself on the original weight; more take the packed copy."""
     g = torch.Generator().manual_seed(0)
     w, b = torch.randn(1376, 512, generator=g) * 0.05, torch.randn(1376, generator=g)
     fast = FastLinear(w, b, pack=True)
-    assert fast.one_row.weight.data_ptr() == w.data_ptr() and not fast.one_row.packed
+    assert fast.few_rows.weight.data_ptr() == w.data_ptr() and not fast.few_rows.packed
     x = torch.randn(5, 512, generator=g)
-    assert torch.equal(fast(x[:1]), F.linear(x[:1], w, b))
+    for rows in (1, 2, 3):
+        assert torch.equal(fast(x[:rows]), F.linear(x[:rows], w, b))
+    assert torch.equal(fast(x[:4]), packed_linear(x[:4], fast.rows.weight, b))
     assert torch.equal(fast(x), packed_linear(x, fast.rows.weight, b))
-    assert FastLinear(w.bfloat16(), None, pack=False, fp32_math=True).one_row.weight.dtype == torch.bfloat16
+    bf16 = FastLinear(w.bfloat16(), None, pack=False, fp32_math=True)
+    assert bf16.few_rows.weight.dtype == torch.bfloat16 and bf16.few_rows_max == 1  # the bf16 GEMV: one row
 
 
 @pytest.mark.skipif(native_library() is None, reason="the C kernels could not be built here")
@@ -112,7 +115,7 @@ def test_bf16_single_row_runs_the_gemv_kernel(shape, bias):
     w = (torch.randn(shape, generator=g) * 0.05).bfloat16()
     b = torch.randn(shape[0], generator=g).bfloat16() if bias else None
     fast = FastLinear(w, b, pack=False, fp32_math=True)
-    assert fast.one_row.kind == "bf16_gemv" and fast.one_row.weight.data_ptr() == w.data_ptr()
+    assert fast.few_rows.kind == "bf16_gemv" and fast.few_rows.weight.data_ptr() == w.data_ptr()
     for x in (torch.randn(1, shape[1], generator=g).bfloat16(), torch.randn(1, 1, shape[1], generator=g).bfloat16()):
         got = fast(x)
         assert got.shape == (*x.shape[:-1], shape[0]) and got.dtype == torch.bfloat16

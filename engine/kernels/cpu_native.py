@@ -136,7 +136,7 @@ def native_library() -> ctypes.CDLL | None:
 
 def use_native(x: torch.Tensor) -> bool:
     """Whether the dispatchers run the C kernel for `x`: a CPU tensor of float32 or bfloat16, library built."""
-    return x.device.type == "cpu" and x.dtype in DTYPES and native_library() is not None
+    return x.is_cpu and x.dtype in DTYPES and (_library if _tried else native_library()) is not None
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -145,6 +145,18 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 def _unit_last(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _dense(t: torch.Tensor, dtype: torch.dtype, numel: int, name: str) -> torch.Tensor:
+    """`t` as a contiguous run of `numel` elements of `dtype`, converted or copied only where it is not one
+    already (the wrappers run ~150 times a decode step: a no-op `.to()` there costs ~10 us on a cold cache)."""
+    if t.dtype != dtype:
+        t = t.to(dtype)
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if t.numel() != numel:
+        raise ValueError(f"{name} has {t.numel()} elements: must have {numel}")
+    return t
 
 
 def _bf16(t: torch.Tensor) -> int:
@@ -159,11 +171,11 @@ def add_rms_norm_native(
     lib = native_library()
     rows, hidden = x.shape
     x = _unit_last(x)
-    weight = weight.to(x.dtype).contiguous()
+    weight = _dense(weight, x.dtype, hidden, "weight")
     out = torch.empty((rows, hidden), dtype=x.dtype)
     residual_out = None
     if residual is not None:
-        residual = _unit_last(residual.to(x.dtype))
+        residual = _unit_last(residual if residual.dtype == x.dtype else residual.to(x.dtype))
         residual_out = torch.empty((rows, hidden), dtype=x.dtype)
     lib.duet_add_rms_norm(x.data_ptr(), x.stride(0), _ptr(residual), 0 if residual is None else residual.stride(0),
                           weight.data_ptr(), eps, out.data_ptr(), _ptr(residual_out), rows, hidden, _bf16(x))
@@ -188,8 +200,7 @@ def rotary_native(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
     if head_dim % 2 or head_dim > MAX_HEAD_DIM:
         raise ValueError(f"rotary: head_dim {head_dim} is invalid: must be even and <= {MAX_HEAD_DIM}")
     x = _unit_last(x)
-    cos = cos.to(x.dtype).reshape(tokens, head_dim).contiguous()
-    sin = sin.to(x.dtype).reshape(tokens, head_dim).contiguous()
+    cos, sin = _dense(cos, x.dtype, tokens * head_dim, "cos"), _dense(sin, x.dtype, tokens * head_dim, "sin")
     out = torch.empty((tokens, heads, head_dim), dtype=x.dtype)
     lib.duet_rotary(x.data_ptr(), x.stride(0), x.stride(1), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), tokens,
                     heads, head_dim, _bf16(x))
@@ -218,9 +229,8 @@ def rotary_store_kv_native(
     x = _unit_last(x)
     if v.stride(2) != 1 or v.stride(1) != head_dim:
         v = v.contiguous()
-    cos = cos.to(x.dtype).reshape(tokens, head_dim).contiguous()
-    sin = sin.to(x.dtype).reshape(tokens, head_dim).contiguous()
-    slots = slots.to(torch.int64).contiguous()
+    cos, sin = _dense(cos, x.dtype, tokens * head_dim, "cos"), _dense(sin, x.dtype, tokens * head_dim, "sin")
+    slots = _dense(slots, torch.int64, tokens, "slot_mapping")
     num_slots = k_cache.numel() // (kv_heads * head_dim)
     out = torch.empty((tokens, heads, head_dim), dtype=x.dtype)
     bad = lib.duet_rotary_store_kv(x.data_ptr(), x.stride(0), x.stride(1), cos.data_ptr(), sin.data_ptr(),
@@ -251,11 +261,11 @@ def decode_attention_native(
         raise ValueError(f"heads={heads}, kv_heads={kv_heads}, head_dim={head_dim} is invalid: heads must be a "
                          f"multiple of kv_heads, at most {MAX_GROUP} per kv head, and head_dim <= {MAX_HEAD_DIM}")
     q = _unit_last(q)
-    block_ids = block_ids.to(torch.int64).contiguous()
-    mask = mask.to(torch.float32).contiguous()
     width = block_ids.numel() // batch
     if mask.shape != (batch, width * block_size):
         raise ValueError(f"decode mask shape {tuple(mask.shape)} is invalid: must be ({batch}, {width * block_size})")
+    block_ids = _dense(block_ids, torch.int64, batch * width, "block_ids")
+    mask = _dense(mask, torch.float32, batch * width * block_size, "decode mask")
     out = torch.empty((batch, heads, head_dim), dtype=q.dtype)
     lib.duet_decode_attention(q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
                               block_ids.data_ptr(), mask.data_ptr(), out.data_ptr(), batch, heads, kv_heads, head_dim,

@@ -10,8 +10,11 @@ At batch 1 duet's decode rate is also set against the memory-bandwidth ceiling (
 
 Fairness: one thread count for every engine (`--threads`); fresh prompts per repeat, so no engine gets a
 prefix-cache hit; each engine builds its model once and runs one untimed warm-up batch (<= 8 prompts)
-first. vLLM runs in its own venv (`setup_vllm.sh`) as a subprocess (`vllm_worker.py`), one at a time, with
-its default CPU setup (torch.compile'd model, its own thread binding, no core reserved).
+first. vLLM runs in its own venv (`setup_vllm.sh`) as a subprocess (`vllm_worker.py`) with its default CPU
+setup (torch.compile'd model, its own thread binding, no core reserved). duet's and vLLM's timed calls
+alternate, cell by cell (duet first on even repeats, vLLM first on odd ones; the idle engine waits), so a
+shared machine's drift over minutes hits both alike; `--sequential` times each engine's whole matrix in turn
+instead (the older method). HF runs after them, in this process.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bandwidth import Spread, decode_step_bytes, measure_read_bandwidth, weight_bytes_per_decode_step  # noqa: E402
 from bench_prompts import check_prompt, make_prompts, warmup_prompts  # noqa: E402
+from vllm_session import VllmSession  # noqa: E402
 
 from engine.config import ModelConfig  # noqa: E402
 
@@ -75,6 +79,7 @@ class BenchConfig:
     threads: int
     skip_hf: bool
     skip_vllm: bool
+    sequential: bool
     vllm_kv_cache_gib: int
     bandwidth_bytes: int
     markdown: str | None
@@ -115,6 +120,8 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads, the same for every engine")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--skip-vllm", action="store_true")
+    p.add_argument("--sequential", action="store_true",
+                   help="time duet's whole matrix, then vLLM's, instead of alternating their cells")
     p.add_argument("--vllm-kv-cache-gib", type=int, default=2)
     p.add_argument("--bandwidth-mib", type=int, default=1024, help="tensor size for the DRAM bandwidth probe")
     p.add_argument("--markdown", metavar="OUT", help="append a results section to this Markdown file")
@@ -133,7 +140,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         if value < 1:
             p.error(f"--{name}={value} is invalid: must be >= 1")
     return BenchConfig(models, dtypes, batches, a.repeats, a.slow_repeats, a.prompt_len, a.output_len, a.seed,
-                       a.threads, a.skip_hf, a.skip_vllm, a.vllm_kv_cache_gib, a.bandwidth_mib * 2**20,
+                       a.threads, a.skip_hf, a.skip_vllm, a.sequential, a.vllm_kv_cache_gib, a.bandwidth_mib * 2**20,
                        a.markdown, a.json_out)
 
 
@@ -159,40 +166,54 @@ def ensure_checkpoint(name: str) -> Path:
 # -- engines -------------------------------------------------------------------------------------------
 
 
-def run_duet(model_dir: Path, model: str, dtype: str, vocab: int, cfg: BenchConfig) -> EngineRun:
-    from engine import LLM, SamplingParams
+class DuetSession:
+    """duet's engine built and warmed up once; `cell` times one generate of the benchmark's prompts."""
 
-    run = EngineRun()
-    t0 = time.perf_counter()
-    llm = LLM(model_dir, dtype=dtype, max_num_seqs=max(cfg.batches), num_threads=cfg.threads,
-              max_num_batched_tokens=cfg.max_num_batched_tokens)
-    run.startup_s = time.perf_counter() - t0
-    params = SamplingParams(max_tokens=cfg.output_len, ignore_eos=True, temperature=0)
+    def __init__(self, model_dir: Path, dtype: str, vocab: int, cfg: BenchConfig):
+        from engine import LLM, SamplingParams
 
-    def timed(prompts: list[list[int]]) -> tuple[float, float]:
+        self.cfg, self.vocab = cfg, vocab
+        t0 = time.perf_counter()
+        self.llm = LLM(model_dir, dtype=dtype, max_num_seqs=max(cfg.batches),
+                       num_threads=cfg.threads, max_num_batched_tokens=cfg.max_num_batched_tokens)
+        self.startup_s = time.perf_counter() - t0
+        self.params = SamplingParams(max_tokens=cfg.output_len, ignore_eos=True, temperature=0)
+        [check] = self.llm.generate([check_prompt(cfg.seed, cfg.prompt_len, vocab)], self.params)
+        self.check_token_ids = list(check.token_ids)
+        self._timed(warmup_prompts(cfg.seed, cfg.batches, cfg.prompt_len, vocab))
+
+    def _timed(self, prompts: list[list[int]]) -> tuple[float, float]:
         """(whole call, decode after the first token) seconds; checks every prompt got output_len tokens."""
         first_s = None
         counts = []
         t0 = time.perf_counter()
-        for out in llm.generate_stream(prompts, params):
+        for out in self.llm.generate_stream(prompts, self.params):
             first_s = first_s or time.perf_counter()
             if out.finished:
                 counts.append(len(out.token_ids))
         end_s = time.perf_counter()
-        assert counts == [cfg.output_len] * len(prompts), f"duet generated {counts}, expected {cfg.output_len} each"
+        want = self.cfg.output_len
+        assert counts == [want] * len(prompts), f"duet generated {counts}, expected {want} each"
         return end_s - t0, end_s - first_s
 
-    [check] = llm.generate([check_prompt(cfg.seed, cfg.prompt_len, vocab)], params)
-    run.check_token_ids = list(check.token_ids)
-    timed(warmup_prompts(cfg.seed, cfg.batches, cfg.prompt_len, vocab))
+    def cell(self, batch: int, repeat: int) -> tuple[float, float]:
+        """(output tokens/s of the whole call, decode tokens/s after each sequence's first token)."""
+        cfg = self.cfg
+        total_s, decode_s = self._timed(make_prompts(cfg.seed, batch, repeat, cfg.prompt_len, self.vocab))
+        return batch * cfg.output_len / total_s, (cfg.output_len - 1) / decode_s
+
+
+def run_duet(model_dir: Path, model: str, dtype: str, vocab: int, cfg: BenchConfig) -> EngineRun:
+    session = DuetSession(model_dir, dtype, vocab, cfg)
+    run = EngineRun(startup_s=session.startup_s, check_token_ids=session.check_token_ids)
     for batch in cfg.batches:
         rates = run.output_tokens_per_s[batch] = []
         for repeat in range(cfg.repeats_for(model, batch)):
-            total_s, decode_s = timed(make_prompts(cfg.seed, batch, repeat, cfg.prompt_len, vocab))
-            rates.append(batch * cfg.output_len / total_s)
+            rate, decode_rate = session.cell(batch, repeat)
+            rates.append(rate)
             if batch == 1:
-                run.decode_tokens_per_s_b1.append((cfg.output_len - 1) / decode_s)
-            _progress("duet", model, dtype, batch, repeat, rates[-1])
+                run.decode_tokens_per_s_b1.append(decode_rate)
+            _progress("duet", model, dtype, batch, repeat, rate)
     return run
 
 
@@ -227,17 +248,64 @@ def run_hf(model_dir: Path, model: str, dtype: str, vocab: int, cfg: BenchConfig
     return run
 
 
-def run_vllm(model_dir: Path, model: str, dtype: str, cfg: BenchConfig) -> EngineRun:
-    python = VLLM_VENV / "bin" / "python"
-    if not python.exists():
-        return EngineRun(error=f"no vLLM venv at {VLLM_VENV}: run benchmarks/setup_vllm.sh")
-    cmd = [str(python), str(WORKER), "--model", str(model_dir), "--dtype", dtype,
+def vllm_command(model_dir: Path, model: str, dtype: str, cfg: BenchConfig, serve: bool) -> list[str]:
+    cmd = [str(VLLM_VENV / "bin" / "python"), str(WORKER), "--model", str(model_dir), "--dtype", dtype,
            "--batches", ",".join(map(str, cfg.batches)),
            "--repeats", ",".join(str(cfg.repeats_for(model, b)) for b in cfg.batches),
            "--prompt-len", str(cfg.prompt_len), "--output-len", str(cfg.output_len), "--seed", str(cfg.seed),
            "--max-num-batched-tokens", str(cfg.max_num_batched_tokens), "--kv-cache-gib", str(cfg.vllm_kv_cache_gib),
            "--threads", str(cfg.threads)]
+    if serve:
+        cmd.append("--serve")
     print(f"bench event=vllm_start model={model} dtype={dtype} cmd={shlex.join(cmd)}", flush=True)
+    return cmd
+
+
+def run_duet_and_vllm(model_dir: Path, model: str, dtype: str, vocab: int, cfg: BenchConfig) -> dict[str, EngineRun]:
+    """duet's and vLLM's cells alternated (see the module docstring); vLLM's failure leaves duet's figures."""
+    if not (VLLM_VENV / "bin" / "python").exists():
+        return {"duet": run_duet(model_dir, model, dtype, vocab, cfg),
+                "vllm": EngineRun(error=f"no vLLM venv at {VLLM_VENV}: run benchmarks/setup_vllm.sh")}
+    vllm_run = EngineRun()
+    try:  # first, so that its start-up (torch.compile) does not share the machine with duet's
+        vllm: VllmSession | None = VllmSession(vllm_command(model_dir, model, dtype, cfg, serve=True))
+        vllm_run.startup_s, vllm_run.check_token_ids = vllm.startup_s, vllm.check_token_ids
+    except Exception as e:
+        vllm, vllm_run.error = None, f"{type(e).__name__}: {e}"
+    duet = DuetSession(model_dir, dtype, vocab, cfg)
+    duet_run = EngineRun(startup_s=duet.startup_s, check_token_ids=duet.check_token_ids)
+    try:
+        for batch in cfg.batches:
+            duet_run.output_tokens_per_s[batch], vllm_run.output_tokens_per_s[batch] = [], []
+            for repeat in range(cfg.repeats_for(model, batch)):
+                for engine in ("duet", "vllm") if repeat % 2 == 0 else ("vllm", "duet"):
+                    if engine == "duet":
+                        rate, decode_rate = duet.cell(batch, repeat)
+                        duet_run.output_tokens_per_s[batch].append(rate)
+                        if batch == 1:
+                            duet_run.decode_tokens_per_s_b1.append(decode_rate)
+                    elif vllm is not None:
+                        try:
+                            rate = vllm.cell(batch, repeat)
+                        except Exception as e:
+                            vllm_run.error = f"{type(e).__name__}: {e}"
+                            vllm.close()
+                            vllm = None
+                            continue
+                        vllm_run.output_tokens_per_s[batch].append(rate)
+                    else:
+                        continue
+                    _progress(engine, model, dtype, batch, repeat, rate)
+    finally:
+        if vllm is not None:
+            vllm.close()
+    return {"duet": duet_run, "vllm": vllm_run}
+
+
+def run_vllm(model_dir: Path, model: str, dtype: str, cfg: BenchConfig) -> EngineRun:
+    if not (VLLM_VENV / "bin" / "python").exists():
+        return EngineRun(error=f"no vLLM venv at {VLLM_VENV}: run benchmarks/setup_vllm.sh")
+    cmd = vllm_command(model_dir, model, dtype, cfg, serve=False)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     for line in proc.stdout.splitlines():
         if line.startswith("VLLM_RESULT "):
@@ -272,17 +340,22 @@ def bench_cell(model: str, dtype: str, cfg: BenchConfig) -> dict:
     # Right before duet's batch-1 timing, so ceiling and measurement share the machine's mood.
     dram = measure_read_bandwidth(cfg.bandwidth_bytes)
     cache_sized = measure_read_bandwidth(max(weight_bytes, 2**20))
-    engines = [("duet", lambda: run_duet(model_dir, model, dtype, mcfg.vocab_size, cfg))]
+    interleaved = not (cfg.skip_vllm or cfg.sequential)
+    if interleaved:
+        engines = [("duet+vllm", lambda: run_duet_and_vllm(model_dir, model, dtype, mcfg.vocab_size, cfg))]
+    else:
+        engines = [("duet", lambda: {"duet": run_duet(model_dir, model, dtype, mcfg.vocab_size, cfg)})]
     if not cfg.skip_hf:
-        engines.append(("hf", lambda: run_hf(model_dir, model, dtype, mcfg.vocab_size, cfg)))
-    if not cfg.skip_vllm:
-        engines.append(("vllm", lambda: run_vllm(model_dir, model, dtype, cfg)))
+        engines.append(("hf", lambda: {"hf": run_hf(model_dir, model, dtype, mcfg.vocab_size, cfg)}))
+    if not (cfg.skip_vllm or interleaved):
+        engines.append(("vllm", lambda: {"vllm": run_vllm(model_dir, model, dtype, cfg)}))
     for name, fn in engines:
         try:
-            runs[name] = fn()
+            runs.update(fn())
         except Exception as e:  # one engine failing must not lose the others' figures
-            runs[name] = EngineRun(error=f"{type(e).__name__}: {e}")
-            print(f"bench engine={name} model={model} dtype={dtype} event=failed error={runs[name].error!r}",
+            for engine in name.split("+"):
+                runs[engine] = EngineRun(error=f"{type(e).__name__}: {e}")
+            print(f"bench engine={name} model={model} dtype={dtype} event=failed error={type(e).__name__}: {e!r}",
                   flush=True)
         gc.collect()
     context = cfg.prompt_len + cfg.output_len // 2  # the mean context over the decode steps
@@ -329,6 +402,8 @@ def report(cells: list[dict], cfg: BenchConfig, env: dict) -> str:
              f"- command: `{env['command']}`",
              f"- config: `{json.dumps(env['config'])}`", f"- versions: {env['versions']}", "",
              "Output tokens/s, median (min-max, n=repeats), whole `generate` call incl. prefill. "
+             + ("Each engine's matrix was timed in turn (`--sequential`). " if cfg.sequential or cfg.skip_vllm else
+                "duet's and vLLM's timed calls alternated cell by cell (duet first on even repeats). ") +
              "Ratios are of medians; `best` ratios are of the fastest repeats (on a shared machine other "
              "processes only ever slow a repeat down, so the fastest one is the least disturbed).", ""]
     for cell in cells:

@@ -7,6 +7,12 @@ it cannot share duet's venv) and reads the one line of stdout that starts with `
 output tokens/s per repeat per batch size and the greedy tokens of the check prompt. It imports nothing
 from duet; the prompts come from `bench_prompts.py` (stdlib only), so they are the ids duet gets.
 
+With `--serve` it times nothing on its own: after start-up and warm-up it prints one `READY_PREFIX` line
+(start-up time, check tokens, environment) and then answers each stdin line `{"batch": B, "repeat": R}`
+with one `CELL_PREFIX` line `{"batch": B, "repeat": R, "output_tokens_per_s": x}`, until stdin closes.
+offline_throughput.py uses it to interleave vLLM's cells with duet's (`vllm_session.py`), so a machine
+whose speed drifts over minutes slows both engines alike.
+
 The engine is built once (its start-up, 1-4 min on 2 cores, is not timed; vLLM compiles the model with
 torch.compile on first use of a checkpoint and caches it under ~/.cache/vllm), warmed up with one untimed
 batch (`bench_prompts.warmup_prompts`), then every (batch size, repeat) is one timed `generate` call.
@@ -25,6 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_prompts import check_prompt, make_prompts, warmup_prompts  # noqa: E402
 
 RESULT_PREFIX = "VLLM_RESULT "
+READY_PREFIX = "VLLM_READY "
+CELL_PREFIX = "VLLM_CELL "
 REPORTED_ENV = ("VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "LD_PRELOAD")
 
 
@@ -44,6 +52,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--enforce-eager", action="store_true", help="skip vLLM's torch.compile of the model")
     p.add_argument("--iomp", action="store_true",
                    help="LD_PRELOAD the venv's Intel OpenMP (vLLM's recommended CPU setup) instead of torch's libgomp")
+    p.add_argument("--serve", action="store_true",
+                   help="time the cells stdin asks for, one JSON line each (see the module docstring)")
     return p.parse_args(argv)
 
 
@@ -103,6 +113,22 @@ def main(argv: list[str] | None = None) -> None:
 
     _, check_outs = run([check_prompt(args.seed, args.prompt_len, vocab_size)])
     run(warmup_prompts(args.seed, batches, args.prompt_len, vocab_size))
+    check_token_ids = list(check_outs[0].outputs[0].token_ids)
+    env = {k: os.environ.get(k) for k in REPORTED_ENV}
+
+    if args.serve:
+        ready = {"startup_s": startup_s, "check_token_ids": check_token_ids, "env": env,
+                 "enforce_eager": args.enforce_eager}
+        print(READY_PREFIX + json.dumps(ready), flush=True)
+        for line in sys.stdin:
+            if not line.strip():
+                continue
+            ask = json.loads(line)
+            batch, repeat = int(ask["batch"]), int(ask["repeat"])
+            elapsed_s, _ = run(make_prompts(args.seed, batch, repeat, args.prompt_len, vocab_size))
+            cell = {"batch": batch, "repeat": repeat, "output_tokens_per_s": batch * args.output_len / elapsed_s}
+            print(CELL_PREFIX + json.dumps(cell), flush=True)
+        return
 
     tokens_per_s: dict[str, list[float]] = {}
     for batch, n in zip(batches, repeats, strict=True):
@@ -114,8 +140,8 @@ def main(argv: list[str] | None = None) -> None:
         "engine": "vllm",
         "startup_s": startup_s,
         "output_tokens_per_s": tokens_per_s,
-        "check_token_ids": list(check_outs[0].outputs[0].token_ids),
-        "env": {k: os.environ.get(k) for k in REPORTED_ENV},
+        "check_token_ids": check_token_ids,
+        "env": env,
         "enforce_eager": args.enforce_eager,
     }
     print(RESULT_PREFIX + json.dumps(result), flush=True)

@@ -1,0 +1,95 @@
+"""vLLM as a benchmark session: `vllm_worker.py --serve` in vLLM's venv, one timed cell per request.
+
+    with VllmSession(cmd) as vllm:        # cmd ends in --serve; returns once the engine is built and warm
+        rate = vllm.cell(batch=8, repeat=0)   # output tokens/s of one timed generate call
+
+offline_throughput.py alternates these cells with duet's, so both engines see the same machine: on a
+shared machine whose speed drifts by 20-30 % over minutes, timing one engine's whole matrix and then the
+other's measures the drift as much as the engines. The protocol is one JSON line each way (see
+vllm_worker.py); vLLM's logs go to a temporary file whose tail is quoted if the worker fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import tempfile
+import time
+
+from vllm_worker import CELL_PREFIX, READY_PREFIX
+
+
+class VllmSessionError(RuntimeError):
+    pass
+
+
+class VllmSession:
+    def __init__(self, cmd: list[str], ready_timeout_s: float = 3600.0, cell_timeout_s: float = 1800.0):
+        self.cell_timeout_s = cell_timeout_s
+        self._log = tempfile.TemporaryFile(mode="w+")
+        self._pending = b""
+        self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
+                                      text=True, bufsize=1)
+        try:
+            ready = self._read(READY_PREFIX, ready_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+        self.startup_s: float = ready["startup_s"]
+        self.check_token_ids: list[int] = ready["check_token_ids"]
+        self.env: dict = ready["env"]
+
+    def cell(self, batch: int, repeat: int) -> float:
+        """Output tokens/s of one timed `generate` of the benchmark's prompts for (batch, repeat)."""
+        self._proc.stdin.write(json.dumps({"batch": batch, "repeat": repeat}) + "\n")
+        self._proc.stdin.flush()
+        got = self._read(CELL_PREFIX, self.cell_timeout_s)
+        if (got["batch"], got["repeat"]) != (batch, repeat):
+            raise VllmSessionError(f"asked for batch {batch} repeat {repeat}, got {got}")
+        return float(got["output_tokens_per_s"])
+
+    def close(self) -> None:
+        """End the worker (stdin closed: it exits; killed if it has not after 60 s)."""
+        if self._proc.stdin and not self._proc.stdin.closed:
+            self._proc.stdin.close()
+        try:
+            self._proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        self._log.close()
+
+    def __enter__(self) -> VllmSession:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _read(self, prefix: str, timeout_s: float) -> dict:
+        """The JSON after `prefix` on the worker's next such stdout line, within timeout_s. Reads the pipe's file
+        descriptor itself: a buffered reader could hold a complete line that select() would never report."""
+        deadline = time.monotonic() + timeout_s
+        fd = self._proc.stdout.fileno()
+        while True:
+            while b"\n" not in self._pending:
+                left = deadline - time.monotonic()
+                ready, _, _ = select.select([fd], [], [], max(left, 0))
+                if not ready:
+                    raise VllmSessionError(f"no {prefix.strip()} line from vllm_worker within {timeout_s:.0f} s"
+                                           f"{self._log_tail()}")
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    raise VllmSessionError(f"vllm_worker exited {self._proc.wait()}{self._log_tail()}")
+                self._pending += chunk
+            line, _, self._pending = self._pending.partition(b"\n")
+            text = line.decode(errors="replace")
+            if text.startswith(prefix):
+                return json.loads(text.removeprefix(prefix))
+
+    def _log_tail(self, lines: int = 3) -> str:
+        self._log.flush()
+        self._log.seek(0)
+        tail = [line.strip() for line in self._log.read().splitlines() if line.strip()][-lines:]
+        return f": {' | '.join(tail)}" if tail else ""

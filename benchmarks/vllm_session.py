@@ -7,6 +7,9 @@ offline_throughput.py alternates these cells with duet's, so both engines see th
 shared machine whose speed drifts by 20-30 % over minutes, timing one engine's whole matrix and then the
 other's measures the drift as much as the engines. The protocol is one JSON line each way (see
 vllm_worker.py); vLLM's logs go to a temporary file whose tail is quoted if the worker fails.
+
+Between cells the worker's whole process group is stopped (SIGSTOP, SIGCONT before the next cell): an idle
+vLLM still polls its queues (~7 % of a core here), which would be taken from the engine being timed.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import select
+import signal
 import subprocess
 import tempfile
 import time
@@ -31,34 +35,57 @@ class VllmSession:
         self._log = tempfile.TemporaryFile(mode="w+")
         self._pending = b""
         self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
-                                      text=True, bufsize=1)
+                                      text=True, bufsize=1, start_new_session=True)  # its own group: see pause
+        self._paused = False
         try:
             ready = self._read(READY_PREFIX, ready_timeout_s)
         except BaseException:
             self.close()
             raise
+        self.pause()
         self.startup_s: float = ready["startup_s"]
         self.check_token_ids: list[int] = ready["check_token_ids"]
         self.env: dict = ready["env"]
 
+    def pause(self) -> None:
+        """Stop every process of the worker (vLLM's engine core and model worker included) until `resume`."""
+        if not self._paused and self._proc.poll() is None:
+            os.killpg(self._proc.pid, signal.SIGSTOP)
+            self._paused = True
+
+    def resume(self) -> None:
+        if self._paused:
+            os.killpg(self._proc.pid, signal.SIGCONT)
+            self._paused = False
+            time.sleep(0.5)  # let its processes get back to waiting on the queue before the timed call
+
     def cell(self, batch: int, repeat: int) -> float:
         """Output tokens/s of one timed `generate` of the benchmark's prompts for (batch, repeat)."""
+        self.resume()
         self._proc.stdin.write(json.dumps({"batch": batch, "repeat": repeat}) + "\n")
         self._proc.stdin.flush()
-        got = self._read(CELL_PREFIX, self.cell_timeout_s)
+        try:
+            got = self._read(CELL_PREFIX, self.cell_timeout_s)
+        finally:
+            self.pause()
         if (got["batch"], got["repeat"]) != (batch, repeat):
             raise VllmSessionError(f"asked for batch {batch} repeat {repeat}, got {got}")
         return float(got["output_tokens_per_s"])
 
     def close(self) -> None:
-        """End the worker (stdin closed: it exits; killed if it has not after 60 s)."""
+        """End the worker: stdin closed, up to 60 s to exit, then its process group is killed (what is left of it)."""
+        self.resume()
         if self._proc.stdin and not self._proc.stdin.closed:
             self._proc.stdin.close()
         try:
             self._proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait()
+            pass
+        try:  # the whole group: vLLM's engine-core and model-worker processes can outlive the worker script
+            os.killpg(self._proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self._proc.wait()
         self._log.close()
 
     def __enter__(self) -> VllmSession:

@@ -90,6 +90,11 @@ class BenchConfig:
         """Per-step token budget, the same for duet and vLLM: a whole batch-64 prefill fits in one step."""
         return max(2048, self.prompt_len + self.output_len)
 
+    @property
+    def interleaved(self) -> bool:
+        """Whether duet's and vLLM's cells alternate (the default whenever vLLM runs)."""
+        return not (self.skip_vllm or self.sequential)
+
     def repeats_for(self, model: str, batch: int) -> int:
         slow = model in SLOW_CELLS and batch >= SLOW_CELLS[model]
         return min(self.repeats, self.slow_repeats) if slow else self.repeats
@@ -203,18 +208,36 @@ class DuetSession:
         return batch * cfg.output_len / total_s, (cfg.output_len - 1) / decode_s
 
 
-def run_duet(model_dir: Path, model: str, dtype: str, vocab: int, cfg: BenchConfig) -> EngineRun:
-    session = DuetSession(model_dir, dtype, vocab, cfg)
-    run = EngineRun(startup_s=session.startup_s, check_token_ids=session.check_token_ids)
+def run_duet(model_dir: Path, model: str, dtype: str, vocab: int, cfg: BenchConfig,
+             vllm: VllmSession | None = None) -> dict[str, EngineRun]:
+    """duet's cells, alternated with vLLM's when a session is given (see the module docstring): {"duet": ...}
+    and, with a session, {"vllm": ...}. A vLLM failure ends its cells and leaves duet's figures."""
+    duet = DuetSession(model_dir, dtype, vocab, cfg)
+    runs = {"duet": EngineRun(startup_s=duet.startup_s, check_token_ids=duet.check_token_ids)}
+    if vllm is not None:
+        runs["vllm"] = EngineRun(startup_s=vllm.startup_s, check_token_ids=vllm.check_token_ids)
     for batch in cfg.batches:
-        rates = run.output_tokens_per_s[batch] = []
+        for run in runs.values():
+            run.output_tokens_per_s[batch] = []
         for repeat in range(cfg.repeats_for(model, batch)):
-            rate, decode_rate = session.cell(batch, repeat)
-            rates.append(rate)
-            if batch == 1:
-                run.decode_tokens_per_s_b1.append(decode_rate)
-            _progress("duet", model, dtype, batch, repeat, rate)
-    return run
+            for engine in ("duet", "vllm") if repeat % 2 == 0 else ("vllm", "duet"):
+                if engine == "duet":
+                    rate, decode_rate = duet.cell(batch, repeat)
+                    if batch == 1:
+                        runs["duet"].decode_tokens_per_s_b1.append(decode_rate)
+                elif vllm is None:
+                    continue
+                else:
+                    try:
+                        rate = vllm.cell(batch, repeat)
+                    except Exception as e:
+                        runs["vllm"].error = f"{type(e).__name__}: {e}"
+                        vllm.close()
+                        vllm = None
+                        continue
+                runs[engine].output_tokens_per_s[batch].append(rate)
+                _progress(engine, model, dtype, batch, repeat, rate)
+    return runs
 
 
 def run_hf(model_dir: Path, model: str, dtype: str, vocab: int, cfg: BenchConfig) -> EngineRun:
@@ -262,44 +285,16 @@ def vllm_command(model_dir: Path, model: str, dtype: str, cfg: BenchConfig, serv
 
 
 def run_duet_and_vllm(model_dir: Path, model: str, dtype: str, vocab: int, cfg: BenchConfig) -> dict[str, EngineRun]:
-    """duet's and vLLM's cells alternated (see the module docstring); vLLM's failure leaves duet's figures."""
+    """vLLM started as a session, then `run_duet` alternating with it; duet alone if it cannot start."""
     if not (VLLM_VENV / "bin" / "python").exists():
-        return {"duet": run_duet(model_dir, model, dtype, vocab, cfg),
-                "vllm": EngineRun(error=f"no vLLM venv at {VLLM_VENV}: run benchmarks/setup_vllm.sh")}
-    vllm_run = EngineRun()
+        error = f"no vLLM venv at {VLLM_VENV}: run benchmarks/setup_vllm.sh"
+        return {**run_duet(model_dir, model, dtype, vocab, cfg), "vllm": EngineRun(error=error)}
     try:  # first, so that its start-up (torch.compile) does not share the machine with duet's
-        vllm: VllmSession | None = VllmSession(vllm_command(model_dir, model, dtype, cfg, serve=True))
-        vllm_run.startup_s, vllm_run.check_token_ids = vllm.startup_s, vllm.check_token_ids
+        vllm = VllmSession(vllm_command(model_dir, model, dtype, cfg, serve=True))
     except Exception as e:
-        vllm, vllm_run.error = None, f"{type(e).__name__}: {e}"
-    duet = DuetSession(model_dir, dtype, vocab, cfg)
-    duet_run = EngineRun(startup_s=duet.startup_s, check_token_ids=duet.check_token_ids)
-    try:
-        for batch in cfg.batches:
-            duet_run.output_tokens_per_s[batch], vllm_run.output_tokens_per_s[batch] = [], []
-            for repeat in range(cfg.repeats_for(model, batch)):
-                for engine in ("duet", "vllm") if repeat % 2 == 0 else ("vllm", "duet"):
-                    if engine == "duet":
-                        rate, decode_rate = duet.cell(batch, repeat)
-                        duet_run.output_tokens_per_s[batch].append(rate)
-                        if batch == 1:
-                            duet_run.decode_tokens_per_s_b1.append(decode_rate)
-                    elif vllm is not None:
-                        try:
-                            rate = vllm.cell(batch, repeat)
-                        except Exception as e:
-                            vllm_run.error = f"{type(e).__name__}: {e}"
-                            vllm.close()
-                            vllm = None
-                            continue
-                        vllm_run.output_tokens_per_s[batch].append(rate)
-                    else:
-                        continue
-                    _progress(engine, model, dtype, batch, repeat, rate)
-    finally:
-        if vllm is not None:
-            vllm.close()
-    return {"duet": duet_run, "vllm": vllm_run}
+        return {**run_duet(model_dir, model, dtype, vocab, cfg), "vllm": EngineRun(error=f"{type(e).__name__}: {e}")}
+    with vllm:
+        return run_duet(model_dir, model, dtype, vocab, cfg, vllm)
 
 
 def run_vllm(model_dir: Path, model: str, dtype: str, cfg: BenchConfig) -> EngineRun:
@@ -340,14 +335,13 @@ def bench_cell(model: str, dtype: str, cfg: BenchConfig) -> dict:
     # Right before duet's batch-1 timing, so ceiling and measurement share the machine's mood.
     dram = measure_read_bandwidth(cfg.bandwidth_bytes)
     cache_sized = measure_read_bandwidth(max(weight_bytes, 2**20))
-    interleaved = not (cfg.skip_vllm or cfg.sequential)
-    if interleaved:
+    if cfg.interleaved:
         engines = [("duet+vllm", lambda: run_duet_and_vllm(model_dir, model, dtype, mcfg.vocab_size, cfg))]
     else:
-        engines = [("duet", lambda: {"duet": run_duet(model_dir, model, dtype, mcfg.vocab_size, cfg)})]
+        engines = [("duet", lambda: run_duet(model_dir, model, dtype, mcfg.vocab_size, cfg))]
     if not cfg.skip_hf:
         engines.append(("hf", lambda: {"hf": run_hf(model_dir, model, dtype, mcfg.vocab_size, cfg)}))
-    if not (cfg.skip_vllm or interleaved):
+    if not (cfg.skip_vllm or cfg.interleaved):
         engines.append(("vllm", lambda: {"vllm": run_vllm(model_dir, model, dtype, cfg)}))
     for name, fn in engines:
         try:
@@ -402,8 +396,8 @@ def report(cells: list[dict], cfg: BenchConfig, env: dict) -> str:
              f"- command: `{env['command']}`",
              f"- config: `{json.dumps(env['config'])}`", f"- versions: {env['versions']}", "",
              "Output tokens/s, median (min-max, n=repeats), whole `generate` call incl. prefill. "
-             + ("Each engine's matrix was timed in turn (`--sequential`). " if cfg.sequential or cfg.skip_vllm else
-                "duet's and vLLM's timed calls alternated cell by cell (duet first on even repeats). ") +
+             + ("duet's and vLLM's timed calls alternated cell by cell (duet first on even repeats). "
+                if cfg.interleaved else "Each engine's matrix was timed in turn. ") +
              "Ratios are of medians; `best` ratios are of the fastest repeats (on a shared machine other "
              "processes only ever slow a repeat down, so the fastest one is the least disturbed).", ""]
     for cell in cells:

@@ -192,16 +192,23 @@ def silu_and_mul_native(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def rotary_native(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, head_dim] rotated by cos/sin ([T, 1, head_dim] or [T, head_dim], any float dtype: cast
-    to x's as the twin's products are) -> a new contiguous tensor."""
-    lib = native_library()
+def _rotary_args(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """What duet_rotary reads and writes: x with a unit last stride, cos/sin as dense [T, head_dim] of x's
+    dtype, and the new output [T, heads, head_dim]."""
     tokens, heads, head_dim = x.shape
     if head_dim % 2 or head_dim > MAX_HEAD_DIM:
         raise ValueError(f"rotary: head_dim {head_dim} is invalid: must be even and <= {MAX_HEAD_DIM}")
     x = _unit_last(x)
     cos, sin = _dense(cos, x.dtype, tokens * head_dim, "cos"), _dense(sin, x.dtype, tokens * head_dim, "sin")
-    out = torch.empty((tokens, heads, head_dim), dtype=x.dtype)
+    return x, cos, sin, torch.empty((tokens, heads, head_dim), dtype=x.dtype)
+
+
+def rotary_native(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, head_dim] rotated by cos/sin ([T, 1, head_dim] or [T, head_dim], any float dtype: cast
+    to x's as the twin's products are) -> a new contiguous tensor."""
+    lib = native_library()
+    tokens, heads, head_dim = x.shape
+    x, cos, sin, out = _rotary_args(x, cos, sin)
     lib.duet_rotary(x.data_ptr(), x.stride(0), x.stride(1), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), tokens,
                     heads, head_dim, _bf16(x))
     return out
@@ -216,9 +223,8 @@ def rotary_store_kv_native(
     lib = native_library()
     tokens, heads, head_dim = x.shape
     kv_heads = k_cache.shape[0]
-    if head_dim % 2 or head_dim > MAX_HEAD_DIM or kv_heads > heads:
-        raise ValueError(f"rotary_store_kv: head_dim {head_dim} / kv_heads {kv_heads} of {heads} heads is invalid: "
-                         f"head_dim must be even and <= {MAX_HEAD_DIM}")
+    if kv_heads > heads:
+        raise ValueError(f"rotary_store_kv: kv_heads {kv_heads} is invalid: x has only {heads} heads")
     same_dtype = k_cache.dtype == v_cache.dtype == v.dtype == x.dtype
     if not (same_dtype and k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError(f"rotary_store_kv: caches {k_cache.dtype}/{v_cache.dtype} and v {v.dtype} must be x's dtype "
@@ -226,13 +232,11 @@ def rotary_store_kv_native(
     if v.shape != (tokens, kv_heads, head_dim) or k_cache.shape[-1] != head_dim:
         raise ValueError(f"rotary_store_kv: v {tuple(v.shape)} / cache {tuple(k_cache.shape)} do not fit x "
                          f"{tuple(x.shape)} with {kv_heads} kv heads")
-    x = _unit_last(x)
+    x, cos, sin, out = _rotary_args(x, cos, sin)
     if v.stride(2) != 1 or v.stride(1) != head_dim:
         v = v.contiguous()
-    cos, sin = _dense(cos, x.dtype, tokens * head_dim, "cos"), _dense(sin, x.dtype, tokens * head_dim, "sin")
     slots = _dense(slots, torch.int64, tokens, "slot_mapping")
     num_slots = k_cache.numel() // (kv_heads * head_dim)
-    out = torch.empty((tokens, heads, head_dim), dtype=x.dtype)
     bad = lib.duet_rotary_store_kv(x.data_ptr(), x.stride(0), x.stride(1), cos.data_ptr(), sin.data_ptr(),
                                    out.data_ptr(), v.data_ptr(), v.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                                    slots.data_ptr(), num_slots, tokens, heads, kv_heads, head_dim, _bf16(x))

@@ -33,9 +33,9 @@ import xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from cluster.prefix_index import PrefixIndex  # noqa: E402
 from deploy.redis_server import RedisServer  # noqa: E402
 from engine.hashing import prompt_block_hashes, root_hash  # noqa: E402
-from router.prefix_index import PrefixIndex  # noqa: E402
 
 MODEL = "bench-model"
 BLOCK_SIZE = 16

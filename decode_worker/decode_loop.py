@@ -7,7 +7,7 @@
                  with the prefill worker's first token as output token 0, one token left to compute
     Release / expiry ─▶ the blocks go back to the pool
 
-Everything here runs on the engine thread (see duet.engine_thread); gRPC handlers post calls and read
+Everything here runs on the engine thread (see worker.engine_thread); gRPC handlers post calls and read
 each request's events from its own queue.
 """
 
@@ -19,13 +19,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from duet.engine_thread import EngineThread
 from engine.kv_cache_manager import cdiv
 from engine.request import Request, RequestStatus
 from engine.runtime import Runtime
 from engine.sampler import TokenLogprobs
 from kvtransfer.errors import ReservationExpired
 from kvtransfer.reservation import Reservation, ReservationTable
+from worker.engine_thread import EngineThread
 
 log = logging.getLogger("duet.decode")
 

@@ -13,18 +13,18 @@ import queue
 
 import grpc
 
+from cluster.proto_convert import logprobs_to_proto, sampling_from_proto
+from cluster.registry import WorkerLoad
 from decode_worker.decode_loop import DecodeLoop
 from duet.internal.v1 import workers_pb2 as wpb
 from duet.internal.v1 import workers_pb2_grpc as wpb_grpc
-from duet.wire import logprobs_to_proto, sampling_from_proto
-from duet.worker_process import WorkerConfig, WorkerProcess, abort_with, remaining_s
 from engine.errors import InvalidRequestError
 from engine.request import Request
 from engine.validation import check_request
 from kvtransfer.errors import ChecksumMismatch, ReservationExpired, TransferError, TransferTimeout
 from kvtransfer.receiver import KVReceiver
 from kvtransfer.reservation import ReservationTable
-from router.registry import WorkerLoad
+from worker.process import WorkerConfig, WorkerProcess, abort_with, remaining_s
 
 log = logging.getLogger("duet.decode")
 MAX_RESERVATION_TTL_S = 300.0

@@ -36,7 +36,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from deploy.redis_server import RedisServer, parent_death_preexec, tail_file
+from deploy.redis_server import RedisServer, tail_file
+from engine.child_process import parent_death_preexec
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,7 @@
 """`duet bench route TRACE`: replay a Mooncake-format trace through our prefill policy and the baselines.
 
-The simulator and its assumptions are in `router/trace_replay.py`; the policies in `router/baseline_policies.py`.
+The simulator and its assumptions are in `benchmarks/sim/trace_replay.py`; the policies in
+`benchmarks/sim/baseline_policies.py`.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def _positive(kind):
 
 
 def add_bench_commands(sub: argparse._SubParsersAction) -> None:
-    from router.baseline_policies import DUET_VARIANTS, POLICY_NAMES
+    from benchmarks.sim.baseline_policies import DUET_VARIANTS, POLICY_NAMES
 
     bench = sub.add_parser("bench", help="benchmarks that need no cluster")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
@@ -72,8 +73,8 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_bench_route(args: argparse.Namespace) -> int:
-    from router.baseline_policies import ALL_POLICY_NAMES, compare_policies
-    from router.trace_replay import ReplayConfig, load_trace, offered_load
+    from benchmarks.sim.baseline_policies import ALL_POLICY_NAMES, compare_policies
+    from benchmarks.sim.trace_replay import ReplayConfig, load_trace, offered_load
 
     names = [n.strip() for n in args.policies.split(",") if n.strip()]
     unknown = [n for n in names if n not in ALL_POLICY_NAMES]

@@ -47,8 +47,8 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from duet.worker_process import WorkerConfig
     from engine.config import EngineConfig
+    from worker.process import WorkerConfig
 
     config = WorkerConfig(
         role=args.command, redis_url=args.redis_url, model_dir=args.model, host=args.host, port=args.port,

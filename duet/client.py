@@ -14,10 +14,10 @@ from collections.abc import Callable, Iterable
 
 import grpc
 
-from duet import serving
+from cluster import grpc_plumbing
+from cluster.proto_convert import sampling_to_proto
 from duet.v1 import generation_pb2 as pb
 from duet.v1 import generation_pb2_grpc as pb_grpc
-from duet.wire import sampling_to_proto
 from engine.sampling_params import SamplingParams
 
 Prompt = str | list[int] | list[dict]
@@ -25,7 +25,7 @@ Prompt = str | list[int] | list[dict]
 
 class Client:
     def __init__(self, address: str, auth_token: str | None = None, root_cert: bytes | None = None):
-        options = [("grpc.max_receive_message_length", serving.PUBLIC_MAX_MESSAGE_BYTES)]
+        options = [("grpc.max_receive_message_length", grpc_plumbing.PUBLIC_MAX_MESSAGE_BYTES)]
         if root_cert is not None:
             self.channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(root_cert), options=options)
         else:

@@ -242,7 +242,7 @@ def init_group(rank: int, size: int, init_method: str, timeout_s: float = 120.0,
 def spawn_followers(size: int, init_method: str, argv: list[str], module: str = "engine.tp_worker"
                     ) -> list[subprocess.Popen]:
     """Start ranks 1..size-1 as `python -m <module>` processes (they die with this process)."""
-    from deploy.redis_server import parent_death_preexec
+    from engine.child_process import parent_death_preexec
 
     procs = []
     for rank in range(1, size):

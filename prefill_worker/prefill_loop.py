@@ -23,12 +23,12 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from duet.engine_thread import EngineThread
 from engine.kv_cache_manager import cdiv
 from engine.request import Request, RequestStatus
 from engine.runtime import Runtime
 from engine.sampler import TokenLogprobs
 from prefill_worker.tp_rank import FollowerAcks, layer_group_callback
+from worker.engine_thread import EngineThread
 
 log = logging.getLogger("duet.prefill")
 

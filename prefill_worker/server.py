@@ -14,10 +14,10 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 import grpc
 
+from cluster.proto_convert import logprobs_to_proto, sampling_from_proto
+from cluster.registry import WorkerLoad
 from duet.internal.v1 import workers_pb2 as wpb
 from duet.internal.v1 import workers_pb2_grpc as wpb_grpc
-from duet.wire import logprobs_to_proto, sampling_from_proto
-from duet.worker_process import WorkerConfig, WorkerProcess, abort_with, remaining_s
 from engine.errors import InvalidRequestError
 from engine.request import Request
 from engine.validation import check_request
@@ -32,7 +32,7 @@ from kvtransfer.errors import (
 from kvtransfer.sender import KVSender
 from prefill_worker.prefill_loop import KVTarget, PrefillLoop, RequestAborted
 from prefill_worker.tp_rank import FollowerAcks
-from router.registry import WorkerLoad
+from worker.process import WorkerConfig, WorkerProcess, abort_with, remaining_s
 
 log = logging.getLogger("duet.prefill")
 DEFAULT_TIMEOUT_S = 600.0

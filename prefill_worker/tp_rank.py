@@ -1,6 +1,6 @@
 """A tensor-parallel prefill worker: every rank ships its own KV shard to the decode rank of the same index.
 
-    rank 0 (PrefillLoop, engine thread)              rank r (duet.tp_rank, PrefillRankHooks)
+    rank 0 (PrefillLoop, engine thread)              rank r (worker.tp_rank, PrefillRankHooks)
     CALL "sends" [{rid, endpoints, reservation,      keeps the list for the next STEP
                    first, blocks, last}, ...]  ───▶
     STEP: forward; after each layer group, send      the same forward; after each layer group, send

@@ -1,1 +1,2 @@
-"""router: see ../shared/ARCHITECTURE.md; built by a later issue."""
+"""router: the public gRPC API (+ OpenAI HTTP), tokenization, request orchestration and routing policies.
+Imports engine, cluster and the generated stubs; never a worker or deploy module."""

@@ -19,7 +19,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import grpc
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from duet import serving
+from cluster import grpc_plumbing
 from duet.v1 import generation_pb2 as pb
 from duet.v1 import generation_pb2_grpc as pb_grpc
 
@@ -79,9 +79,9 @@ def to_generate_request(body: dict, chat: bool) -> pb.GenerateRequest:
 
 class OpenAIHTTPServer:
     def __init__(self, grpc_address: str, model_id: str, registry, host: str, port: int,
-                 auth_token: str | None = None, max_body_bytes: int = serving.PUBLIC_MAX_MESSAGE_BYTES):
+                 auth_token: str | None = None, max_body_bytes: int = grpc_plumbing.PUBLIC_MAX_MESSAGE_BYTES):
         self.model_id, self.registry = model_id, registry
-        self._channel = serving.channel(grpc_address, serving.PUBLIC_MAX_MESSAGE_BYTES)
+        self._channel = grpc_plumbing.channel(grpc_address, grpc_plumbing.PUBLIC_MAX_MESSAGE_BYTES)
         self._stub = pb_grpc.GenerationStub(self._channel)
         self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
         self._expected = f"Bearer {auth_token}" if auth_token else None

@@ -22,11 +22,11 @@ from dataclasses import dataclass
 
 import redis
 
+from cluster.prefix_index import PrefixIndex
+from cluster.registry import WorkerInfo, WorkerLoad
 from engine.hashing import hash_blocks, root_hash
 from router.metrics import RouterMetrics
-from router.prefix_index import PrefixIndex
 from router.prefix_policy import PolicyConfig, RouteDecision, WorkerState, choose_prefill
-from router.registry import WorkerInfo, WorkerLoad
 
 log = logging.getLogger("duet.router")
 

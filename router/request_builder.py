@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cluster.proto_convert import sampling_from_proto
 from duet.v1 import generation_pb2 as pb
-from duet.wire import sampling_from_proto
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer

@@ -22,12 +22,14 @@ from pathlib import Path
 
 import grpc
 
-from duet import serving
+from cluster import grpc_plumbing
+from cluster.prefix_index import PrefixIndex
+from cluster.proto_convert import sampling_to_proto
+from cluster.registry import WorkerInfo, WorkerRegistry
 from duet.internal.v1 import workers_pb2 as wpb
 from duet.internal.v1 import workers_pb2_grpc as wpb_grpc
 from duet.v1 import generation_pb2 as pb
 from duet.v1 import generation_pb2_grpc as pb_grpc
-from duet.wire import sampling_to_proto
 from engine.config import ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError
@@ -35,9 +37,7 @@ from engine.tokenizer import Tokenizer
 from router.load_policy import rank_decode, without
 from router.metrics import RouterMetrics
 from router.prefill_chooser import PrefillChooser
-from router.prefix_index import PrefixIndex
 from router.prefix_policy import PolicyConfig
-from router.registry import WorkerInfo, WorkerRegistry
 from router.request_builder import BuiltRequest, ModelLimits, build_request
 from router.request_stream import Failed, Live, abort_message, downstream_code, tokens_message
 from router.worker_view import NoWorkers, WorkerView
@@ -362,11 +362,11 @@ class RouterServer:
 
     def __init__(self, config: RouterConfig):
         self.router = Router(config)
-        self.server = serving.make_server(config.max_concurrent_streams, serving.PUBLIC_MAX_MESSAGE_BYTES,
+        self.server = grpc_plumbing.make_server(config.max_concurrent_streams, grpc_plumbing.PUBLIC_MAX_MESSAGE_BYTES,
                                           config.auth_token)
         pb_grpc.add_GenerationServicer_to_server(self.router, self.server)
-        self.health = serving.add_health_and_reflection(self.server, [SERVICE_NAME])
-        self.port = serving.bind(self.server, config.host, config.port, config.tls_cert, config.tls_key)
+        self.health = grpc_plumbing.add_health_and_reflection(self.server, [SERVICE_NAME])
+        self.port = grpc_plumbing.bind(self.server, config.host, config.port, config.tls_cert, config.tls_key)
         self.address = f"{config.host}:{self.port}"
         self.metrics_port = None
         if config.metrics_port is not None:
@@ -383,11 +383,11 @@ class RouterServer:
         self.server.start()
         if self.http is not None:
             self.http.start()
-        serving.set_serving(self.health, [SERVICE_NAME], True)
+        grpc_plumbing.set_serving(self.health, [SERVICE_NAME], True)
         log.info("router address=%s model=%s event=serving", self.address, self.router.model_id)
 
     def stop(self, grace_s: float = 2.0) -> None:
-        serving.set_serving(self.health, [SERVICE_NAME], False)
+        grpc_plumbing.set_serving(self.health, [SERVICE_NAME], False)
         if self.http is not None:
             self.http.stop()
         self.server.stop(grace_s).wait(grace_s + 1)

@@ -15,11 +15,11 @@ import time
 import grpc
 import redis
 
-from duet import serving
+from cluster import grpc_plumbing
+from cluster.prefix_index import PrefixIndex
+from cluster.registry import WorkerInfo, WorkerRegistry
 from router.load_policy import Candidate
 from router.metrics import RouterMetrics
-from router.prefix_index import PrefixIndex
-from router.registry import WorkerInfo, WorkerRegistry
 
 log = logging.getLogger("duet.router")
 SUSPECT_S = 10.0  # a worker that failed a call is avoided this long (its registry entry may still be live)
@@ -123,5 +123,5 @@ class WorkerView:
         with self._lock:
             ch = self._channels.get(address)
             if ch is None:
-                ch = self._channels[address] = serving.channel(address)
+                ch = self._channels[address] = grpc_plumbing.channel(address)
             return ch

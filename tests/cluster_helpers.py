@@ -7,13 +7,13 @@ from pathlib import Path
 
 import grpc
 
-from duet import serving
+from cluster import grpc_plumbing
 from duet.internal.v1 import workers_pb2 as wpb
 from duet.internal.v1 import workers_pb2_grpc as wpb_grpc
 
 
 def worker_stats(address: str, role: str, check: bool = True) -> wpb.WorkerStats:
-    with serving.channel(address) as ch:
+    with grpc_plumbing.channel(address) as ch:
         stub = wpb_grpc.PrefillWorkerStub(ch) if role == "prefill" else wpb_grpc.DecodeWorkerStub(ch)
         return stub.Stats(wpb.StatsRequest(check_integrity=check), timeout=10)
 

@@ -5,9 +5,9 @@ import statistics
 import pytest
 from conftest import shared_trace_path
 
-from deploy.autoscale_sim import simulate
+from benchmarks.sim.autoscale_sim import simulate
+from benchmarks.sim.trace_replay import load_trace
 from deploy.autoscaler import PoolPolicy, PoolState, decide
-from router.trace_replay import load_trace
 
 TRACE = shared_trace_path()
 POLICY = PoolPolicy(target_per_replica=100, min_replicas=1, max_replicas=10, scale_up_step=2, scale_down_step=1,

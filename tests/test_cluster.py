@@ -14,11 +14,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from test_engine_vs_hf import assert_matches_hf, hf_model, prompts_for
 
+from cluster.kv_event_publisher import stream_key
+from cluster.registry import WorkerRegistry
 from deploy.local_cluster import ClusterConfig, LocalCluster
 from duet.client import Client, stream_to_record
-from duet.kv_event_publisher import stream_key
 from engine import LLM, SamplingParams
-from router.registry import WorkerRegistry
 
 ENGINE = dict(num_kv_blocks=160, max_num_batched_tokens=32, max_model_len=2048)
 WORKER_ARGS = ["--num-kv-blocks", "160", "--max-num-batched-tokens", "32", "--max-model-len", "2048"]

@@ -10,8 +10,8 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from cluster import grpc_plumbing
 from deploy.redis_server import RedisServer, pick_free_port
-from duet import serving
 from duet.client import Client, stream_to_record
 from engine import SamplingParams
 from router.server import RouterConfig, RouterServer
@@ -52,7 +52,7 @@ def workers(tiny_llama_dir):
         try:
             deadline = time.monotonic() + 120
             for role, (grpc_port, _) in ports.items():
-                while not serving.health_check(f"127.0.0.1:{grpc_port}"):
+                while not grpc_plumbing.health_check(f"127.0.0.1:{grpc_port}"):
                     assert procs[role].poll() is None and time.monotonic() < deadline, f"{role} did not start"
                     time.sleep(0.2)
             yield redis_server, ports

@@ -1,4 +1,4 @@
-"""router/prefix_index.py against a real redis-server, fed by real BlockPools' KV events."""
+"""cluster/prefix_index.py against a real redis-server, fed by real BlockPools' KV events."""
 
 import random
 import time
@@ -9,12 +9,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from redis.crc import key_slot
 
+from cluster.prefix_index import ApplyResult, PrefixIndex, chain_hex, hash_keys
+from cluster.registry import WorkerInfo, WorkerLoad, WorkerRegistry
 from deploy.redis_server import RedisServer
 from engine.block_pool import BlockPool
 from engine.hashing import prompt_block_hashes, root_hash
 from engine.kv_events import BlocksRemoved, BlocksStored
-from router.prefix_index import ApplyResult, PrefixIndex, chain_hex, hash_keys
-from router.registry import WorkerInfo, WorkerLoad, WorkerRegistry
 
 MODEL = "org/tiny:v1"
 BLOCK_SIZE = 4

@@ -19,11 +19,11 @@ ray = pytest.importorskip("ray")
 
 from ray.autoscaler._private.util import prepare_config, validate_config  # noqa: E402
 
+from cluster.registry import WorkerRegistry  # noqa: E402
 from deploy.ray.config import PoolConfig, RayLauncherConfig  # noqa: E402
 from deploy.ray.launcher import RayLauncher  # noqa: E402
 from duet.client import Client, stream_to_record  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
-from router.registry import WorkerRegistry  # noqa: E402
 
 CLUSTER_YAML = Path(__file__).resolve().parents[1] / "deploy" / "ray" / "cluster.yaml"
 ENGINE = dict(num_kv_blocks=512, max_num_batched_tokens=32, max_model_len=2048)

@@ -1,4 +1,4 @@
-"""router/registry.py against a real redis-server."""
+"""cluster/registry.py against a real redis-server."""
 
 import json
 import logging
@@ -7,8 +7,8 @@ import time
 import pytest
 from redis.crc import key_slot
 
+from cluster.registry import Heartbeat, WorkerInfo, WorkerLoad, WorkerRegistry
 from deploy.redis_server import RedisServer
-from router.registry import Heartbeat, WorkerInfo, WorkerLoad, WorkerRegistry
 
 
 @pytest.fixture(scope="module")
@@ -194,7 +194,7 @@ def test_heartbeat_thread_registers_reports_load_and_deregisters(registry):
 
 
 def test_heartbeat_thread_survives_redis_restart(caplog):
-    caplog.set_level(logging.INFO, logger="router.registry")
+    caplog.set_level(logging.INFO, logger="cluster.registry")
     server = RedisServer().start()
     port = server.port
     registry = WorkerRegistry.from_url(server.url, ttl_s=0.6, timeout_s=0.5)

@@ -14,8 +14,8 @@ import pytest
 from cluster_helpers import alive, children, rpc_error, wait_idle, worker_components
 from test_engine_vs_hf import assert_matches_hf, hf_model, prompts_for
 
+from cluster import grpc_plumbing
 from deploy.local_cluster import ClusterConfig, LocalCluster
-from duet import serving
 from duet.client import Client, stream_to_record
 from duet.internal.v1 import workers_pb2 as wpb
 from duet.internal.v1 import workers_pb2_grpc as wpb_grpc
@@ -81,7 +81,7 @@ def test_tp_mismatch_is_refused_with_a_message(mixed_cluster):
     # straight to the workers, past the router's check: the prefill worker refuses the 2-rank target
     prefill, decode = (next(c for c in worker_components(mixed_cluster) if c.name.startswith(r))
                        for r in ("prefill", "decode"))
-    with serving.channel(decode.address) as dch, serving.channel(prefill.address) as pch:
+    with grpc_plumbing.channel(decode.address) as dch, grpc_plumbing.channel(prefill.address) as pch:
         reserved = wpb_grpc.DecodeWorkerStub(dch).Reserve(wpb.ReserveRequest(request_id="x", num_prompt_tokens=3),
                                                           timeout=10)
         assert len(reserved.kv_addresses) == 2 and reserved.kv_addresses[0] == reserved.kv_address

@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 from conftest import shared_trace_path
 
-from duet.cli_bench import main as bench_main
-from router.baseline_policies import (
+from benchmarks.sim.baseline_policies import (
     POLICY_NAMES,
     ConsistentHashBoundedLoad,
     DuetPolicy,
@@ -19,7 +18,7 @@ from router.baseline_policies import (
     compare_policies,
     make_policy,
 )
-from router.trace_replay import (
+from benchmarks.sim.trace_replay import (
     BlockCache,
     ReplayConfig,
     RequestRecord,
@@ -31,6 +30,7 @@ from router.trace_replay import (
     simulate,
     simulate_oracle,
 )
+from duet.cli_bench import main as bench_main
 
 TRACE = shared_trace_path()
 JSON_KEYS = ["policy", "token_hit_rate", "ttft_mean_s", "ttft_p90_s", "ttft_p99_s", "imbalance"]

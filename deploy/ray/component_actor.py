@@ -18,7 +18,8 @@ from pathlib import Path
 
 import ray
 
-from deploy.redis_server import parent_death_preexec, pick_free_port, tail_file
+from deploy.redis_server import pick_free_port, tail_file
+from engine.child_process import parent_death_preexec
 
 log = logging.getLogger(__name__)
 

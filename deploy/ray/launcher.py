@@ -37,11 +37,11 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from cluster.registry import WorkerRegistry
 from deploy.autoscaler import PoolState, decide
 from deploy.ray.component_actor import ComponentActor, RankHolder
 from deploy.ray.config import ROLES, RayLauncherConfig, pool_load
 from deploy.redis_server import RedisServer
-from router.registry import WorkerRegistry
 
 log = logging.getLogger(__name__)
 

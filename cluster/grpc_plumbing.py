@@ -17,7 +17,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-log = logging.getLogger("duet.serving")
+log = logging.getLogger("duet.grpc")
 
 PUBLIC_MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # a 32k-token prompt as ids is ~0.3 MB
 INTERNAL_MAX_MESSAGE_BYTES = 64 * 1024 * 1024

@@ -18,14 +18,14 @@ from pathlib import Path
 
 import grpc
 
-from duet import serving
-from duet.kv_event_publisher import KVEventPublisher
-from duet.worker_metrics import WorkerMetrics
+from cluster import grpc_plumbing
+from cluster.kv_event_publisher import KVEventPublisher
+from cluster.prefix_index import PrefixIndex
+from cluster.registry import Heartbeat, WorkerInfo, WorkerLoad, WorkerRegistry
 from engine.config import EngineConfig
 from engine.runtime import Runtime, build_runtime
 from kvtransfer.layout import KVLayout
-from router.prefix_index import PrefixIndex
-from router.registry import Heartbeat, WorkerInfo, WorkerLoad, WorkerRegistry
+from worker.metrics import WorkerMetrics
 
 log = logging.getLogger("duet.worker")
 
@@ -71,7 +71,7 @@ class WorkerProcess:
 
             import torch.distributed as dist
 
-            from duet.tp_rank import follower_argv as make_follower_argv
+            from worker.tp_rank import follower_argv as make_follower_argv
 
             self.tp_store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                           timeout=timedelta(seconds=60))
@@ -79,7 +79,7 @@ class WorkerProcess:
                 config.role, self.tp_store.port, model_id=config.engine.model_id or Path(model_dir).resolve().name,
                 host=config.host, advertise_host=self.advertise_host, kv_transport=config.kv_transport,
                 kv_checksum=config.kv_checksum, layer_group_size=config.layer_group_size)
-        self.rt: Runtime = build_runtime(model_dir, config.engine, "duet.tp_rank", follower_argv)
+        self.rt: Runtime = build_runtime(model_dir, config.engine, "worker.tp_rank", follower_argv)
         self.layout = KVLayout.for_caches(self.rt.model_id, self.rt.kv_caches, self.tp_size, 0)
         self.registry = WorkerRegistry.from_url(config.redis_url, ttl_s=config.heartbeat_ttl_s)
         self.redis = self.registry.client
@@ -90,10 +90,10 @@ class WorkerProcess:
         self.publisher = KVEventPublisher(self.redis, self.rt.model_id, self.worker_id, index=index,
                                           snapshot=snapshot)
         self.rt.block_pool.subscribe(self.publisher.on_event)
-        self.server = serving.make_server(config.max_concurrent_rpcs, serving.INTERNAL_MAX_MESSAGE_BYTES)
+        self.server = grpc_plumbing.make_server(config.max_concurrent_rpcs, grpc_plumbing.INTERNAL_MAX_MESSAGE_BYTES)
         self.add_services(self.server)
-        self.health = serving.add_health_and_reflection(self.server, self.service_names)
-        self.port = serving.bind(self.server, config.host, config.port)
+        self.health = grpc_plumbing.add_health_and_reflection(self.server, self.service_names)
+        self.port = grpc_plumbing.bind(self.server, config.host, config.port)
         self.address = f"{self.advertise_host}:{self.port}"
         self.metrics = WorkerMetrics(config.role, self.metric_values)
         self.metrics_port: int | None = None
@@ -153,7 +153,7 @@ class WorkerProcess:
         if not self.heartbeat.wait_registered(30.0):
             log.warning("worker=%s registry unreachable at start; serving anyway, retrying", self.worker_id)
         self.publisher.start()  # after registering: routers purge index entries of unregistered workers
-        serving.set_serving(self.health, self.service_names, True)
+        grpc_plumbing.set_serving(self.health, self.service_names, True)
         log.info("worker=%s role=%s address=%s model=%s event=serving", self.worker_id, self.config.role,
                  self.address, self.rt.model_id)
 
@@ -161,7 +161,7 @@ class WorkerProcess:
         if self._stopped.is_set():
             return
         self._stopped.set()
-        serving.set_serving(self.health, self.service_names, False)
+        grpc_plumbing.set_serving(self.health, self.service_names, False)
         if self.heartbeat is not None:
             self.heartbeat.stop()
         self.server.stop(grace_s).wait(grace_s + 1)

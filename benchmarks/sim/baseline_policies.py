@@ -12,9 +12,9 @@ import random
 from bisect import bisect_right
 from collections.abc import Sequence
 
+from benchmarks.sim.trace_replay import ReplayConfig, ReplayResult, SimWorker, TraceRequest, simulate, simulate_oracle
 from router.load_policy import Candidate, rank_prefill
 from router.prefix_policy import PolicyConfig, WorkerState, choose_prefill
-from router.trace_replay import ReplayConfig, ReplayResult, SimWorker, TraceRequest, simulate, simulate_oracle
 
 
 class DuetPolicy:

@@ -1,8 +1,8 @@
 """The prefix index in Redis: how many leading blocks of a prompt each prefill worker holds.
 
 Workers' KV events (engine/kv_events.py) keep it current; the router asks it once per request, in one
-round trip (one EVALSHA of router/lua/prefix_index_lookup.lua); every write is one call of
-router/lua/prefix_index_update.lua, so each is atomic. Key layout (every key carries the hash tag
+round trip (one EVALSHA of cluster/lua/prefix_index_lookup.lua); every write is one call of
+cluster/lua/prefix_index_update.lua, so each is atomic. Key layout (every key carries the hash tag
 `{<model_id>}`, so on Redis Cluster one model's index lives in one slot and the scripts may touch any of
 its keys; `<h>` is a block hash as 16 lowercase hex chars, `<w>` a worker id, `<gen>` 12 hex chars):
 

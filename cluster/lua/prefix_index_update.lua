@@ -1,4 +1,4 @@
--- Prefix index updates (router/prefix_index.py): every write to the index is one call of this script.
+-- Prefix index updates (cluster/prefix_index.py): every write to the index is one call of this script.
 --
 -- KEYS[1]  <prefix>iworkers    HASH worker -> its current generation
 -- ARGV[1]  op: apply | speculate | stage | commit | purge | collect

@@ -1,5 +1,5 @@
 #!lua flags=no-writes
--- Prefix index lookup (router/prefix_index.py): how many LEADING blocks of a hash chain each worker holds.
+-- Prefix index lookup (cluster/prefix_index.py): how many LEADING blocks of a hash chain each worker holds.
 -- Read-only (flags=no-writes): it also runs while Redis is at maxmemory, and on replicas via EVALSHA_RO.
 --
 -- KEYS[1]          <prefix>iworkers            HASH worker -> its current generation

@@ -17,7 +17,7 @@ What the simulator assumes (and nothing more):
 - Load imbalance = max / mean of the workers' total prefill busy time.
 
 Policies see `SimWorker`s advanced to the arrival time and may read only what their real counterpart
-could know (each policy's docstring says what it reads). See `router/baseline_policies.py`.
+could know (each policy's docstring says what it reads). See `benchmarks/sim/baseline_policies.py`.
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks.sim.trace_replay import load_trace
 from deploy.autoscaler import PoolPolicy, PoolState, decide
-from router.trace_replay import load_trace
 
 
 @dataclass(frozen=True)

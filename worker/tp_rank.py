@@ -1,4 +1,4 @@
-"""A follower rank of a tensor-parallel serving worker: `python -m duet.tp_rank --role prefill|decode ...`.
+"""A follower rank of a tensor-parallel serving worker: `python -m worker.tp_rank --role prefill|decode ...`.
 
 Started by the worker (rank 0) through engine/runtime.build_runtime: it is engine/tp_worker.py (load this
 rank's shard, run rank 0's steps) plus this rank's share of KV transfer: a KVSender for a prefill worker,

@@ -1,5 +1,5 @@
 """Publishes a worker's KV events (blocks stored / removed / all cleared) to Redis: into the prefix index
-(router/prefix_index.py, prefill workers) and, for observers, a capped stream.
+(cluster/prefix_index.py, prefill workers) and, for observers, a capped stream.
 
     stream  duet:{<model_id>}:kv_events:<worker_id>     (hash-tagged by model, like every routing key)
     entry   {"event": JSON}   JSON = {"type": "stored"|"removed"|"cleared", "epoch", "sequence", ...fields}
@@ -21,8 +21,8 @@ from collections.abc import Callable
 
 import redis
 
+from cluster.prefix_index import PrefixIndex
 from engine.kv_events import AllBlocksCleared, BlocksRemoved, BlocksStored, KVEvent
-from router.prefix_index import PrefixIndex
 
 Snapshot = Callable[[], tuple[int, int, list[int]]]  # (epoch, sequence, cached hashes), see BlockPool.snapshot
 

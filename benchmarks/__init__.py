@@ -1,0 +1,1 @@
+"""benchmarks: comparisons against peers and ceilings (scripts), and the simulators in sim/."""

@@ -31,7 +31,8 @@ def canonical_dtype(name: str) -> str:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Engine settings; CLI flags map onto these fields one to one."""
+    """Engine settings. Each flag of `ENGINE_FLAGS` sets one field; the fields without a flag are set in code
+    (`LLM(..., seed=1)`) or by a command's own flag (--model-id). Every field travels in `to_json`."""
 
     dtype: str | None = None  # None: the checkpoint's dtype
     block_size: int = 16

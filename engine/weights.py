@@ -24,10 +24,10 @@ from engine.config import ModelConfig
 from engine.errors import ModelLoadError
 from engine.model import LlamaForCausalLM
 from engine.tensor_parallel import Shard, TPGroup, local_config, parallelize, plan_shard
-from engine.tensor_source import TensorSlice, TensorSource, checkpoint_files, open_source
+from engine.tensor_source import TensorSlice, TensorSource, open_source
 from engine.tensor_specs import TensorSpec, TensorSpecs, tensor_specs
 
-__all__ = ["build_model", "checkpoint_files", "load_weights"]
+__all__ = ["build_model", "load_weights"]
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -14,7 +15,7 @@ from pathlib import Path
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 from duet.cli_bench import add_bench_commands
-from duet.cli_common import _parse_ids, add_engine_args, add_sampling_args, engine_kwargs, sampling_params
+from duet.cli_common import _parse_ids, add_engine_args, add_sampling_args, engine_config, sampling_params
 from duet.cli_ray import add_ray_commands
 from duet.cli_serving import add_serving_commands
 from engine.errors import InvalidRequestError, ModelLoadError
@@ -48,7 +49,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print("error: give at least one --prompt TEXT or --prompt-ids 1,2,3", file=sys.stderr)
         return 2
     params = sampling_params(args)
-    with LLM(args.model, **engine_kwargs(args)) as llm:
+    with LLM(args.model, **dataclasses.asdict(engine_config(args))) as llm:
         outputs = llm.generate(prompts, params)
     for prompt, out in zip(prompts, outputs):
         if args.json:

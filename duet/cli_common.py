@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from engine.engine_config import EngineConfig, add_engine_flags
+
 
 def _parse_ids(text: str) -> list[int]:
     try:
@@ -14,35 +16,10 @@ def _parse_ids(text: str) -> list[int]:
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """--model and every engine setting's flag (engine/engine_config.py's ENGINE_FLAGS, the one spelling)."""
     g = parser.add_argument_group("engine")
     g.add_argument("--model", type=Path, default=None, help="HF checkpoint dir (default: the embedded tiny model)")
-    g.add_argument("--dtype", default=None, help="float32|float16|bfloat16 (default: the checkpoint's)")
-    g.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
-    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (default: from memory)")
-    g.add_argument("--max-num-seqs", type=int, default=128)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step (prefill chunk)")
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
-    g.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (processes; gloo on CPU)")
-    g.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu",
-                   help="where weights, KV cache and steps live; auto: cuda when available (default: cpu)")
-    g.add_argument("--no-cuda-graphs", action="store_true",
-                   help="on CUDA, run decode steps eagerly instead of replaying captured CUDA graphs")
-    g.add_argument("--cuda-graph-batch-sizes", type=_parse_sizes, default=None,
-                   help="batch sizes captured as CUDA graphs, e.g. 1,2,4,8 (default: 1,2,4,8,16,24,32,48,... "
-                        "up to --max-num-seqs)")
-
-
-def _parse_sizes(text: str) -> tuple[int, ...]:
-    try:
-        sizes = tuple(int(t) for t in text.replace(" ", "").split(",") if t != "")
-    except ValueError:
-        sizes = ()
-    if not sizes or min(sizes) < 1:
-        raise argparse.ArgumentTypeError(f"--cuda-graph-batch-sizes={text!r} is invalid: must be comma-separated "
-                                         "ints >= 1")
-    return sizes
+    add_engine_flags(g)
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -62,21 +39,9 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--logprobs", type=int, default=None, help="top-n logprobs per token")
 
 
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(
-        dtype=args.dtype,
-        block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        enable_prefix_caching=not args.no_prefix_caching,
-        num_threads=args.threads,
-        tp_size=args.tp,
-        device=args.device,
-        cuda_graphs=not args.no_cuda_graphs,
-        cuda_graph_batch_sizes=args.cuda_graph_batch_sizes,
-    )
+def engine_config(args: argparse.Namespace, **fields: object) -> EngineConfig:
+    """The `EngineConfig` the engine flags of `args` spell (plus `fields` that have no flag here)."""
+    return EngineConfig.from_flags(args, **fields)
 
 
 def sampling_params(args: argparse.Namespace):

@@ -7,28 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from duet.cli_common import _parse_ids, add_engine_args, add_sampling_args, engine_kwargs, sampling_params
-
-
-def _engine_argv(args: argparse.Namespace) -> list[str]:
-    """The engine flags of `duet up` as they are passed on to each worker."""
-    argv = ["--block-size", str(args.block_size), "--max-num-seqs", str(args.max_num_seqs),
-            "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-    for flag, value in (("--dtype", args.dtype), ("--num-kv-blocks", args.num_kv_blocks),
-                        ("--max-model-len", args.max_model_len), ("--threads", args.threads)):
-        if value is not None:
-            argv += [flag, str(value)]
-    if args.no_prefix_caching:
-        argv.append("--no-prefix-caching")
-    if args.tp != 1:
-        argv += ["--tp", str(args.tp)]
-    if args.device != "cpu":
-        argv += ["--device", args.device]
-    if args.no_cuda_graphs:
-        argv.append("--no-cuda-graphs")
-    if args.cuda_graph_batch_sizes is not None:
-        argv += ["--cuda-graph-batch-sizes", ",".join(map(str, args.cuda_graph_batch_sizes))]
-    return argv
+from duet.cli_common import _parse_ids, add_engine_args, add_sampling_args, engine_config, sampling_params
 
 
 def add_worker_args(p: argparse.ArgumentParser) -> None:
@@ -47,12 +26,11 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from engine.config import EngineConfig
     from worker.process import WorkerConfig
 
     config = WorkerConfig(
         role=args.command, redis_url=args.redis_url, model_dir=args.model, host=args.host, port=args.port,
-        engine=EngineConfig(**engine_kwargs(args), model_id=args.model_id), kv_transport=args.kv_transport,
+        engine=engine_config(args, model_id=args.model_id), kv_transport=args.kv_transport,
         kv_checksum=args.kv_checksum, layer_group_size=args.layer_group_size, heartbeat_ttl_s=args.heartbeat_ttl,
         advertise_host=args.advertise_host, metrics_port=args.metrics_port,
     )
@@ -87,7 +65,7 @@ def cmd_router(args: argparse.Namespace) -> int:
 def cmd_up(args: argparse.Namespace) -> int:
     from deploy.local_cluster import ClusterConfig, run_up
 
-    worker_args = _engine_argv(args) + ["--kv-transport", args.kv_transport]
+    worker_args = engine_config(args).to_flags() + ["--kv-transport", args.kv_transport]
     config = ClusterConfig(
         model_dir=str(args.model) if args.model else None, num_prefill=args.prefill, num_decode=args.decode,
         port=args.port, worker_args=worker_args,
@@ -144,7 +122,7 @@ def cmd_route_explain(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from duet.demo import run_demo
 
-    return run_demo(args.model, max_tokens=args.max_tokens, worker_args=_engine_argv(args))
+    return run_demo(args.model, max_tokens=args.max_tokens, worker_args=engine_config(args).to_flags())
 
 
 def add_serving_commands(sub: argparse._SubParsersAction) -> None:

@@ -1,4 +1,6 @@
-"""Model and engine configuration: one dataclass each, filled from config.json and from CLI flags."""
+"""Model configuration (`ModelConfig`, from config.json) and the torch side of engine settings (dtypes,
+devices). `EngineConfig` lives in engine/engine_config.py, which imports no torch; it is re-exported here.
+"""
 
 from __future__ import annotations
 
@@ -8,15 +10,14 @@ from pathlib import Path
 
 import torch
 
+from engine.engine_config import DEVICES, DTYPE_ALIASES, EngineConfig, canonical_dtype
 from engine.errors import ModelLoadError
+
+__all__ = ["DEVICES", "DTYPE_ALIASES", "DTYPES", "EngineConfig", "ModelConfig", "parse_dtype", "resolve_device"]
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16", "float": "float32"}
-
-
-DEVICES = ("cpu", "cuda", "auto")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -31,10 +32,8 @@ def resolve_device(name: str) -> torch.device:
 
 
 def parse_dtype(name: str) -> torch.dtype:
-    key = DTYPE_ALIASES.get(name, name)
-    if key not in DTYPES:
-        raise ValueError(f"dtype={name!r} is invalid: must be one of {', '.join(DTYPES)} (or fp32/fp16/bf16)")
-    return DTYPES[key]
+    """The torch dtype a dtype name or alias (fp32, bf16, ...) means; ValueError naming the allowed ones."""
+    return DTYPES[canonical_dtype(name)]
 
 
 @dataclass(frozen=True)
@@ -125,45 +124,3 @@ def _rope(hf: dict) -> tuple[float, dict]:
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ModelLoadError(f"rope_type={rope_type!r} is not supported: allowed are {', '.join(SUPPORTED_ROPE_TYPES)}")
     return theta, ({} if rope_type == "default" else {"rope_type": rope_type, **merged})
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """Engine settings; CLI flags map onto these fields one to one."""
-
-    dtype: str | None = None  # None: the checkpoint's dtype
-    block_size: int = 16
-    num_kv_blocks: int | None = None  # None: as many as kv_cache_bytes holds, capped by need
-    kv_cache_bytes: int = 2 * 1024**3
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
-    enable_prefix_caching: bool = True
-    max_logprobs: int = 20
-    seed: int = 0  # for requests without a seed
-    model_id: str | None = None  # the name routers and hashes use; None: the model directory's name
-    num_threads: int | None = None  # torch intra-op threads; None: torch's default
-    tp_size: int = 1  # tensor-parallel ranks (processes; gloo on CPU, NCCL on CUDA)
-    fast_linears: bool = True  # CPU fast paths for linear layers (engine/linear_fast.py); False: plain F.linear
-    device: str = "cpu"  # "cpu", "cuda" or "auto" (cuda when available): weights, KV cache and step tensors
-    cuda_graphs: bool = True  # on CUDA, decode-only steps replay captured graphs (engine/cuda_graphs.py)
-    cuda_graph_batch_sizes: tuple[int, ...] | None = None  # graph buckets; None: 1, 2, 4, 8, 16, 24, 32, 48, ...
-
-    def __post_init__(self) -> None:
-        if self.dtype is not None:
-            parse_dtype(self.dtype)
-        for name in ("block_size", "kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens", "tp_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} is invalid: must be >= 1")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError(f"num_kv_blocks={self.num_kv_blocks} is invalid: must be >= 1")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"max_model_len={self.max_model_len} is invalid: must be >= 2")
-        if self.device not in DEVICES:
-            raise ValueError(f"device={self.device!r} is invalid: must be one of {', '.join(DEVICES)}")
-        sizes = self.cuda_graph_batch_sizes
-        if sizes is not None:
-            sizes = tuple(sizes)
-            object.__setattr__(self, "cuda_graph_batch_sizes", sizes)  # frozen: a list given is kept as a tuple
-            if not sizes or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in sizes):
-                raise ValueError(f"cuda_graph_batch_sizes={sizes!r} is invalid: must be ints >= 1, at least one")

@@ -114,8 +114,8 @@ def build_runtime(model_dir: str | Path, config: EngineConfig, follower_module: 
     if config.tp_size > 1:
         from engine.tp_runner import start_group
 
-        model, followers, control = start_group(model_config, model_dir, dtype, max_positions, max_model_len,
-                                                num_blocks, config, follower_module, follower_argv, device)
+        model, followers, control = start_group(model_config, model_dir, dtype, max_positions, num_blocks, config,
+                                                follower_module, follower_argv, device)
     else:
         model = build_model(model_config, model_dir, dtype, max_positions=max_positions, device=device)
         if config.fast_linears:

@@ -13,26 +13,25 @@ Rank r of N holds (H query heads, KV kv heads, I intermediate, V vocabulary):
 
 The model code is unchanged: a rank builds the plain model from a *local* config (its head counts and
 intermediate size), then `parallelize` swaps in the row-parallel and vocabulary-parallel layers, whose
-forward is the only place a collective appears. Each rank reads only its slices of the checkpoint
-(safetensors slices, no full tensor in memory).
+forward is the only place a collective appears. What a rank loads is a slice of each tensor spec
+(`Shard.slice_of`, from the spec's `Split`); engine/weights.py's one loader reads only that slice
+(engine/weights.build_model(..., tp=...) builds a rank's model).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from safetensors import safe_open
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.errors import ModelLoadError
 from engine.model import LlamaForCausalLM
-from engine.weights import _IGNORED, checkpoint_files
+from engine.tensor_source import TensorSlice
+from engine.tensor_specs import Split, TensorSpec
 
 
 @dataclass(frozen=True)
@@ -52,6 +51,22 @@ class Shard:
     kv_heads: tuple[int, int]
     intermediate: tuple[int, int]
     vocab: tuple[int, int]
+    head_dim: int
+
+    def slice_of(self, spec: TensorSpec) -> TensorSlice | None:
+        """This rank's part of the checkpoint tensor `spec` names; None: all of it (replicated)."""
+        if spec.split is Split.REPLICATED:
+            return None
+        if spec.split in (Split.QUERY_HEAD_ROWS, Split.QUERY_HEAD_COLUMNS):
+            start, end = (h * self.head_dim for h in self.q_heads)
+        elif spec.split is Split.KV_HEAD_ROWS:
+            start, end = (h * self.head_dim for h in self.kv_heads)
+        elif spec.split in (Split.INTERMEDIATE_ROWS, Split.INTERMEDIATE_COLUMNS):
+            start, end = self.intermediate
+        else:
+            assert spec.split is Split.VOCAB_ROWS, spec.split
+            start, end = self.vocab
+        return TensorSlice(spec.split.dim, start, end)
 
 
 def plan_shard(config: ModelConfig, rank: int, size: int) -> Shard:
@@ -74,7 +89,7 @@ def plan_shard(config: ModelConfig, rank: int, size: int) -> Shard:
         kv_range = (head, head + 1)
     i_per, v_per = inter // size, vocab // size
     return Shard(rank, size, (rank * q_per, (rank + 1) * q_per), kv_range, (rank * i_per, (rank + 1) * i_per),
-                 (rank * v_per, (rank + 1) * v_per))
+                 (rank * v_per, (rank + 1) * v_per), config.head_dim)
 
 
 def local_config(config: ModelConfig, shard: Shard) -> ModelConfig:
@@ -139,92 +154,3 @@ def parallelize(model: LlamaForCausalLM, full: ModelConfig, shard: Shard, tp: TP
 
     model.gather_vocab = gather_vocab
     return model
-
-
-def _shard_specs(full: ModelConfig, shard: Shard, model: LlamaForCausalLM) -> dict[str, tuple]:
-    """Checkpoint name -> (destination tensor, source dim, source [start, end)); dim None means whole."""
-    params = dict(model.named_parameters())
-    d = full.head_dim
-    q0, q1 = (s * d for s in shard.q_heads)
-    k0, k1 = (s * d for s in shard.kv_heads)
-    i0, i1 = shard.intermediate
-    v0, v1 = shard.vocab
-    lq, lkv, li = q1 - q0, k1 - k0, i1 - i0
-    specs: dict[str, tuple] = {}
-
-    Range = tuple[int, int]
-
-    def add(hf: str, ours: str, dim: int | None, src: Range | None = None, rows: Range | None = None) -> None:
-        dest = params[ours].data
-        if rows is not None:
-            dest = dest[rows[0] : rows[1]]
-        specs[hf] = (dest, dim, src)
-
-    add("model.embed_tokens.weight", "embed_tokens.weight", 0, (v0, v1))
-    add("model.norm.weight", "norm.weight", None)
-    if not full.tie_word_embeddings:
-        add("lm_head.weight", "lm_head.weight", 0, (v0, v1))
-    for i in range(full.num_layers):
-        hf, ours = f"model.layers.{i}", f"layers.{i}"
-        for kind in ["weight"] + (["bias"] if full.qkv_bias else []):
-            add(f"{hf}.self_attn.q_proj.{kind}", f"{ours}.self_attn.qkv_proj.{kind}", 0, (q0, q1), (0, lq))
-            add(f"{hf}.self_attn.k_proj.{kind}", f"{ours}.self_attn.qkv_proj.{kind}", 0, (k0, k1), (lq, lq + lkv))
-            add(f"{hf}.self_attn.v_proj.{kind}", f"{ours}.self_attn.qkv_proj.{kind}", 0, (k0, k1),
-                (lq + lkv, lq + 2 * lkv))
-        add(f"{hf}.self_attn.o_proj.weight", f"{ours}.self_attn.o_proj.weight", 1, (q0, q1))
-        if full.o_bias:
-            add(f"{hf}.self_attn.o_proj.bias", f"{ours}.self_attn.o_proj.bias", None)
-        for kind in ["weight"] + (["bias"] if full.mlp_bias else []):
-            add(f"{hf}.mlp.gate_proj.{kind}", f"{ours}.mlp.gate_up_proj.{kind}", 0, (i0, i1), (0, li))
-            add(f"{hf}.mlp.up_proj.{kind}", f"{ours}.mlp.gate_up_proj.{kind}", 0, (i0, i1), (li, 2 * li))
-        add(f"{hf}.mlp.down_proj.weight", f"{ours}.mlp.down_proj.weight", 1, (i0, i1))
-        if full.mlp_bias:
-            add(f"{hf}.mlp.down_proj.bias", f"{ours}.mlp.down_proj.bias", None)
-        add(f"{hf}.input_layernorm.weight", f"{ours}.input_layernorm.weight", None)
-        add(f"{hf}.post_attention_layernorm.weight", f"{ours}.post_attention_layernorm.weight", None)
-    return specs
-
-
-def load_shard(model: LlamaForCausalLM, model_dir: str | Path, full: ModelConfig, shard: Shard) -> None:
-    """Copy this rank's slice of every checkpoint tensor into place (reading only that slice)."""
-    specs = _shard_specs(full, shard, model)
-    loaded: set[str] = set()
-    for path in checkpoint_files(Path(model_dir)):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                if _IGNORED.match(name) or (full.tie_word_embeddings and name == "lm_head.weight"):
-                    continue
-                if name not in specs:
-                    raise ModelLoadError(f"unexpected tensor {name} in {path.name}: the config has no place for it")
-                dest, dim, src = specs[name]
-                piece = f.get_slice(name)
-                if dim is None:
-                    tensor = piece[:]
-                elif dim == 0:
-                    tensor = piece[src[0] : src[1]]
-                else:
-                    tensor = piece[:, src[0] : src[1]]
-                if tuple(tensor.shape) != tuple(dest.shape):
-                    raise ModelLoadError(f"tensor {name} in {path.name} has shape {tuple(piece.get_shape())}, which "
-                                         f"does not fit rank {shard.rank}/{shard.size}'s {tuple(dest.shape)} slice")
-                dest.copy_(tensor)
-                loaded.add(name)
-    missing = sorted(set(specs) - loaded)
-    if missing:
-        raise ModelLoadError(f"checkpoint {model_dir} is missing tensors: {', '.join(missing[:5])}")
-
-
-def build_tp_model(full: ModelConfig, model_dir: str | Path, dtype: torch.dtype, max_positions: int,
-                   tp: TPGroup, device: torch.device | str = "cpu") -> LlamaForCausalLM:
-    """This rank's model on `device`: the plain model from its local config, parallelized, loaded from its
-    shard."""
-    shard = plan_shard(full, tp.rank, tp.size)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(local_config(full, shard), max_positions)
-        parallelize(model, full, shard, tp)
-        model = model.to(dtype)
-    model.to_empty(device=device)
-    model.rotary.to(device)  # a plain attribute, not a buffer: built on CPU in the constructor
-    with torch.no_grad():
-        load_shard(model, model_dir, full, shard)
-    return model.eval().requires_grad_(False)

@@ -24,18 +24,21 @@ its KV shard while later layers compute, exactly as rank 0 does.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import socket
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from engine.attention import AttentionMetadata, PrefillChunk
+from engine.config import EngineConfig, ModelConfig
 from engine.model import KVCache, LlamaForCausalLM
 from engine.model_runner import ModelRunner, SampledToken
 from engine.sampler import Sampler, SamplingRow
@@ -239,47 +242,52 @@ def init_group(rank: int, size: int, init_method: str, timeout_s: float = 120.0,
     return dist.new_group(list(range(size)), timeout=timedelta(days=1), backend="gloo")
 
 
-def spawn_followers(size: int, init_method: str, argv: list[str], module: str = "engine.tp_worker"
-                    ) -> list[subprocess.Popen]:
-    """Start ranks 1..size-1 as `python -m <module>` processes (they die with this process)."""
+def spawn_followers(size: int, init_method: str, model_dir: str | Path, settings: EngineConfig,
+                    extra_argv: Sequence[str] = (), module: str = "engine.tp_worker") -> list[subprocess.Popen]:
+    """Start ranks 1..size-1 as `python -m <module>` processes (they die with this process). Each gets its
+    rank, the group's rendezvous, the checkpoint and the resolved engine settings as one JSON argument
+    (engine/tp_worker.py's `engine_arg_parser` reads them), then `extra_argv` (what `module` adds)."""
     from engine.child_process import parent_death_preexec
 
     procs = []
     for rank in range(1, size):
-        cmd = [sys.executable, "-m", module, "--rank", str(rank), "--size", str(size),
-               "--init-method", init_method, *argv]
+        cmd = [sys.executable, "-m", module, "--rank", str(rank), "--size", str(size), "--init-method", init_method,
+               "--model", str(model_dir), "--engine-config", settings.to_json(), *extra_argv]
         procs.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL, preexec_fn=parent_death_preexec()))
     return procs
 
 
-def start_group(model_config, model_dir, dtype: torch.dtype, max_positions: int, max_model_len: int, num_blocks: int,
-                config, follower_module: str = "engine.tp_worker", follower_argv: list[str] | tuple = (),
-                device: torch.device | None = None):
+def follower_settings(config: EngineConfig, dtype: torch.dtype, num_blocks: int, max_positions: int,
+                      device: torch.device) -> EngineConfig:
+    """The settings rank 0 resolved, as every follower must use them: the dtype, the KV cache size in blocks
+    (so every rank's shard has the same blocks), the positions the model covers (as `max_model_len`) and
+    the device kind ("cuda": rank r runs on cuda:r)."""
+    return dataclasses.replace(config, dtype=str(dtype).removeprefix("torch."), num_kv_blocks=num_blocks,
+                               max_model_len=max_positions, device=device.type)
+
+
+def start_group(model_config: ModelConfig, model_dir: str | Path, dtype: torch.dtype, max_positions: int,
+                num_blocks: int, config: EngineConfig, follower_module: str = "engine.tp_worker",
+                follower_argv: Sequence[str] = (), device: torch.device | None = None):
     """Rank 0's side of starting a tensor-parallel engine: spawn the followers with the settings resolved
     here, join the process group, load rank 0's shard, wait until every rank has loaded (and built its
     hooks). On CUDA rank r runs on cuda:r of the GPUs this process sees. Returns (model, follower
     processes, control group)."""
     from engine.linear_fast import fast_linears
-    from engine.tensor_parallel import TPGroup, build_tp_model
+    from engine.tensor_parallel import TPGroup
+    from engine.weights import build_model
 
     init_method = f"tcp://127.0.0.1:{free_port()}"
-    argv = ["--model", str(model_dir), "--dtype", str(dtype).removeprefix("torch."), "--block-size",
-            str(config.block_size), "--num-kv-blocks", str(num_blocks), "--max-model-len", str(max_positions)]
-    if config.num_threads:
-        argv += ["--threads", str(config.num_threads)]
-    if not config.fast_linears:
-        argv.append("--no-fast-linears")
     cuda = device is not None and device.type == "cuda"
-    if cuda:
-        argv += ["--device", "cuda"]
-        if torch.cuda.device_count() < config.tp_size:
-            raise ValueError(f"tp_size={config.tp_size} is invalid here: needs one GPU per rank, torch sees "
-                             f"{torch.cuda.device_count()}")
-    followers = spawn_followers(config.tp_size, init_method, [*argv, *follower_argv], follower_module)
+    if cuda and torch.cuda.device_count() < config.tp_size:
+        raise ValueError(f"tp_size={config.tp_size} is invalid here: needs one GPU per rank, torch sees "
+                         f"{torch.cuda.device_count()}")
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    settings = follower_settings(config, dtype, num_blocks, max_positions, device)
+    followers = spawn_followers(config.tp_size, init_method, model_dir, settings, follower_argv, follower_module)
     try:
-        device = torch.device("cuda", 0) if cuda else torch.device("cpu")
         control = init_group(0, config.tp_size, init_method, device=device)
-        model = build_tp_model(model_config, model_dir, dtype, max_positions, TPGroup(0, config.tp_size), device)
+        model = build_model(model_config, model_dir, dtype, max_positions, device, TPGroup(0, config.tp_size))
         if config.fast_linears:
             fast_linears(model)  # every shard's GEMMs and the lm_head shard (CPU only; no-op on CUDA)
         dist.barrier()

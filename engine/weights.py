@@ -1,101 +1,101 @@
-"""Load Hugging Face safetensors checkpoints (one file or shards with an index) into the model.
+"""Load a checkpoint into the model: one loader for the plain model and for a tensor-parallel rank.
 
-Every tensor the config implies must be present with its exact shape, and every tensor present must
-be one the model has: a mismatch is a `ModelLoadError` naming the tensor, so a wrong checkpoint never
-loads as silent garbage. q/k/v and gate/up land in slices of the fused parameters.
+What to load is `TensorSpec`s (engine/tensor_specs.py), where from is a `TensorSource`
+(engine/tensor_source.py), and a rank's share is a slice of each spec (engine/tensor_parallel.py's
+`Shard.slice_of`). Every tensor the config implies must be present with its exact shape, and every
+tensor present must be one the model has: a mismatch is a `ModelLoadError` naming the tensor, so a wrong
+checkpoint never loads as silent garbage.
+
+Loading fills the parameters of the plain (or parallelized) model. Quantization and the CPU fast paths
+(engine/linear_fast.py) are module swaps *after* loading; the loader refuses a model whose parameters
+the specs do not cover exactly, so a swap done too early fails here instead of leaving weights unset.
 """
 
 from __future__ import annotations
 
-import json
 import re
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from engine.config import ModelConfig
 from engine.errors import ModelLoadError
 from engine.model import LlamaForCausalLM
+from engine.tensor_parallel import Shard, TPGroup, local_config, parallelize, plan_shard
+from engine.tensor_source import TensorSlice, TensorSource, open_source
+from engine.tensor_specs import TensorSpec, TensorSpecs, tensor_specs
 
-_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
-
-
-def checkpoint_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
-        files = sorted({model_dir / name for name in weight_map.values()})
-        missing = [str(f) for f in files if not f.is_file()]
-        if missing:
-            raise ModelLoadError(f"shards listed in {index} are missing: {', '.join(missing)}")
-        return files
-    single = model_dir / "model.safetensors"
-    if single.is_file():
-        return [single]
-    raise ModelLoadError(f"no model.safetensors or model.safetensors.index.json in {model_dir}")
+__all__ = ["build_model", "load_weights"]
 
 
-def _targets(model: LlamaForCausalLM) -> dict[str, tuple[torch.Tensor, int]]:
-    """Checkpoint name -> (destination tensor view, row offset) for every tensor the model needs."""
-    cfg = model.config
-    params = dict(model.named_parameters())
-    targets: dict[str, tuple[torch.Tensor, int]] = {}
-
-    def add(hf_name: str, param_name: str, start: int = 0, rows: int | None = None) -> None:
-        param = params[param_name].data
-        rows = param.shape[0] - start if rows is None else rows
-        targets[hf_name] = (param[start : start + rows], start)
-
-    add("model.embed_tokens.weight", "embed_tokens.weight")
-    add("model.norm.weight", "norm.weight")
-    if not cfg.tie_word_embeddings:
-        add("lm_head.weight", "lm_head.weight")
-    q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
-    for i in range(cfg.num_layers):
-        hf, ours = f"model.layers.{i}", f"layers.{i}"
-        kinds = ["weight"] + (["bias"] if cfg.qkv_bias else [])
-        for kind in kinds:
-            add(f"{hf}.self_attn.q_proj.{kind}", f"{ours}.self_attn.qkv_proj.{kind}", 0, q)
-            add(f"{hf}.self_attn.k_proj.{kind}", f"{ours}.self_attn.qkv_proj.{kind}", q, kv)
-            add(f"{hf}.self_attn.v_proj.{kind}", f"{ours}.self_attn.qkv_proj.{kind}", q + kv, kv)
-        for kind in ["weight"] + (["bias"] if cfg.o_bias else []):
-            add(f"{hf}.self_attn.o_proj.{kind}", f"{ours}.self_attn.o_proj.{kind}")
-        for kind in ["weight"] + (["bias"] if cfg.mlp_bias else []):
-            add(f"{hf}.mlp.gate_proj.{kind}", f"{ours}.mlp.gate_up_proj.{kind}", 0, inter)
-            add(f"{hf}.mlp.up_proj.{kind}", f"{ours}.mlp.gate_up_proj.{kind}", inter, inter)
-            add(f"{hf}.mlp.down_proj.{kind}", f"{ours}.mlp.down_proj.{kind}")
-        add(f"{hf}.input_layernorm.weight", f"{ours}.input_layernorm.weight")
-        add(f"{hf}.post_attention_layernorm.weight", f"{ours}.post_attention_layernorm.weight")
-    return targets
+@dataclass(frozen=True)
+class _Placement:
+    spec: TensorSpec
+    dest: torch.Tensor  # a view of the parameter: the rows this tensor (or this rank's slice) fills
+    part: TensorSlice | None  # what to read of the checkpoint tensor; None: all of it
 
 
-def load_weights(model: LlamaForCausalLM, model_dir: str | Path) -> None:
-    """Copy every checkpoint tensor into its place, converting to the model's dtype."""
-    model_dir = Path(model_dir)
-    targets = _targets(model)
+def load_weights(model: LlamaForCausalLM, specs: TensorSpecs, source: TensorSource,
+                 shard: Shard | None = None) -> None:
+    """Copy every spec'd tensor from `source` into `model`'s parameters (with `shard`: only this rank's
+    slice of each, reading only that slice), converting to the parameters' dtype.
+
+    `model` is the plain model built from the config the specs came from or, with `shard`, that rank's
+    parallelized model (`local_config` + `parallelize`), before any module swap. Raises ModelLoadError
+    naming the tensor for an unexpected, misshaped or missing tensor."""
+    placements = _placements(model, specs.specs, shard)
     loaded: set[str] = set()
-    tied = model.config.tie_word_embeddings
-    for path in checkpoint_files(model_dir):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                if _IGNORED.match(name) or (tied and name == "lm_head.weight"):
-                    continue
-                if name not in targets:
-                    raise ModelLoadError(f"unexpected tensor {name} in {path.name}: the config has no place for it")
-                dest, _ = targets[name]
-                tensor = f.get_tensor(name)
-                if tuple(tensor.shape) != tuple(dest.shape):
-                    raise ModelLoadError(
-                        f"tensor {name} in {path.name} has shape {tuple(tensor.shape)}, "
-                        f"but config.json implies {tuple(dest.shape)}"
-                    )
-                dest.copy_(tensor)
-                loaded.add(name)
-    missing = sorted(set(targets) - loaded, key=_natural_key)
+    for name in source.names():
+        if specs.is_skipped(name):
+            continue
+        if name not in placements:
+            raise ModelLoadError(f"unexpected tensor {name} in {source.location(name)}: the config has no place for it")
+        p = placements[name]
+        shape = tuple(source.shape(name))
+        if shape != p.spec.shape:
+            raise ModelLoadError(f"tensor {name} in {source.location(name)} has shape {shape}, "
+                                 f"but config.json implies {p.spec.shape}")
+        p.dest.copy_(source.read(name, p.part))
+        loaded.add(name)
+    missing = sorted(set(placements) - loaded, key=_natural_key)
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
-        raise ModelLoadError(f"checkpoint {model_dir} is missing tensors: {', '.join(missing[:5])}{more}")
+        raise ModelLoadError(f"checkpoint {source.origin} is missing tensors: {', '.join(missing[:5])}{more}")
+
+
+def _placements(model: LlamaForCausalLM, specs: Sequence[TensorSpec], shard: Shard | None
+                ) -> dict[str, _Placement]:
+    """Checkpoint name -> where it lands. The parts of a fused parameter are stacked in spec order, so a
+    part's rows start where the previous part's (possibly sliced) rows end; unsharded, that is the spec's
+    own row_offset. Raises ValueError if the specs do not cover the model's parameters exactly."""
+    params = dict(model.named_parameters())
+    local_rows: dict[str, int] = {}  # parameter -> rows filled so far, this rank's
+    full_rows: dict[str, int] = {}  # parameter -> rows filled so far, of the whole model
+    placements: dict[str, _Placement] = {}
+    for spec in specs:
+        if spec.param_name not in params:
+            raise ValueError(f"the model has no parameter {spec.param_name} for {spec.checkpoint_name}: load the "
+                             "plain model, and swap modules (quantization, fast linears) only after loading")
+        if full_rows.get(spec.param_name, 0) != spec.row_offset:
+            raise ValueError(f"{spec.checkpoint_name}: row_offset={spec.row_offset}, but the parts listed before "
+                             f"it fill {full_rows.get(spec.param_name, 0)} rows of {spec.param_name}")
+        full_rows[spec.param_name] = spec.row_offset + spec.shape[0]
+        part = None if shard is None else shard.slice_of(spec)
+        shape = spec.shape if part is None else part.shape_of(spec.shape)
+        start = local_rows.get(spec.param_name, 0)
+        dest = params[spec.param_name].data[start : start + shape[0]]
+        if tuple(dest.shape) != shape:
+            raise ValueError(f"{spec.checkpoint_name} needs rows [{start}, {start + shape[0]}) of shape {shape} in "
+                             f"{spec.param_name}, which has shape {tuple(params[spec.param_name].shape)}")
+        local_rows[spec.param_name] = start + shape[0]
+        placements[spec.checkpoint_name] = _Placement(spec, dest, part)
+    uncovered = [n for n, p in params.items() if local_rows.get(n) != p.shape[0]]
+    if uncovered:
+        raise ValueError(f"no tensor specs fill parameters {', '.join(uncovered[:5])}: the specs and the model "
+                         "disagree")
+    return placements
 
 
 def _natural_key(name: str) -> list:
@@ -103,12 +103,21 @@ def _natural_key(name: str) -> list:
 
 
 def build_model(config: ModelConfig, model_dir: str | Path, dtype: torch.dtype, max_positions: int,
-                device: torch.device | str = "cpu") -> LlamaForCausalLM:
-    """Make the model on `device` without initializing weights (they are all loaded), then load them."""
+                device: torch.device | str = "cpu", tp: TPGroup | None = None) -> LlamaForCausalLM:
+    """Make the model on `device` without initializing weights (they are all loaded), then load them.
+
+    With `tp`, this rank's model: the plain model from its local config (its heads and MLP rows),
+    parallelized, holding only its shard. Raises ModelLoadError naming what is wrong with the
+    checkpoint (and ValueError if `tp.size` does not divide the model)."""
+    shard = None if tp is None else plan_shard(config, tp.rank, tp.size)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, max_positions).to(dtype)
+        if shard is None:
+            model = LlamaForCausalLM(config, max_positions)
+        else:
+            model = parallelize(LlamaForCausalLM(local_config(config, shard), max_positions), config, shard, tp)
+        model = model.to(dtype)
     model.to_empty(device=device)
     model.rotary.to(device)  # a plain attribute, not a buffer: built on CPU in the constructor
-    with torch.no_grad():
-        load_weights(model, model_dir)
+    with torch.no_grad(), open_source(model_dir) as source:
+        load_weights(model, tensor_specs(config), source, shard)
     return model.eval().requires_grad_(False)

@@ -15,8 +15,7 @@ from collections import Counter
 import pytest
 import torch
 
-from duet.cli_common import add_engine_args, engine_kwargs
-from duet.cli_serving import _engine_argv
+from duet.cli_common import add_engine_args, engine_config
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig, ModelConfig, resolve_device
 from engine.cuda_graphs import (
@@ -223,14 +222,14 @@ def test_device_is_validated_and_resolved():
 def test_cli_flags_map_onto_the_engine_config():
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
-    kwargs = engine_kwargs(parser.parse_args([]))
-    assert (kwargs["device"], kwargs["cuda_graphs"], kwargs["cuda_graph_batch_sizes"]) == ("cpu", True, None)
+    defaults = engine_config(parser.parse_args([]))
+    assert (defaults.device, defaults.cuda_graphs, defaults.cuda_graph_batch_sizes) == ("cpu", True, None)
     args = parser.parse_args(["--device", "cuda", "--no-cuda-graphs", "--cuda-graph-batch-sizes", "1,2,4"])
-    config = EngineConfig(**engine_kwargs(args))
+    config = engine_config(args)
     assert (config.device, config.cuda_graphs, config.cuda_graph_batch_sizes) == ("cuda", False, (1, 2, 4))
     # `duet up` / `duet demo` pass them on to every worker
-    assert _engine_argv(args)[-5:] == ["--device", "cuda", "--no-cuda-graphs", "--cuda-graph-batch-sizes", "1,2,4"]
-    assert "--device" not in _engine_argv(parser.parse_args([]))
+    assert config.to_flags()[-5:] == ["--device", "cuda", "--no-cuda-graphs", "--cuda-graph-batch-sizes", "1,2,4"]
+    assert "--device" not in defaults.to_flags()
 
 
 def test_cpu_engine_keeps_the_plain_runner(tiny_llama_dir):

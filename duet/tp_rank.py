@@ -34,10 +34,11 @@ def make_hooks(args, model, kv_caches, dtype):
     layout = KVLayout.for_caches(args.model_id, kv_caches, args.size, args.rank)
     if args.role == "prefill":
         from kvtransfer.sender import KVSender
+        from prefill_worker.follower_acks import AckReporter
         from prefill_worker.tp_rank import PrefillRankHooks
 
         sender = KVSender(layout, kv_caches, transport=args.kv_transport, checksum=args.kv_checksum)
-        return PrefillRankHooks(args.rank, sender, store, args.layer_group_size)
+        return PrefillRankHooks(args.rank, sender, AckReporter(store, args.rank), args.layer_group_size)
     from decode_worker.tp_rank import DecodeRankHooks
 
     return DecodeRankHooks.build(args.rank, layout, kv_caches, store, args.host, args.advertise_host)

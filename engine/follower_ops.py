@@ -114,7 +114,7 @@ def decode_op(body: bytes, op_types: Iterable[type[T]]) -> T:
 
 
 def _refuse_constant(name: str) -> Any:
-    raise json.JSONDecodeError(f"{name} is not a number an op may carry", name, 0)
+    raise OpDecodeError(f"{name} is not a number an op may carry")
 
 
 def _to_json(value: Any) -> Any:

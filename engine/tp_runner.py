@@ -141,17 +141,8 @@ class TPDriverRunner(ModelRunner):
                                                                        sampled.logprobs)}
 
     def call_followers(self, op: object) -> CallResult:
-        """Run `op` (a frozen dataclass, engine/follower_ops.py) on every follower: each decodes it and runs
-        the method its hooks name for the op's class. Returns every rank's status; raises ValueError if the op
-        does not encode (engine/follower_ops.encode_op), RuntimeError if a rank is gone."""
-        body = encode_op(op)
-        dist.broadcast(torch.tensor([CALL, len(body)] + [0] * (_HEADER - 2), dtype=torch.int64), src=0,
-                       group=self.group)
-        dist.broadcast(torch.frombuffer(bytearray(body), dtype=torch.uint8), src=0, group=self.group)
-        result = CallResult(type(op).__name__, _gather_status(CallStatus.DONE, self.group))
-        if not result.ok:
-            log.warning("tp event=call_failed op=%s %s", result.op_name, result.failures())
-        return result
+        """`call_followers(op, self.group)`."""
+        return call_followers(op, self.group)
 
     def shutdown(self) -> None:
         """Tell the followers to exit (best effort: they also exit when this process dies)."""
@@ -159,6 +150,20 @@ class TPDriverRunner(ModelRunner):
             dist.broadcast(torch.tensor([STOP] + [0] * (_HEADER - 1), dtype=torch.int64), src=0, group=self.group)
         except (RuntimeError, ValueError):
             pass
+
+
+def call_followers(op: object, group) -> CallResult:
+    """Rank 0: run `op` (a frozen dataclass, engine/follower_ops.py) on every follower of `group`: each decodes
+    it and runs the method its hooks name for the op's class. Returns every rank's status (failures are also
+    logged); raises ValueError if the op does not encode (engine/follower_ops.encode_op), RuntimeError if a
+    rank is gone."""
+    body = encode_op(op)
+    dist.broadcast(torch.tensor([CALL, len(body)] + [0] * (_HEADER - 2), dtype=torch.int64), src=0, group=group)
+    dist.broadcast(torch.frombuffer(bytearray(body), dtype=torch.uint8), src=0, group=group)
+    result = CallResult(type(op).__name__, _gather_status(CallStatus.DONE, group))
+    if not result.ok:
+        log.warning("tp event=call_failed op=%s %s", result.op_name, result.failures())
+    return result
 
 
 def _gather_status(status: CallStatus, group) -> tuple[CallStatus, ...]:

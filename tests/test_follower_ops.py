@@ -182,3 +182,57 @@ def test_each_rank_runs_its_method_and_rank_0_learns_every_status():
     assert got[1] == [1, 0, 2]  # Echo(13) raised before recording; NobodyRunsThis never reached a method
     assert got[2] is None
     assert [p.exitcode for p in procs] == [0, 0, 0]
+
+
+# -- a decode follower rank's hooks, with a real KVReceiver and a real sender ----------------------------------
+
+def test_decode_rank_mirrors_reservations_and_commits_only_a_complete_shard():
+    import time
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from decode_worker.tp_rank import FOLLOWER_TTL_MARGIN_S, DecodeRankHooks, kv_address_key
+    from kvtransfer import KVLayout, KVSender
+
+    def caches(seed: int):
+        g = torch.Generator().manual_seed(seed)
+        return [tuple(torch.randn(2, 16, 4, 8, generator=g) for _ in range(2)) for _ in range(3)]
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    recv_caches, send_caches = caches(1), caches(2)
+    hooks = DecodeRankHooks.build(1, KVLayout.for_caches("tiny", recv_caches), recv_caches, store, "127.0.0.1",
+                                  "127.0.0.1")
+    sender = KVSender(KVLayout.for_caches("tiny", send_caches), send_caches)
+    table = hooks.reservations
+
+    def run(op) -> bool:
+        decoded = decode_op(encode_op(op), hooks.handlers())
+        return hooks.handlers()[type(decoded)](decoded)
+
+    try:
+        endpoint = store.get(kv_address_key(1)).decode()
+        assert endpoint == f"127.0.0.1:{hooks.receiver.port}"
+        assert run(ReserveBlocks(41, "r1", (11, 2, 7), 10, 30.0))
+        assert run(ReserveBlocks(42, "r2", (5,), 3, 30.0))
+        assert run(ReserveBlocks(43, "r3", (6, 9), 8, 30.0))
+        assert len(table) == 3
+        sender.send(endpoint, 41, 0, 3, 0, [3, 8, 1]).result(timeout=10)
+        complete = table.wait_complete(41, timeout_s=5)
+        assert complete.block_ids == [11, 2, 7] and complete.num_tokens == 10
+        assert 30.0 + FOLLOWER_TTL_MARGIN_S - 5 < complete.expires_at_s - time.monotonic()
+        assert run(CommitReservation(41))
+        for layer in range(3):
+            for kv in range(2):
+                assert torch.equal(recv_caches[layer][kv][:, [11, 2, 7]], send_caches[layer][kv][:, [3, 8, 1]])
+        assert not run(CommitReservation(42))  # no KV arrived here: refused, and gone
+        assert run(ReleaseReservation(43))
+        assert len(table) == 0
+        assert not run(CommitReservation(43))  # released: nothing to commit
+        with pytest.raises(UnknownOp, match=r"op='ForgetRequest' is unknown here: this rank runs "
+                                            r"\['CommitReservation', 'ReleaseReservation', 'ReserveBlocks'\]"):
+            decode_op(encode_op(ForgetRequest("r1")), hooks.handlers())
+    finally:
+        sender.close()
+        hooks.close()

@@ -55,7 +55,7 @@ class CallResult:
         return all(s is CallStatus.DONE for s in self.statuses)
 
     def failures(self) -> str:
-        """"rank 1: unknown_op, rank 3: refused" (empty when ok), for logs and error messages."""
+        """Each failing rank and how, e.g. `rank 1: unknown_op, rank 3: refused` (empty when ok), for logs."""
         return ", ".join(f"rank {r}: {s.name.lower()}" for r, s in enumerate(self.statuses) if s is not CallStatus.DONE)
 
 

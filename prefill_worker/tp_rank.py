@@ -44,7 +44,6 @@ class _Shipment:
     """One request's messages from this rank."""
     futures: list[Future] = field(default_factory=list)
     error: BaseException | None = None
-    last_sent: bool = False
 
 
 class PrefillRankHooks(FollowerHooks):

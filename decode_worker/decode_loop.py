@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from decode_worker.tp_ops import DecodeFollowers
 from engine.kv_cache_manager import cdiv
 from engine.request import Request, RequestStatus
 from engine.runtime import Runtime
@@ -45,6 +46,7 @@ class DecodeLoop:
         self._on_token_gap = on_token_gap  # seconds between a request's consecutive tokens (metrics)
         self._last_token_s: dict[str, float] = {}
         self.reservations = reservations
+        self._followers = DecodeFollowers(runtime)
         self._live: dict[str, tuple[Request, queue.SimpleQueue]] = {}
         self._reserved: dict[int, list[int]] = {}  # reservation id -> its blocks (engine thread's view)
         self.thread = EngineThread(
@@ -71,9 +73,8 @@ class DecodeLoop:
         block_ids = pool.allocate(num_blocks)
         reservation = self.reservations.add(request_id, block_ids, num_prompt_tokens, ttl_s)
         self._reserved[reservation.reservation_id] = block_ids
-        mirrored = self.rt.call_followers("reserve", {
-            "id": reservation.reservation_id, "request_id": request_id, "blocks": block_ids,
-            "num_tokens": num_prompt_tokens, "ttl_s": ttl_s})
+        mirrored = self._followers.reserve(reservation.reservation_id, request_id, block_ids, num_prompt_tokens,
+                                           ttl_s)
         if not mirrored:  # a follower rank refused: undo everywhere
             self.release(reservation.reservation_id)
             raise RuntimeError(f"reservation {reservation.reservation_id}: a tensor-parallel rank refused it")
@@ -88,7 +89,7 @@ class DecodeLoop:
 
     def _free(self, reservation: Reservation) -> None:
         # followers first: once they popped it no write lands there, then the blocks may be reused
-        self.rt.call_followers("release", {"id": reservation.reservation_id})
+        self._followers.release(reservation.reservation_id)
         del self._reserved[reservation.reservation_id]
         self.rt.block_pool.free(reversed(reservation.block_ids))
         self._check_idle()
@@ -112,7 +113,7 @@ class DecodeLoop:
                 f"reservation {reservation_id} is not usable: complete={reservation.complete}, "
                 f"holds {reservation.num_tokens} prompt tokens, request has {request.num_prompt_tokens}"
             )
-        if not self.rt.call_followers("commit", {"id": reservation_id}):
+        if not self._followers.commit(reservation_id):
             self._free(reservation)
             raise ReservationExpired(f"reservation {reservation_id}: the KV shard of a tensor-parallel rank is "
                                      "incomplete or failed")

@@ -5,9 +5,11 @@ address is in the worker's TCPStore under kv_address/<rank>; Reserve answers wit
 order) over a ReservationTable that mirrors rank 0's, driven by CALLs on the engine thread:
 
     rank 0 (DecodeLoop)                                rank r (DecodeRankHooks)
-    reserve: allocate blocks, add to its table  ─▶     "reserve" {id, blocks, ...}: add with the same id
-    release / expiry: pop, free blocks          ─▶     "release" {id}: pop (no write lands after this)
-    Decode: pop its complete reservation        ─▶     "commit" {id}: pop; ok iff complete here too
+    reserve: allocate blocks, add to its table  ─▶     ReserveBlocks: add with the same id
+    release / expiry: pop, free blocks          ─▶     ReleaseReservation: pop (no write lands after this)
+    Decode: pop its complete reservation        ─▶     CommitReservation: pop; done iff complete here too
+
+(the operations: decode_worker/tp_ops.py)
 
 A follower's reservation outlives rank 0's by `FOLLOWER_TTL_MARGIN_S`: rank 0 decides expiry and releases
 it on every rank, in order with later reserves of the same blocks; the margin only bounds a lost release.
@@ -15,9 +17,16 @@ it on every rank, in order with later reserves of the same blocks; the margin on
 
 from __future__ import annotations
 
+import argparse
 import logging
+import sys
+from collections.abc import Mapping
 
-from engine.tp_runner import FollowerHooks
+from torch.distributed import TCPStore
+
+from decode_worker.tp_ops import CommitReservation, ReleaseReservation, ReserveBlocks
+from engine.follower_ops import FollowerHooks, OpHandler
+from kvtransfer.layout import KVLayout
 from kvtransfer.receiver import KVReceiver
 from kvtransfer.reservation import ReservationTable
 
@@ -43,22 +52,37 @@ class DecodeRankHooks(FollowerHooks):
         table = ReservationTable(layout.num_layers, complete_grace_s=30.0 + FOLLOWER_TTL_MARGIN_S)
         return cls(rank, KVReceiver(layout, kv_caches, table, host=host), store, advertise_host)
 
-    def call(self, op: str, args: dict) -> bool:
-        if op == "reserve":
-            self.reservations.add(args["request_id"], args["blocks"], args["num_tokens"],
-                                  args["ttl_s"] + FOLLOWER_TTL_MARGIN_S, reservation_id=args["id"])
-            return True
-        if op == "release":
-            self.reservations.pop(args["id"])
-            return True
-        if op == "commit":
-            reservation = self.reservations.pop(args["id"])
-            if reservation is None or not reservation.complete or reservation.error is not None:
-                log.warning("tp rank=%d reservation=%d event=commit_incomplete received=%s", self.rank, args["id"],
-                            None if reservation is None else f"{reservation.num_received}/{reservation.num_expected}")
-                return False
-            return True
-        return super().call(op, args)
+    def handlers(self) -> Mapping[type, OpHandler]:
+        return {ReserveBlocks: self.reserve, ReleaseReservation: self.release, CommitReservation: self.commit}
+
+    def reserve(self, op: ReserveBlocks) -> bool:
+        self.reservations.add(op.request_id, list(op.block_ids), op.num_prompt_tokens,
+                              op.ttl_s + FOLLOWER_TTL_MARGIN_S, reservation_id=op.reservation_id)
+        return True
+
+    def release(self, op: ReleaseReservation) -> bool:
+        self.reservations.pop(op.reservation_id)
+        return True
+
+    def commit(self, op: CommitReservation) -> bool:
+        reservation = self.reservations.pop(op.reservation_id)
+        if reservation is None or not reservation.complete or reservation.error is not None:
+            log.warning("tp rank=%d reservation=%d event=commit_incomplete received=%s", self.rank,
+                        op.reservation_id,
+                        None if reservation is None else f"{reservation.num_received}/{reservation.num_expected}")
+            return False
+        return True
 
     def close(self) -> None:
         self.receiver.close()
+
+
+def make_hooks(args: argparse.Namespace, store: TCPStore, layout: KVLayout, kv_caches: list) -> DecodeRankHooks:
+    """This rank's share of a decode worker's KV transfer (worker/tp_rank.py's `run_follower` calls it)."""
+    return DecodeRankHooks.build(args.rank, layout, kv_caches, store, args.host, args.advertise_host)
+
+
+if __name__ == "__main__":  # a follower rank of a tensor-parallel decode worker
+    from worker.tp_rank import run_follower
+
+    sys.exit(run_follower(None, make_hooks))

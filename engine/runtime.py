@@ -56,12 +56,13 @@ class Runtime:
     def tp_size(self) -> int:
         return self.config.tp_size
 
-    def call_followers(self, op: str, args: dict, ok: bool = True) -> bool:
-        """Run a serving worker's `op` on every tensor-parallel follower rank (engine/tp_runner.py's CALL);
-        True iff `ok` and every rank succeeded. At tp_size 1: `ok`."""
+    def call_followers(self, op: object) -> bool:
+        """Run a serving worker's operation `op` (a frozen dataclass, engine/follower_ops.py) on every
+        tensor-parallel follower rank (engine/tp_runner.py's CALL); True iff every rank ran it (the failing
+        ranks and how they failed are logged). At tp_size 1: True, and `op` goes nowhere."""
         if not self.followers:
-            return ok
-        return self.runner.call_followers(op, args, ok)
+            return True
+        return self.runner.call_followers(op).ok
 
     def close(self) -> None:
         """Stop the tensor-parallel followers (no-op at tp_size 1). Idempotent."""

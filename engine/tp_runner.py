@@ -13,10 +13,14 @@ ids, positions and block tables cross between ranks: no tensors of activations e
 collectives. The payload is plain int64 (no pickle). A rank that dies makes the next collective fail on
 the others (gloo reports the closed connection), so the engine raises instead of hanging.
 
-Serving workers give each follower `FollowerHooks` (its share of KV transfer) and drive them with CALL:
+Serving workers give each follower `FollowerHooks` (its share of KV transfer) and drive them with CALL,
+one typed operation at a time (engine/follower_ops.py):
 
-    rank 0: call_followers(op, args)  ── header [CALL, n] + n bytes of JSON ──▶ hooks.call(op, args) -> ok
-            all ranks: all-reduce MIN of ok  ◀──────────────────────────────▶  (rank 0 learns if all did it)
+    rank 0: call_followers(op)  ── header [CALL, n] + n bytes: encode_op(op) ──▶ decode_op, then the one
+                                                                                hooks.handlers()[type(op)]
+            all ranks: all-gather of each rank's CallStatus  ◀───────────────▶  (rank 0 learns who did it)
+
+A follower that cannot decode the op, does not run it, refuses it or raises in it answers so and goes on.
 
 A STEP's forward on a follower gets `hooks.layer_callback()` as its `on_layer_done`, so a follower ships
 its KV shard while later layers compute, exactly as rank 0 does.
@@ -25,7 +29,6 @@ its KV shard while later layers compute, exactly as rank 0 does.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import socket
 import subprocess
@@ -39,6 +42,7 @@ import torch.distributed as dist
 
 from engine.attention import AttentionMetadata, PrefillChunk
 from engine.config import EngineConfig, ModelConfig
+from engine.follower_ops import MAX_OP_BYTES, CallResult, CallStatus, FollowerHooks, OpDecodeError, decode_op, encode_op
 from engine.model import KVCache, LlamaForCausalLM
 from engine.model_runner import ModelRunner, SampledToken
 from engine.sampler import Sampler, SamplingRow
@@ -48,25 +52,6 @@ log = logging.getLogger("duet.tp")
 
 STEP, STOP, CALL = 1, 2, 3
 _HEADER = 7  # cmd, tokens, decodes, decode width (blocks), prefills, prefill table ids, sample rows
-MAX_CALL_BYTES = 16 << 20
-
-
-class FollowerHooks:
-    """What a serving worker adds to a follower rank (see prefill_worker/tp_rank.py, decode_worker/tp_rank.py)."""
-
-    def call(self, op: str, args: dict) -> bool:
-        """Run one CALL from rank 0; False (or an exception) tells rank 0 it failed here."""
-        raise ValueError(f"op={op!r} is unknown")
-
-    def layer_callback(self) -> Callable[[int], None] | None:
-        """`on_layer_done` for the next STEP's forward (None: nothing to do per layer)."""
-        return None
-
-    def after_step(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 def pack_step(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, block_size: int,
@@ -158,18 +143,9 @@ class TPDriverRunner(ModelRunner):
         return {c.request_id: SampledToken(t, lp) for c, t, lp in zip(sample_chunks, sampled.token_ids,
                                                                        sampled.logprobs)}
 
-    def call_followers(self, op: str, args: dict, ok: bool = True) -> bool:
-        """Run `hooks.call(op, args)` on every follower; True iff it succeeded on all of them and `ok` (this
-        rank's own part) is true. Raises RuntimeError if a rank is gone."""
-        body = json.dumps({"op": op, "args": args}, separators=(",", ":")).encode()
-        if len(body) > MAX_CALL_BYTES:
-            raise ValueError(f"CALL {op} of {len(body)} bytes exceeds {MAX_CALL_BYTES}")
-        dist.broadcast(torch.tensor([CALL, len(body)] + [0] * (_HEADER - 2), dtype=torch.int64), src=0,
-                       group=self.group)
-        dist.broadcast(torch.frombuffer(bytearray(body), dtype=torch.uint8), src=0, group=self.group)
-        flag = torch.tensor([int(ok)], dtype=torch.int64)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
-        return bool(flag.item())
+    def call_followers(self, op: object) -> CallResult:
+        """`call_followers(op, self.group)`."""
+        return call_followers(op, self.group)
 
     def shutdown(self) -> None:
         """Tell the followers to exit (best effort: they also exit when this process dies)."""
@@ -179,20 +155,45 @@ class TPDriverRunner(ModelRunner):
             pass
 
 
+def call_followers(op: object, group) -> CallResult:
+    """Rank 0: run `op` (a frozen dataclass, engine/follower_ops.py) on every follower of `group`: each decodes
+    it and runs the method its hooks name for the op's class. Returns every rank's status (failures are also
+    logged); raises ValueError if the op does not encode (engine/follower_ops.encode_op), RuntimeError if a
+    rank is gone."""
+    body = encode_op(op)
+    dist.broadcast(torch.tensor([CALL, len(body)] + [0] * (_HEADER - 2), dtype=torch.int64), src=0, group=group)
+    dist.broadcast(torch.frombuffer(bytearray(body), dtype=torch.uint8), src=0, group=group)
+    result = CallResult(type(op).__name__, _gather_status(CallStatus.DONE, group))
+    if not result.ok:
+        log.warning("tp event=call_failed op=%s %s", result.op_name, result.failures())
+    return result
+
+
+def _gather_status(status: CallStatus, group) -> tuple[CallStatus, ...]:
+    """Every rank's status of this CALL, in rank order (a collective: every rank calls it once per CALL)."""
+    mine = torch.tensor([int(status)], dtype=torch.int64)
+    everyone = [torch.empty(1, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(everyone, mine, group=group)
+    return tuple(CallStatus(int(t)) for t in everyone)
+
+
 def _run_call(hooks: FollowerHooks, header: torch.Tensor, group) -> None:
     size = int(header[1])
-    if not 0 < size <= MAX_CALL_BYTES:
-        raise RuntimeError(f"CALL of {size} bytes from rank 0: must be in (0, {MAX_CALL_BYTES}]")
+    if not 0 < size <= MAX_OP_BYTES:
+        raise RuntimeError(f"CALL of {size} bytes from rank 0: must be in (0, {MAX_OP_BYTES}]")
     body = torch.empty(size, dtype=torch.uint8)
     dist.broadcast(body, src=0, group=group)
-    ok = False
+    handlers = hooks.handlers()
     try:
-        message = json.loads(bytes(body.numpy()))
-        ok = bool(hooks.call(message["op"], message["args"]))
-    except Exception as e:  # noqa: BLE001 - reported to rank 0 through the all-reduce, this rank goes on
+        op = decode_op(bytes(body.numpy()), handlers)
+        status = CallStatus.DONE if handlers[type(op)](op) else CallStatus.REFUSED
+    except OpDecodeError as e:
+        log.warning("tp follower event=call_unknown error=%s", e)
+        status = CallStatus.UNKNOWN_OP
+    except Exception as e:  # noqa: BLE001 - reported to rank 0 through the all-gather, this rank goes on
         log.warning("tp follower event=call_failed error=%r", e)
-    flag = torch.tensor([int(ok)], dtype=torch.int64)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+        status = CallStatus.FAILED
+    _gather_status(status, group)
 
 
 @torch.inference_mode()

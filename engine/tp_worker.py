@@ -4,7 +4,8 @@ Started by rank 0 (engine/tp_runner.spawn_followers) with the engine settings ra
 `EngineConfig` (`--engine-config`), so every rank sizes its KV cache shard identically; it loads only its
 shard of the checkpoint, then runs whatever steps rank 0 broadcasts until told to stop or a collective
 fails (rank 0 gone): then it exits.
-A serving worker's followers run `worker.tp_rank`, which adds the worker's share of KV transfer as hooks.
+A serving worker's followers run `<role>_worker.tp_rank` (worker/tp_rank.py), which adds the worker's share of
+KV transfer as hooks.
 """
 
 from __future__ import annotations

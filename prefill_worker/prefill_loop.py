@@ -27,7 +27,9 @@ from engine.kv_cache_manager import cdiv
 from engine.request import Request, RequestStatus
 from engine.runtime import Runtime
 from engine.sampler import TokenLogprobs
-from prefill_worker.tp_rank import FollowerAcks, layer_group_callback
+from prefill_worker.follower_acks import FollowerAcks
+from prefill_worker.tp_ops import KVSendEntry, PrefillFollowers
+from prefill_worker.tp_rank import layer_group_callback
 from worker.engine_thread import EngineThread
 
 log = logging.getLogger("duet.prefill")
@@ -84,6 +86,7 @@ class PrefillLoop:
         self._block_layer_bytes = kv_bytes_per_block_layer
         self.layer_group_size = layer_group_size
         self._acks = acks  # tensor parallelism: the follower ranks' reports that they sent their shards
+        self._followers = PrefillFollowers(runtime)
         self._jobs: dict[str, _Job] = {}
         self.num_waiting_tokens = 0  # uncached prompt tokens not computed yet: the work queued here (a
         # waiting request counts its prompt minus the cache hit it had on arrival); recounted on the engine thread
@@ -128,7 +131,7 @@ class PrefillLoop:
         if job.target is not None and self._acks is not None:
             self._acks.forget(request_id)
             try:
-                self.rt.call_followers("forget", {"rid": request_id})
+                self._followers.forget(request_id)
             except RuntimeError as e:  # the TP group is broken: the worker is going down
                 log.warning("request=%s event=forget_failed error=%s", request_id, e)
         job.result.set_exception(error)
@@ -162,7 +165,7 @@ class PrefillLoop:
             log.exception("prefill step failed")
             if sends and self._acks is not None:  # followers must not ship this step's sends with a later step
                 try:
-                    self.rt.call_followers("sends", {"sends": []})
+                    self._followers.send_kv(())
                 except RuntimeError:
                     pass  # the TP group is broken: the worker is going down
             for chunk in out.chunks:
@@ -203,12 +206,11 @@ class PrefillLoop:
         entries = []
         for job, first_block, block_ids, last in sends:
             target = job.target
-            entries.append({"rid": job.request.request_id, "endpoints": list(target.endpoints),
-                            "reservation": target.reservation_id, "first": first_block, "blocks": block_ids,
-                            "last": last})
+            entries.append(KVSendEntry(job.request.request_id, target.endpoints, target.reservation_id, first_block,
+                                       tuple(block_ids), last))
             if last:
                 job.transfers.append(self._acks.expect(job.request.request_id))
-        if not self.rt.call_followers("sends", {"sends": entries}):
+        if not self._followers.send_kv(tuple(entries)):
             raise RuntimeError("a tensor-parallel rank refused this step's KV sends")
 
     def _layer_sender(self, sends: list[tuple[_Job, int, list[int], bool]]) -> Callable[[int], None]:

@@ -30,8 +30,8 @@ from kvtransfer.errors import (
     TransferTimeout,
 )
 from kvtransfer.sender import KVSender
+from prefill_worker.follower_acks import FollowerAcks
 from prefill_worker.prefill_loop import KVTarget, PrefillLoop, RequestAborted
-from prefill_worker.tp_rank import FollowerAcks
 from worker.process import WorkerConfig, WorkerProcess, abort_with, remaining_s
 
 log = logging.getLogger("duet.prefill")

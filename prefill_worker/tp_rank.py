@@ -1,32 +1,33 @@
 """A tensor-parallel prefill worker: every rank ships its own KV shard to the decode rank of the same index.
 
-    rank 0 (PrefillLoop, engine thread)              rank r (worker.tp_rank, PrefillRankHooks)
-    CALL "sends" [{rid, endpoints, reservation,      keeps the list for the next STEP
-                   first, blocks, last}, ...]  ───▶
+    rank 0 (PrefillLoop, engine thread)              rank r (PrefillRankHooks)
+    followers.send_kv(KVSends(entries))  ─────────▶  send_kv: keeps the entries for the next STEP
     STEP: forward; after each layer group, send      the same forward; after each layer group, send
           its shard to endpoints[0]                        its shard to endpoints[r]
     waits for acks of its own messages               once a request's last chunk is acked (or failed):
-          and for store key ack/<rid>/<r>  ◀──────── sets ack/<rid>/<r> in the worker's TCPStore
+          and for FollowerAcks' future  ◀──────────  AckReporter pushes ShardSent(rid, r, error?) to rank 0
+    followers.forget(rid) on abort  ──────────────▶  forget: drops the request
 
-So the prefill worker answers only when every decode rank holds its shard of the prompt's KV. The store is
-the worker's own (rank 0 hosts it on loopback); keys are consumed by `FollowerAcks` and then deleted.
+So the prefill worker answers only when every decode rank holds its shard of the prompt's KV. The operations
+are in prefill_worker/tp_ops.py, the reports in prefill_worker/follower_acks.py.
 """
 
 from __future__ import annotations
 
-import json
-import logging
+import argparse
+import sys
 import threading
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from engine.tp_runner import FollowerHooks
-from kvtransfer.errors import TransferError, TransferTimeout, error_for_kind
-from kvtransfer.sender import KVSender
+from torch.distributed import TCPStore
 
-log = logging.getLogger("duet.prefill")
+from engine.follower_ops import FollowerHooks, OpHandler
+from kvtransfer.layout import KVLayout
+from kvtransfer.sender import KVSender
+from prefill_worker.follower_acks import AckReporter
+from prefill_worker.tp_ops import ForgetRequest, KVSendEntry, KVSends
 
 
 def layer_group_callback(num_layers: int, group_size: int, ship: Callable[[int, int], None]) -> Callable[[int], None]:
@@ -43,39 +44,38 @@ def layer_group_callback(num_layers: int, group_size: int, ship: Callable[[int, 
     return on_layer_done
 
 
-def ack_key(request_id: str, rank: int) -> str:
-    return f"ack/{request_id}/{rank}"
-
-
 @dataclass
 class _Shipment:
     """One request's messages from this rank."""
     futures: list[Future] = field(default_factory=list)
     error: BaseException | None = None
-    last_sent: bool = False
 
 
 class PrefillRankHooks(FollowerHooks):
     """Follower side: ship this rank's shard of each step's blocks, report each request's outcome."""
 
-    def __init__(self, rank: int, sender: KVSender, store, layer_group_size: int):
+    def __init__(self, rank: int, sender: KVSender, acks: AckReporter, layer_group_size: int):
         self.rank = rank
         self.sender = sender
-        self.store = store
+        self.acks = acks
         self.layer_group_size = layer_group_size
-        self._pending: list[dict] = []  # the next STEP's sends
+        self._pending: tuple[KVSendEntry, ...] = ()  # the next STEP's sends
         self._requests: dict[str, _Shipment] = {}
         self._lock = threading.Lock()
 
-    def call(self, op: str, args: dict) -> bool:
-        if op == "sends":
-            self._pending = args["sends"]
-            return True
-        if op == "forget":  # rank 0 aborted the request: nothing will wait for its ack
-            with self._lock:
-                self._requests.pop(args["rid"], None)
-            return True
-        return super().call(op, args)
+    def handlers(self) -> Mapping[type, OpHandler]:
+        return {KVSends: self.send_kv, ForgetRequest: self.forget}
+
+    def send_kv(self, op: KVSends) -> bool:
+        """Ship these entries' shards in the coming STEP (replacing any not shipped yet)."""
+        self._pending = op.entries
+        return True
+
+    def forget(self, op: ForgetRequest) -> bool:
+        """Rank 0 aborted the request: nothing will wait for its report."""
+        with self._lock:
+            self._requests.pop(op.request_id, None)
+        return True
 
     def layer_callback(self) -> Callable[[int], None] | None:
         if not self._pending:
@@ -84,29 +84,29 @@ class PrefillRankHooks(FollowerHooks):
         return layer_group_callback(self.sender.layout.num_layers, self.layer_group_size,
                                     lambda start, end: self._ship(sends, start, end))
 
-    def _ship(self, sends: list[dict], start: int, end: int) -> None:
+    def _ship(self, sends: tuple[KVSendEntry, ...], start: int, end: int) -> None:
         for s in sends:
             with self._lock:
-                shipment = self._requests.setdefault(s["rid"], _Shipment())
+                shipment = self._requests.setdefault(s.request_id, _Shipment())
             if shipment.error is not None:
                 continue
             try:
-                future = self.sender.send(s["endpoints"][self.rank], s["reservation"], start, end, s["first"],
-                                          s["blocks"])
+                future = self.sender.send(s.endpoints[self.rank], s.reservation_id, start, end, s.first_block,
+                                          list(s.block_ids))
             except Exception as e:  # noqa: BLE001 - this request fails, the rank goes on
                 shipment.error = e
                 continue
             shipment.futures.append(future)
 
     def after_step(self) -> None:
-        sends, self._pending = self._pending, []
+        sends, self._pending = self._pending, ()
         for s in sends:
-            if not s["last"]:
+            if not s.last:
                 continue
             with self._lock:
-                shipment = self._requests.pop(s["rid"], None)
+                shipment = self._requests.pop(s.request_id, None)
             if shipment is not None:
-                self._report_when_done(s["rid"], shipment)
+                self._report_when_done(s.request_id, shipment)
 
     def _report_when_done(self, rid: str, shipment: _Shipment) -> None:
         remaining = [len(shipment.futures)]
@@ -114,12 +114,7 @@ class PrefillRankHooks(FollowerHooks):
 
         def report() -> None:
             error = shipment.error or next((f.exception() for f in shipment.futures if f.exception()), None)
-            value = {"ok": True} if error is None else {"ok": False, "error": type(error).__name__,
-                                                       "message": str(error)}
-            try:
-                self.store.set(ack_key(rid, self.rank), json.dumps(value))
-            except Exception as e:  # noqa: BLE001 - rank 0 is gone; it times out the request itself
-                log.warning("tp rank=%d request=%s event=ack_lost error=%r", self.rank, rid, e)
+            self.acks.report(rid, error)
 
         def one_done(_: Future) -> None:
             with lock:
@@ -136,80 +131,16 @@ class PrefillRankHooks(FollowerHooks):
 
     def close(self) -> None:
         self.sender.close()
+        self.acks.close()
 
 
-class FollowerAcks:
-    """Rank 0 side: a future per request that resolves once every follower rank reported its shard sent
-    (or fails with the first rank's error). One polling thread over the worker's TCPStore."""
+def make_hooks(args: argparse.Namespace, store: TCPStore, layout: KVLayout, kv_caches: list) -> PrefillRankHooks:
+    """This rank's share of a prefill worker's KV transfer (worker/tp_rank.py's `run_follower` calls it)."""
+    sender = KVSender(layout, kv_caches, transport=args.kv_transport, checksum=args.kv_checksum)
+    return PrefillRankHooks(args.rank, sender, AckReporter(store, args.rank), args.layer_group_size)
 
-    def __init__(self, store, ranks: list[int], poll_s: float = 0.002, timeout_s: float = 120.0):
-        self.store = store
-        self.ranks = ranks
-        self.poll_s = poll_s
-        self.timeout_s = timeout_s
-        self._pending: dict[str, tuple[Future, float]] = {}
-        self._cond = threading.Condition()
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, name="tp-acks", daemon=True)
-        self._thread.start()
 
-    def expect(self, request_id: str) -> Future:
-        future: Future = Future()
-        with self._cond:
-            self._pending[request_id] = (future, time.monotonic() + self.timeout_s)
-            self._cond.notify()
-        return future
+if __name__ == "__main__":  # a follower rank of a tensor-parallel prefill worker
+    from worker.tp_rank import run_follower
 
-    def forget(self, request_id: str) -> None:
-        with self._cond:
-            self._pending.pop(request_id, None)
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            pending, self._pending = self._pending, {}
-            self._cond.notify()
-        for future, _ in pending.values():
-            future.set_exception(TransferError("prefill worker stopped"))
-        self._thread.join(timeout=2.0)
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._pending and not self._closed:
-                    self._cond.wait()
-                if self._closed:
-                    return
-                pending = list(self._pending.items())
-            now = time.monotonic()
-            for rid, (future, deadline) in pending:
-                keys = [ack_key(rid, r) for r in self.ranks]
-                try:
-                    ready = self.store.check(keys)
-                except Exception as e:  # noqa: BLE001 - the store is this process's own: should not happen
-                    self._finish(rid, future, TransferError(f"TP ack store failed: {e!r}"))
-                    continue
-                if ready:
-                    self._finish(rid, future, self._collect(keys))
-                elif now > deadline:
-                    self._finish(rid, future, TransferTimeout(
-                        f"request {rid}: a TP follower rank did not report its KV shard sent in {self.timeout_s} s"))
-            time.sleep(self.poll_s)
-
-    def _collect(self, keys: list[str]) -> BaseException | None:
-        error = None
-        for key in keys:
-            value = json.loads(self.store.get(key))
-            self.store.delete_key(key)
-            if not value["ok"] and error is None:
-                rank = key.rsplit("/", 1)[1]
-                error = error_for_kind(value["error"], f"TP rank {rank}: {value['message']}")
-        return error
-
-    def _finish(self, rid: str, future: Future, error: BaseException | None) -> None:
-        with self._cond:
-            self._pending.pop(rid, None)
-        if error is None:
-            future.set_result(None)
-        else:
-            future.set_exception(error)
+    sys.exit(run_follower(None, make_hooks))

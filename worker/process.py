@@ -26,6 +26,8 @@ from engine.config import EngineConfig
 from engine.runtime import Runtime, build_runtime
 from kvtransfer.layout import KVLayout
 from worker.metrics import WorkerMetrics
+from worker.tp_rank import follower_argv as make_follower_argv
+from worker.tp_rank import follower_module
 
 log = logging.getLogger("duet.worker")
 
@@ -66,20 +68,19 @@ class WorkerProcess:
         self.tp_size = config.engine.tp_size
         self.tp_store = None  # tensor parallelism: rank 0 hosts the store its follower ranks meet it in
         follower_argv: list[str] = []
+        tp_module = follower_module(config.role)
         if self.tp_size > 1:
             from datetime import timedelta
 
             import torch.distributed as dist
 
-            from worker.tp_rank import follower_argv as make_follower_argv
-
             self.tp_store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                           timeout=timedelta(seconds=60))
             follower_argv = make_follower_argv(
-                config.role, self.tp_store.port, model_id=config.engine.model_id or Path(model_dir).resolve().name,
+                self.tp_store.port, model_id=config.engine.model_id or Path(model_dir).resolve().name,
                 host=config.host, advertise_host=self.advertise_host, kv_transport=config.kv_transport,
                 kv_checksum=config.kv_checksum, layer_group_size=config.layer_group_size)
-        self.rt: Runtime = build_runtime(model_dir, config.engine, "worker.tp_rank", follower_argv)
+        self.rt: Runtime = build_runtime(model_dir, config.engine, tp_module, follower_argv)
         self.layout = KVLayout.for_caches(self.rt.model_id, self.rt.kv_caches, self.tp_size, 0)
         self.registry = WorkerRegistry.from_url(config.redis_url, ttl_s=config.heartbeat_ttl_s)
         self.redis = self.registry.client

@@ -29,10 +29,11 @@ from engine.scheduler import ScheduledChunk, Scheduler
 LayerCallback = Callable[[int], None]  # on_layer_done(i): layer i's K/V for every chunk is in the cache
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class NewTokens:
     """What one request gained in a step. `token_ids` is never empty; a request that finished keeps the
-    tokens up to the one that ended it (the scheduler dropped any after it)."""
+    tokens up to the one that ended it (the scheduler dropped any after it). Read-only by contract (not
+    frozen: one is made per request per step, and a frozen dataclass is several times slower to make)."""
 
     request_id: str
     token_ids: list[int]

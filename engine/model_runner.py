@@ -81,8 +81,8 @@ class ModelRunner:
         self, chunks: list[ScheduledChunk], on_layer_done: Callable[[int], None] | None = None
     ) -> dict[str, SampledTokens]:
         """Compute the chunks' KV (written to the cache) and sample for the chunks that ask for it: their
-        request ids map to the tokens they gained (exactly one each today). Chunks must carry no proposed
-        tokens (the engine core refuses them before they get here).
+        request ids map to the tokens they gained (exactly one each today). A chunk with proposed tokens
+        raises ValueError in `Sampler.sample` (the engine core refuses it earlier, before the forward).
 
         `on_layer_done(i)` is called as soon as layer i's K/V for every chunk is in the cache (such a step
         always runs eagerly).

@@ -64,10 +64,11 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]  # None where params.logprobs is None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class SampledTokens:
     """What one row gained in a step: its accepted proposed tokens, then one sampled token (so never
-    empty; today exactly one token, as no proposal is verified yet)."""
+    empty; today exactly one token, as no proposal is verified yet). Read-only by contract (not frozen:
+    one is made per row per step)."""
 
     token_ids: list[int]
     logprobs: list[TokenLogprobs] | None  # one per token in token_ids; None where params.logprobs is None

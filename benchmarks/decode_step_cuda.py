@@ -6,8 +6,8 @@ the step reads) / (device memory bandwidth). The bandwidth is measured in the sa
 device-to-device copy of a buffer far larger than L2 ((read + write bytes) / time), so the figure that
 matters is the fraction roofline / step. The step is the engine's whole `ModelRunner.execute` for B
 single-token decodes (host input prep, forward, logits, greedy sampling, the host sync of the tokens),
-each sequence with `--context` cached tokens; the eager runner and the graph-replaying
-`StaticDecodeRunner` share one model and KV cache.
+each sequence with `--context` cached tokens; the eager runner and a runner with a `GraphReplayer`
+share one model and KV cache.
 
 The model is made locally with random weights by engine.tiny_model.make_tiny_model (16 layers, hidden
 2048, MLP 8192, 32 heads, 8 KV heads, vocab 32000: 1.1B parameters), once per --model-dir.
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from engine.config import EngineConfig
-    from engine.cuda_graphs import make_static_decode_runner
+    from engine.cuda_graphs import make_graph_replayer
     from engine.model_runner import ModelRunner
     from engine.runtime import build_runtime
     from engine.sampler import Sampler
@@ -123,11 +123,11 @@ def main(argv: list[str] | None = None) -> int:
                           max_model_len=max(args.context + 1, 2048), cuda_graph_batch_sizes=tuple(sorted(args.batch)))
     rt = build_runtime(model_dir, config)
     eager = rt.runner
-    assert type(eager) is ModelRunner
-    graphs = make_static_decode_runner(rt.model, rt.kv_caches, Sampler(config.seed), config, rt.max_model_len,
-                                       scratch_block=rt.num_kv_blocks)
+    assert eager.graph_replayer is None
+    replayer = make_graph_replayer(rt.model, rt.kv_caches, config, rt.max_model_len, scratch_block=rt.num_kv_blocks)
+    graphs = ModelRunner(rt.model, rt.kv_caches, config.block_size, Sampler(config.seed), graph_replayer=replayer)
     capture_start = time.perf_counter()
-    graphs.capture()
+    replayer.capture()
     capture_s = time.perf_counter() - capture_start
 
     num_params = sum(p.numel() for p in rt.model.parameters())
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{weights / GiB:.2f} GiB")
     print(f"context {args.context} tokens/sequence, max_model_len {rt.max_model_len} (static block tables that "
           f"wide), block size {args.block_size}, repeats {args.repeats} "
-          f"(+{args.warmup} warm-up), seed {args.seed}; graphs captured for batch {list(graphs.batch_sizes)} "
+          f"(+{args.warmup} warm-up), seed {args.seed}; graphs captured for batch {list(replayer.batch_sizes)} "
           f"in {capture_s:.1f} s")
     print(f"copy bandwidth (same run): {bandwidth / 1e9:.0f} GB/s -> weights-read roofline "
           f"{roofline_s * 1e3:.3f} ms/step\n")
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     print("|---:|---|---:|---:|---:|---:|---:|")
     for batch in args.batch:
         chunks = decode_chunks(batch, args.context, args.block_size, rt.model_config.vocab_size, args.seed)
-        assert graphs.bucket_for_step(chunks) == batch
+        assert replayer.bucket_for_step(chunks) == batch
         medians = {}
         for name, runner in (("eager", eager), ("cuda graphs", graphs)):
             times = time_steps(runner, chunks, args.warmup, args.repeats)

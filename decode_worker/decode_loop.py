@@ -8,7 +8,8 @@
     Release / expiry ─▶ the blocks go back to the pool
 
 Everything here runs on the engine thread (see worker.engine_thread); gRPC handlers post calls and read
-each request's events from its own queue.
+each request's events from its own queue. Each step is one `EngineCore.step()`: KV arriving is
+`add_transferred`, and the tokens a step gives a request are streamed as one event each.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from decode_worker.tp_ops import DecodeFollowers
+from engine.engine_core import EngineCore
 from engine.kv_cache_manager import cdiv
 from engine.request import Request, RequestStatus
 from engine.runtime import Runtime
@@ -43,6 +45,7 @@ class DecodeLoop:
     def __init__(self, runtime: Runtime, reservations: ReservationTable,
                  on_token_gap: Callable[[float], None] | None = None):
         self.rt = runtime
+        self.core = EngineCore.from_runtime(runtime)
         self._on_token_gap = on_token_gap  # seconds between a request's consecutive tokens (metrics)
         self._last_token_s: dict[str, float] = {}
         self.reservations = reservations
@@ -50,7 +53,7 @@ class DecodeLoop:
         self._live: dict[str, tuple[Request, queue.SimpleQueue]] = {}
         self._reserved: dict[int, list[int]] = {}  # reservation id -> its blocks (engine thread's view)
         self.thread = EngineThread(
-            "decode-engine", runtime.scheduler.has_unfinished_requests, self._step, tick=self._expire
+            "decode-engine", self.core.has_unfinished_requests, self._step, tick=self._expire
         )
 
     def start(self) -> None:
@@ -63,12 +66,12 @@ class DecodeLoop:
 
     def reserve(self, request_id: str, num_prompt_tokens: int, ttl_s: float) -> Reservation | None:
         """Blocks for the prompt's KV, or None when admitting it would crowd out running requests."""
-        scheduler, pool = self.rt.scheduler, self.rt.block_pool
+        core, pool = self.core, self.rt.block_pool
         num_blocks = cdiv(num_prompt_tokens, self.rt.block_size)
-        if len(scheduler.requests) + len(self.reservations) >= scheduler.config.max_num_seqs:
+        if core.num_requests + len(self.reservations) >= core.max_num_seqs:
             return None
         # keep one free block per running request so the batch can grow without preempting at once
-        if pool.num_free_blocks - num_blocks < len(scheduler.running) + 1:
+        if pool.num_free_blocks - num_blocks < core.num_running + 1:
             return None
         block_ids = pool.allocate(num_blocks)
         reservation = self.reservations.add(request_id, block_ids, num_prompt_tokens, ttl_s)
@@ -118,7 +121,7 @@ class DecodeLoop:
             raise ReservationExpired(f"reservation {reservation_id}: the KV shard of a tensor-parallel rank is "
                                      "incomplete or failed")
         try:
-            self.rt.scheduler.add_transferred(request, reservation.block_ids)
+            self.core.add_transferred(request, reservation.block_ids)
         except ValueError:
             self._free(reservation)
             raise
@@ -132,34 +135,37 @@ class DecodeLoop:
         if live is None:
             return
         sink = live[1]
-        self.rt.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+        self.core.abort(request_id)
         sink.put(DecodeEvent(None, None, RequestStatus.FINISHED_ABORTED.finish_reason))
         self._check_idle()
 
     def _step(self) -> None:
-        scheduler = self.rt.scheduler
-        scheduled = scheduler.schedule()
-        sampled = self.rt.runner.execute(scheduled.chunks)
-        updates = scheduler.update_from_output(scheduled, {rid: s.token_id for rid, s in sampled.items()})
+        new_tokens = self.core.step()
         now = time.monotonic()
-        for update in updates:
-            request, sink = self._live[update.request_id]
-            last = self._last_token_s.get(update.request_id)
+        for new in new_tokens:
+            request, sink = self._live[new.request_id]
+            last = self._last_token_s.get(new.request_id)
             if last is not None and self._on_token_gap is not None:
                 self._on_token_gap(now - last)
-            self._last_token_s[update.request_id] = now
+            self._last_token_s[new.request_id] = now
             finish_reason = None
             stop_token_id = None
-            if update.status.finished:
-                del self._live[update.request_id]
-                self._last_token_s.pop(update.request_id, None)
-                finish_reason = update.status.finish_reason
+            if new.finished:
+                del self._live[new.request_id]
+                self._last_token_s.pop(new.request_id, None)
+                finish_reason = new.status.finish_reason
                 stop_token_id = request.stop_reason if isinstance(request.stop_reason, int) else None
-            sink.put(DecodeEvent(update.token_id, sampled[update.request_id].logprobs, finish_reason, stop_token_id))
+            last_index = len(new.token_ids) - 1
+            for k, token_id in enumerate(new.token_ids):  # one event per token; the last one says how it ended
+                logprobs = new.logprobs[k] if new.logprobs is not None else None
+                if k < last_index:
+                    sink.put(DecodeEvent(token_id, logprobs, None))
+                else:
+                    sink.put(DecodeEvent(token_id, logprobs, finish_reason, stop_token_id))
         self._check_idle()
 
     def _check_idle(self) -> None:
-        if self.rt.scheduler.has_unfinished_requests() or self._reserved:
+        if self.core.has_unfinished_requests() or self._reserved:
             return
         pool = self.rt.block_pool
         if pool.num_free_blocks != pool.num_blocks:
@@ -171,7 +177,7 @@ class DecodeLoop:
 
     def check_integrity(self) -> None:
         """Every block is held exactly by the request tables and reservations that claim it."""
-        self.rt.scheduler.check_integrity(self.reserved_block_ids)
+        self.core.check_integrity(self.reserved_block_ids)
         if len(self._reserved) != len(self.reservations):
             raise AssertionError(f"{len(self._reserved)} reservations hold blocks, the table has "
                                  f"{len(self.reservations)}")

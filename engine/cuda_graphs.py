@@ -20,19 +20,22 @@ step: they are valid ids, never read by the Triton kernel (it stops at the row's
 the torch twin. Decode attention gets static shapes: a full-width block table and lengths from a tensor.
 
 On CUDA, `capture` records one graph per bucket, largest first, all in one memory pool (each graph's
-activations reuse the previous one's memory); `execute` copies the step's rows in and replays. Off CUDA
-`capture` is a no-op and the same static buffers run eagerly, so the padding, bucketing and scratch slot
-are tested on CPU (tests/test_cuda_graphs.py) against the plain runner. Steps with a prefill chunk, more
-sequences than the largest bucket, or a per-layer callback (a prefill worker shipping KV) run eagerly
-through `ModelRunner.execute`. Tensor parallelism (tp_size > 1) always runs eagerly: `build_runtime`
-builds this runner only at tp_size 1.
+activations reuse the previous one's memory); `load_inputs` copies the step's rows in and `run_bucket`
+replays. Off CUDA `capture` is a no-op and the same static buffers run eagerly, so the padding, bucketing
+and scratch slot are tested on CPU (tests/test_cuda_graphs.py) against the plain runner.
+
+A `GraphReplayer` is a part of the one `ModelRunner` (engine/model_runner.py), which asks it first: steps
+with a prefill chunk, more sequences than the largest bucket, or a per-layer callback (a prefill worker
+shipping KV) run eagerly there instead, and the runner samples either way. Tensor parallelism (tp_size > 1)
+always runs eagerly: the followers run the unpadded step, so `build_runtime` adds a replayer only at
+tp_size 1 and `ModelRunner` refuses the two together.
 """
 
 from __future__ import annotations
 
 import bisect
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -42,14 +45,12 @@ from engine.kernels import use_triton
 from engine.kernels.decode_attention import mask_from_context_lens
 from engine.kv_cache_manager import cdiv
 from engine.model import KVCache, LlamaForCausalLM
-from engine.model_runner import ModelRunner, SampledToken
-from engine.sampler import Sampler
 from engine.scheduler import ScheduledChunk
 
 log = logging.getLogger("duet.engine")
 
 SCRATCH_BLOCKS = 1  # KV blocks past the pool's: the first is the static decode's scratch block
-_IDS, _POSITIONS, _SLOTS, _LENS = range(4)  # rows of StaticDecodeRunner.rows
+_IDS, _POSITIONS, _SLOTS, _LENS = range(4)  # rows of GraphReplayer.rows
 
 
 def default_batch_sizes(max_num_seqs: int) -> tuple[int, ...]:
@@ -77,16 +78,19 @@ def bucket_for(num_seqs: int, batch_sizes: Sequence[int]) -> int | None:
     return batch_sizes[i] if i < len(batch_sizes) else None
 
 
-class StaticDecodeRunner(ModelRunner):
-    """`ModelRunner` whose decode-only steps run padded to a bucket on static buffers (replaying a CUDA
-    graph per bucket after `capture` on CUDA; eagerly elsewhere). Same contract as `ModelRunner.execute`.
+class GraphReplayer:
+    """Runs decode-only steps padded to a bucket on static buffers: replaying a CUDA graph per bucket after
+    `capture` on CUDA, eagerly elsewhere. Hidden states out; the `ModelRunner` that owns it samples.
 
     `kv_caches` must hold `scratch_block` (one block no request ever owns) besides the pool's blocks.
     """
 
-    def __init__(self, model: LlamaForCausalLM, kv_caches: list[KVCache], block_size: int, sampler: Sampler, *,
+    def __init__(self, model: LlamaForCausalLM, kv_caches: list[KVCache], block_size: int, *,
                  batch_sizes: Sequence[int], max_blocks_per_seq: int, scratch_block: int):
-        super().__init__(model, kv_caches, block_size, sampler)
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = kv_caches[0][0].device
         num_cache_blocks = kv_caches[0][0].shape[1]
         if not 0 <= scratch_block < num_cache_blocks:
             raise ValueError(f"scratch_block={scratch_block} is invalid: must be a block of the caches, "
@@ -133,17 +137,6 @@ class StaticDecodeRunner(ModelRunner):
                 self._graphs[bucket] = graph
         torch.cuda.synchronize(self.device)
         log.info("engine event=cuda_graphs_captured batch_sizes=%s", ",".join(map(str, self.batch_sizes)))
-
-    @torch.inference_mode()
-    def execute(
-        self, chunks: list[ScheduledChunk], on_layer_done: Callable[[int], None] | None = None
-    ) -> dict[str, SampledToken]:
-        bucket = self.bucket_for_step(chunks) if on_layer_done is None else None
-        if bucket is None:
-            return super().execute(chunks, on_layer_done)
-        self.load_inputs(chunks, bucket)
-        hidden = self.run_bucket(bucket)
-        return self.sample(hidden[: len(chunks)], chunks)
 
     def bucket_for_step(self, chunks: list[ScheduledChunk]) -> int | None:
         """The bucket this step pads to, or None when it runs eagerly (a prefill chunk, too many sequences,
@@ -209,13 +202,13 @@ class StaticDecodeRunner(ModelRunner):
 
 
 def static_decode_enabled(config: EngineConfig, device: torch.device) -> bool:
-    """Whether `build_runtime` gives a CUDA engine the static, graph-captured decode runner."""
+    """Whether `build_runtime` gives a CUDA engine's runner a graph replayer for its decode steps."""
     return device.type == "cuda" and config.cuda_graphs and config.tp_size == 1
 
 
-def make_static_decode_runner(model: LlamaForCausalLM, kv_caches: list[KVCache], sampler: Sampler,
-                              config: EngineConfig, max_model_len: int, scratch_block: int) -> StaticDecodeRunner:
-    """The static decode runner for an engine (not yet captured): buckets from `config`, tables as wide
-    as a `max_model_len` sequence needs."""
-    return StaticDecodeRunner(model, kv_caches, config.block_size, sampler, batch_sizes=batch_sizes_for(config),
-                              max_blocks_per_seq=cdiv(max_model_len, config.block_size), scratch_block=scratch_block)
+def make_graph_replayer(model: LlamaForCausalLM, kv_caches: list[KVCache], config: EngineConfig,
+                        max_model_len: int, scratch_block: int) -> GraphReplayer:
+    """The graph replayer for an engine (not yet captured): buckets from `config`, tables as wide as a
+    `max_model_len` sequence needs."""
+    return GraphReplayer(model, kv_caches, config.block_size, batch_sizes=batch_sizes_for(config),
+                         max_blocks_per_seq=cdiv(max_model_len, config.block_size), scratch_block=scratch_block)

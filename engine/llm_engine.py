@@ -1,8 +1,8 @@
-"""The engine loop: validate and admit requests, step the scheduler and the model, detokenize, stop.
+"""The offline engine: validate and admit requests, step the engine core, detokenize, stop strings.
 
 Contract: `add_request` either raises `InvalidRequestError` without touching any shared state, or
-admits the request; so a bad request never disturbs the others. `step` runs one iteration and
-returns a `RequestOutput` for every request that gained a token or finished in it.
+admits the request; so a bad request never disturbs the others. `step` runs one iteration of the
+`EngineCore` and returns a `RequestOutput` for every request that gained tokens or finished in it.
 """
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ from pathlib import Path
 
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.engine_core import EngineCore, NewTokens
 from engine.errors import InvalidRequestError
+from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
 from engine.runtime import build_runtime
@@ -52,10 +54,14 @@ class LLMEngine:
         self.num_kv_blocks = rt.num_kv_blocks
         self.block_pool = rt.block_pool
         self.kv_cache = rt.kv_cache
-        self.scheduler = rt.scheduler
-        self.runner = rt.runner
+        self.core = EngineCore.from_runtime(rt)
+        self.scheduler = rt.scheduler  # for statistics (num_preemptions, num_running): steps go through `core`
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
+
+    @property
+    def runner(self) -> ModelRunner:
+        return self.core.runner
 
     # -- requests --------------------------------------------------------------------------------
 
@@ -103,7 +109,7 @@ class LLMEngine:
             stop=params.stop,
             include_stop_str_in_output=params.include_stop_str_in_output,
         )
-        self.scheduler.add_request(request)
+        self.core.add_request(request)
         self._tracked[request.request_id] = _Tracked(request, detokenizer)
         return request.request_id
 
@@ -111,7 +117,7 @@ class LLMEngine:
         """End a request now and free its blocks; False if it is not live."""
         if self._tracked.pop(request_id, None) is None:
             return False
-        self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+        self.core.abort(request_id)
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -120,49 +126,59 @@ class LLMEngine:
     # -- one iteration ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        scheduled = self.scheduler.schedule()
-        sampled = self.runner.execute(scheduled.chunks)
-        updates = self.scheduler.update_from_output(scheduled, {rid: s.token_id for rid, s in sampled.items()})
+        new_tokens = self.core.step()
         now = time.monotonic()
-        outputs = []
-        for update in updates:
-            tracked = self._tracked[update.request_id]
-            request = tracked.request
-            if tracked.first_token_time_s is None:
-                tracked.first_token_time_s = now
-            if tracked.logprobs is not None:
-                tracked.logprobs.append(sampled[update.request_id].logprobs)
-            detok = tracked.detokenizer
-            delta = detok.add_token(update.token_id)
-            if detok.stop_matched is not None:
-                if not request.status.finished:
-                    self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
-                request.status = RequestStatus.FINISHED_STOPPED
-                request.stop_reason = detok.stop_matched
-            elif request.status.finished:
-                delta += detok.flush()
-            outputs.append(self._output(tracked, [update.token_id], delta, now))
-            if request.status.finished:
-                del self._tracked[request.request_id]
+        outputs = [self._take(self._tracked[new.request_id], new, now) for new in new_tokens]
         if not self._tracked:
             self._check_idle()
         return outputs
 
+    def _take(self, tracked: _Tracked, new: NewTokens, now: float) -> RequestOutput:
+        """Detokenize a request's new tokens one by one; a stop string found at token k ends the request
+        there (tokens after k are dropped from its output)."""
+        request = tracked.request
+        if tracked.first_token_time_s is None:
+            tracked.first_token_time_s = now
+        detok = tracked.detokenizer
+        delta = ""
+        num_kept = len(new.token_ids)
+        for k, token_id in enumerate(new.token_ids):
+            if tracked.logprobs is not None:
+                tracked.logprobs.append(new.logprobs[k])
+            delta += detok.add_token(token_id)
+            if detok.stop_matched is not None:
+                num_kept = k + 1
+                if not request.status.finished:
+                    self.core.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = detok.stop_matched
+                break
+        else:
+            if request.status.finished:
+                delta += detok.flush()
+        num_dropped = len(new.token_ids) - num_kept
+        token_ids = request.output_token_ids[: len(request.output_token_ids) - num_dropped]
+        output = self._output(tracked, token_ids, new.token_ids[:num_kept], delta, now)
+        if request.status.finished:
+            del self._tracked[request.request_id]
+        return output
+
     def _check_idle(self) -> None:
         """Idle: every block must be back in the pool (the O(1) part of `check_integrity`)."""
         pool = self.block_pool
-        if pool.num_free_blocks != pool.num_blocks or self.scheduler.requests:
+        if pool.num_free_blocks != pool.num_blocks or self.core.num_requests:
             raise AssertionError(
                 f"idle engine holds {pool.num_blocks - pool.num_free_blocks} blocks "
-                f"and {len(self.scheduler.requests)} requests: a leak"
+                f"and {self.core.num_requests} requests: a leak"
             )
 
-    def _output(self, tracked: _Tracked, new_token_ids: list[int], new_text: str, now: float) -> RequestOutput:
+    def _output(self, tracked: _Tracked, token_ids: list[int], new_token_ids: list[int], new_text: str,
+                now: float) -> RequestOutput:
         request = tracked.request
         return RequestOutput(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
-            token_ids=list(request.output_token_ids),
+            token_ids=token_ids,
             text=tracked.detokenizer.text,
             new_token_ids=new_token_ids,
             new_text=new_text,
@@ -181,4 +197,4 @@ class LLMEngine:
         self.runtime.close()
 
     def check_integrity(self) -> None:
-        self.scheduler.check_integrity()
+        self.core.check_integrity()

@@ -1,27 +1,42 @@
 """Turns a step's scheduled chunks into tensors, runs the model, samples.
 
 It never sees a request: only `ScheduledChunk`s (tokens, positions, block table, sampling params)
-in, and a token (plus logprobs) per sampled request out. It owns the KV cache tensors.
+in, and the tokens (plus logprobs) each sampled chunk gained out. It owns the KV cache tensors.
+
+One runner serves every engine; what differs between them are parts it composes, each optional:
+
+    execute(chunks)
+      ├─ graph_replayer (CUDA, tp_size 1): a decode-only step that fits a bucket replays a captured
+      │    CUDA graph on padded static buffers (engine/cuda_graphs.py) ─────────────────────┐
+      └─ else eagerly: prepare_inputs                                                      │
+           ├─ step_broadcaster (tp_size > 1): the packed step goes to the follower ranks    │
+           │    first, so they run the same forward in lockstep (engine/tp_runner.py)       │
+           └─ model forward (CPU fast paths are in the model: engine/linear_fast.py)        │
+      sample: logits of the rows that sample ─▶ Sampler.sample, once, on this rank ◀────────┘
 """
 
 from __future__ import annotations
 
 from array import array
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from engine.attention import AttentionMetadata, PrefillChunk
+from engine.cuda_graphs import GraphReplayer
 from engine.model import KVCache, LlamaForCausalLM
-from engine.sampler import Sampler, SamplingRow, TokenLogprobs
+from engine.sampler import SampledTokens, Sampler, SamplingRow
 from engine.scheduler import ScheduledChunk
 
 
-@dataclass(frozen=True)
-class SampledToken:
-    token_id: int
-    logprobs: TokenLogprobs | None
+class StepBroadcaster(Protocol):
+    """Rank 0's link to tensor-parallel followers (engine/tp_runner.py's `TPDriver`)."""
+
+    def broadcast_step(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                       sample_rows: list[int]) -> None:
+        """Send one eager step to every follower, which runs the same forward (and joins the logits
+        all-gather for `sample_rows`) right after; call it just before this rank's forward."""
 
 
 def allocate_kv_caches(model: LlamaForCausalLM, num_blocks: int, block_size: int, dtype: torch.dtype,
@@ -42,47 +57,62 @@ def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dt
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv_caches: list[KVCache], block_size: int, sampler: Sampler):
+    """Executes one step's chunks: `execute` is the contract; the parts are described in the module docstring.
+
+    `graph_replayer` and `step_broadcaster` cannot be combined (ValueError): the followers would run the
+    unpadded eager step while rank 0 replayed a padded one, and their collectives would not match.
+    """
+
+    def __init__(self, model: LlamaForCausalLM, kv_caches: list[KVCache], block_size: int, sampler: Sampler, *,
+                 graph_replayer: GraphReplayer | None = None, step_broadcaster: StepBroadcaster | None = None):
+        if graph_replayer is not None and step_broadcaster is not None:
+            raise ValueError("graph_replayer and step_broadcaster are invalid together: CUDA-graph replay runs "
+                             "at tp_size 1 only")
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.sampler = sampler
+        self.graph_replayer = graph_replayer
+        self.step_broadcaster = step_broadcaster
         self.device = kv_caches[0][0].device
 
     @torch.inference_mode()
     def execute(
         self, chunks: list[ScheduledChunk], on_layer_done: Callable[[int], None] | None = None
-    ) -> dict[str, SampledToken]:
-        """Compute the chunks' KV (written to the cache) and sample for the chunks that ask for it.
+    ) -> dict[str, SampledTokens]:
+        """Compute the chunks' KV (written to the cache) and sample for the chunks that ask for it: their
+        request ids map to the tokens they gained (exactly one each today). A chunk with proposed tokens
+        raises ValueError in `Sampler.sample` (the engine core refuses it earlier, before the forward).
 
-        `on_layer_done(i)` is called as soon as layer i's K/V for every chunk is in the cache.
+        `on_layer_done(i)` is called as soon as layer i's K/V for every chunk is in the cache (such a step
+        always runs eagerly).
         """
         if not chunks:
             return {}
+        replayer = self.graph_replayer
+        bucket = replayer.bucket_for_step(chunks) if replayer is not None and on_layer_done is None else None
+        if bucket is not None:
+            replayer.load_inputs(chunks, bucket)
+            hidden = replayer.run_bucket(bucket)  # valid until the next replay: sampled from right below
+            return self.sample(hidden[: len(chunks)], chunks)
         ordered = [c for c in chunks if len(c.token_ids) == 1] + [c for c in chunks if len(c.token_ids) > 1]
         input_ids, positions, meta = self.prepare_inputs(ordered)
+        if self.step_broadcaster is not None:
+            self.step_broadcaster.broadcast_step(input_ids, positions, meta, sample_rows(ordered)[0])
         hidden = self.model(input_ids, positions, self.kv_caches, meta, on_layer_done)
         return self.sample(hidden, ordered)
 
-    def sample(self, hidden: torch.Tensor, ordered: list[ScheduledChunk]) -> dict[str, SampledToken]:
+    def sample(self, hidden: torch.Tensor, ordered: list[ScheduledChunk]) -> dict[str, SampledTokens]:
         """Sample for the chunks that ask for it, from `hidden` [T, hidden]: row i is `ordered`'s i-th token."""
-        sample_rows, sample_chunks, offset = [], [], 0
-        for chunk in ordered:
-            offset += len(chunk.token_ids)
-            if chunk.sample:
-                sample_rows.append(offset - 1)
-                sample_chunks.append(chunk)
+        rows, sample_chunks = sample_rows(ordered)
         if not sample_chunks:
             return {}
-        if len(sample_rows) < hidden.shape[0]:  # else every token is a sampled decode: all rows, in order
-            hidden = hidden.index_select(0, self._on_device(int64_tensor(sample_rows)))
+        if len(rows) < hidden.shape[0]:  # else every token is a sampled decode: all rows, in order
+            hidden = hidden.index_select(0, self._on_device(int64_tensor(rows)))
         logits = self.model.compute_logits(hidden)
-        rows = [SamplingRow(c.sampling_params, c.prompt_token_ids, c.output_token_ids) for c in sample_chunks]
-        sampled = self.sampler(logits, rows)
-        return {
-            c.request_id: SampledToken(t, lp)
-            for c, t, lp in zip(sample_chunks, sampled.token_ids, sampled.logprobs)
-        }
+        sampling_rows = [SamplingRow(c.sampling_params, c.prompt_token_ids, c.output_token_ids, c.proposed_token_ids)
+                         for c in sample_chunks]
+        return {c.request_id: s for c, s in zip(sample_chunks, self.sampler.sample(logits, sampling_rows))}
 
     def prepare_inputs(self, ordered: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Flatten decodes-then-prefills into input ids, positions, slots and attention metadata."""
@@ -129,6 +159,18 @@ class ModelRunner:
     def _on_device(self, t: torch.Tensor) -> torch.Tensor:
         """A host-built step tensor on the model's device (as it is, on CPU)."""
         return t if self.device.type == "cpu" else t.to(self.device)
+
+
+def sample_rows(ordered: list[ScheduledChunk]) -> tuple[list[int], list[ScheduledChunk]]:
+    """(rows, chunks): the hidden-state row of each sampling chunk's last token when `ordered`'s tokens are
+    laid out in order, and those chunks."""
+    rows, chunks, offset = [], [], 0
+    for chunk in ordered:
+        offset += len(chunk.token_ids)
+        if chunk.sample:
+            rows.append(offset - 1)
+            chunks.append(chunk)
+    return rows, chunks
 
 
 def int64_tensor(values: list[int]) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """The model runtime one worker holds: model, tokenizer, KV pool, block tables, scheduler, runner.
 
 `LLMEngine` (offline), the prefill worker and the decode worker each build one with `build_runtime` and
-drive it their own way; the parts, and how their sizes are derived, are the same everywhere.
+drive it through one `EngineCore` (engine/engine_core.py); the parts, and how their sizes are derived,
+are the same everywhere.
 """
 
 from __future__ import annotations
@@ -9,13 +10,14 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig, ModelConfig, parse_dtype, resolve_device
 from engine.cpu_allocator import reuse_freed_memory
-from engine.cuda_graphs import SCRATCH_BLOCKS, make_static_decode_runner, static_decode_enabled
+from engine.cuda_graphs import SCRATCH_BLOCKS, make_graph_replayer, static_decode_enabled
 from engine.errors import ModelLoadError
 from engine.kernels.cpu_native import native_library
 from engine.kv_cache_manager import KVCacheManager, cdiv
@@ -26,6 +28,9 @@ from engine.sampler import Sampler
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.tokenizer import Tokenizer
 from engine.weights import build_model
+
+if TYPE_CHECKING:
+    from engine.tp_runner import TPDriver
 
 log = logging.getLogger("duet.engine")
 
@@ -47,6 +52,7 @@ class Runtime:
     kv_caches: list[KVCache]
     runner: ModelRunner
     followers: list = field(default_factory=list)  # tensor-parallel ranks 1..N-1 (processes)
+    tp_driver: TPDriver | None = None  # rank 0's control link to `followers` (None at tp_size 1)
 
     @property
     def block_size(self) -> int:
@@ -62,7 +68,7 @@ class Runtime:
         ranks and how they failed are logged). At tp_size 1: True, and `op` goes nowhere."""
         if not self.followers:
             return True
-        return self.runner.call_followers(op).ok
+        return self.tp_driver.call_followers(op).ok
 
     def close(self) -> None:
         """Stop the tensor-parallel followers (no-op at tp_size 1). Idempotent."""
@@ -70,7 +76,7 @@ class Runtime:
             return
         from engine.tp_runner import close_group
 
-        close_group(self.runner, self.followers)
+        close_group(self.tp_driver, self.followers)
         self.followers = []
 
 
@@ -132,15 +138,16 @@ def build_runtime(model_dir: str | Path, config: EngineConfig, follower_module: 
     )
     # the pool's blocks and, past them, a scratch block no request owns (engine/cuda_graphs.py pads into it)
     kv_caches = allocate_kv_caches(model, num_blocks + SCRATCH_BLOCKS, config.block_size, dtype, device)
+    tp_driver = replayer = None
     if followers:
-        from engine.tp_runner import TPDriverRunner
+        from engine.tp_runner import TPDriver
 
-        runner: ModelRunner = TPDriverRunner(model, kv_caches, config.block_size, Sampler(config.seed), control)
+        tp_driver = TPDriver(config.block_size, control)
     elif static_decode_enabled(config, device):  # CUDA, tp_size 1: decode steps replay CUDA graphs
-        runner = make_static_decode_runner(model, kv_caches, Sampler(config.seed), config, max_model_len, num_blocks)
-        runner.capture()
-    else:
-        runner = ModelRunner(model, kv_caches, config.block_size, Sampler(config.seed))
+        replayer = make_graph_replayer(model, kv_caches, config, max_model_len, scratch_block=num_blocks)
+        replayer.capture()
+    runner = ModelRunner(model, kv_caches, config.block_size, Sampler(config.seed), graph_replayer=replayer,
+                         step_broadcaster=tp_driver)
     if device.type == "cpu":
         reuse_freed_memory()  # after the long-lived weights and KV cache: only step temporaries are affected
     log.info(
@@ -152,5 +159,5 @@ def build_runtime(model_dir: str | Path, config: EngineConfig, follower_module: 
         config=config, model_dir=model_dir, model_config=model_config, model_id=model_id, dtype=dtype,
         tokenizer=tokenizer, model=model, max_model_len=max_model_len, num_kv_blocks=num_blocks,
         block_pool=block_pool, kv_cache=kv_cache, scheduler=scheduler, kv_caches=kv_caches, runner=runner,
-        followers=followers,
+        followers=followers, tp_driver=tp_driver,
     )

@@ -1,5 +1,9 @@
 """Batched, per-request sampling: one decode step's logits [B, V] -> one token (and logprobs) per row.
 
+`Sampler.sample` is the engine's entry: a list of tokens per row, the seam where speculative
+verification goes (a row's proposed tokens checked against its logits, accepted ones kept, one more
+sampled). Until that lands (issue 19), a row with proposed tokens is refused, never silently ignored.
+
 Each row follows the vLLM / HF pipeline with its own parameters:
 
     raw logits ──► log_softmax ─────────────────────────────────────────► logprobs (vLLM default)
@@ -39,6 +43,7 @@ class SamplingRow:
     params: SamplingParams
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]  # tokens generated so far
+    proposed_token_ids: Sequence[int] = ()  # a proposer's guesses to verify (see `Sampler.sample`)
 
     @property
     def step(self) -> int:
@@ -59,6 +64,26 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]  # None where params.logprobs is None
 
 
+@dataclass(slots=True)
+class SampledTokens:
+    """What one row gained in a step: its accepted proposed tokens, then one sampled token (so never
+    empty; today exactly one token, as no proposal is verified yet). Read-only by contract (not frozen:
+    one is made per row per step)."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None  # one per token in token_ids; None where params.logprobs is None
+
+
+def refuse_proposed_tokens(holder: str, proposed_token_ids: Sequence[int]) -> None:
+    """Raise ValueError for proposed tokens: nothing verifies them yet (issue 19), and dropping them
+    silently would hide a proposer's work. No-op for an empty list. `holder` names who carries them."""
+    if proposed_token_ids:
+        raise ValueError(
+            f"{holder} carries proposed_token_ids={list(proposed_token_ids)!r}: speculative "
+            "verification is not implemented yet (issue 19); proposed_token_ids must be empty"
+        )
+
+
 class Sampler:
     """Turns logits into tokens, one row per request.
 
@@ -74,7 +99,23 @@ class Sampler:
         self._seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
 
+    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledTokens]:
+        """The tokens each row gains this step: `SampledTokens` i belongs to `rows[i]`.
+
+        The seam for speculative verification: a row with k proposed tokens will own k + 1 logits rows
+        (the positions of its last known token and of each proposal), keep the longest verified prefix
+        of its proposals and sample one token after it. Today only plain sampling exists: `logits` holds
+        exactly one row per row, each row gains exactly one token (as `__call__` draws it), and a row
+        with proposed tokens raises ValueError instead.
+        """
+        for i, row in enumerate(rows):
+            refuse_proposed_tokens(f"sampling row {i}", row.proposed_token_ids)
+        out = self(logits, rows)
+        return [SampledTokens([token_id], None if lp is None else [lp])
+                for token_id, lp in zip(out.token_ids, out.logprobs, strict=True)]
+
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        """Plain sampling, one token per row: the contract in the class docstring."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits shape {tuple(logits.shape)} is invalid: must be [{len(rows)}, vocab]")
         if logits.dtype != torch.float32:

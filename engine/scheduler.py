@@ -8,13 +8,14 @@ prefix. When a running request needs a block and none is free, the most recently
 request is preempted: its blocks are freed and it waits again to be recomputed (its generated
 tokens are kept, and seeded sampling depends only on the step index, so its output is unchanged).
 
-This module never imports torch: it hands the model runner `ScheduledChunk`s and takes back tokens.
+This module never imports torch: it hands the model runner `ScheduledChunk`s and takes back a list of
+tokens per sampled request (today always one; a step that verifies proposed tokens will give several).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -37,6 +38,10 @@ class ScheduledChunk:
     sampling_params: SamplingParams
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]  # the live list: read it during this step only
+    # tokens a proposer guessed would follow token_ids, to be verified by the sampler this step (speculative
+    # decoding, issue 19). The scheduler makes none today, and the engine core refuses a chunk that carries
+    # any (engine/engine_core.py) until verification exists.
+    proposed_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -50,10 +55,10 @@ class SchedulerOutput:
 
 
 class TokenUpdate(NamedTuple):
-    """A token a request gained this step, and whether it finished with it."""
+    """The tokens a request gained this step (at least one), and whether it finished with the last."""
 
     request_id: str
-    token_id: int
+    token_ids: list[int]
     status: RequestStatus
 
 
@@ -169,8 +174,15 @@ class Scheduler:
             budget -= num_new
         return out
 
-    def update_from_output(self, out: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[TokenUpdate]:
-        """Advance computed tokens by what the step computed; append sampled tokens; end finished requests."""
+    def update_from_output(
+        self, out: SchedulerOutput, sampled_token_ids: Mapping[str, Sequence[int]]
+    ) -> list[TokenUpdate]:
+        """Advance computed tokens by what the step computed; append each sampled chunk's tokens (a non-empty
+        list per chunk with `sample`) in order; end finished requests.
+
+        A request that stops at a token (eos, a stop token, its length) keeps the tokens up to and including
+        that one; the rest of its list is dropped, and its update carries only the kept tokens.
+        """
         updates = []
         for chunk in out.chunks:
             request = self.requests.get(chunk.request_id)
@@ -180,12 +192,18 @@ class Scheduler:
             self.kv_cache.cache_computed_blocks(request)
             if not chunk.sample:
                 continue
-            token_id = sampled_token_ids[chunk.request_id]
-            request.append_output_token(token_id)
-            status = request.check_stop(self.config.max_model_len)
-            if status is not None:
-                self.finish_request(request.request_id, status)
-            updates.append(TokenUpdate(request.request_id, token_id, request.status))
+            token_ids = sampled_token_ids[chunk.request_id]
+            if not token_ids:
+                raise ValueError(f"request {chunk.request_id!r} sampled no token: a sampled chunk gains >= 1")
+            kept: list[int] = []
+            for token_id in token_ids:
+                request.append_output_token(token_id)
+                kept.append(token_id)
+                status = request.check_stop(self.config.max_model_len)
+                if status is not None:
+                    self.finish_request(request.request_id, status)
+                    break
+            updates.append(TokenUpdate(request.request_id, kept, request.status))
         return updates
 
     # -- helpers ---------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Running a tensor-parallel model: rank 0 drives, the other ranks follow, step by step.
 
-    rank 0 (the engine's process)                 ranks 1..N-1 (worker processes, `run_tp_worker`)
+    rank 0 (the engine's process: ModelRunner     ranks 1..N-1 (worker processes, `run_tp_worker`)
+            with a TPDriver as step_broadcaster)  │
     scheduler ─▶ prepare_inputs                   │
     broadcast header [cmd, sizes]  ──────────────▶│ receive header
     broadcast one int64 payload    ──────────────▶│ receive payload, rebuild the same inputs
@@ -33,7 +34,7 @@ import logging
 import socket
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
 
@@ -44,9 +45,6 @@ from engine.attention import AttentionMetadata, PrefillChunk
 from engine.config import EngineConfig, ModelConfig
 from engine.follower_ops import MAX_OP_BYTES, CallResult, CallStatus, FollowerHooks, OpDecodeError, decode_op, encode_op
 from engine.model import KVCache, LlamaForCausalLM
-from engine.model_runner import ModelRunner, SampledToken
-from engine.sampler import Sampler, SamplingRow
-from engine.scheduler import ScheduledChunk
 
 log = logging.getLogger("duet.tp")
 
@@ -110,38 +108,20 @@ def unpack_step(header: torch.Tensor, payload: torch.Tensor, block_size: int, de
     return put(input_ids), put(positions), meta, sample_rows
 
 
-class TPDriverRunner(ModelRunner):
-    """Rank 0's model runner: the same contract as `ModelRunner.execute`, with the followers in lockstep."""
+class TPDriver:
+    """Rank 0's side of the control group: the `StepBroadcaster` that rank 0's `ModelRunner` composes (it
+    broadcasts each eager step, then runs its own forward and samples), the CALLs of serving workers, STOP."""
 
-    def __init__(self, model: LlamaForCausalLM, kv_caches: list[KVCache], block_size: int, sampler: Sampler,
-                 group=None):
-        super().__init__(model, kv_caches, block_size, sampler)
+    def __init__(self, block_size: int, group=None):
+        self.block_size = block_size
         self.group = group
 
-    @torch.inference_mode()
-    def execute(self, chunks: list[ScheduledChunk], on_layer_done: Callable[[int], None] | None = None
-                ) -> dict[str, SampledToken]:
-        if not chunks:
-            return {}
-        ordered = [c for c in chunks if len(c.token_ids) == 1] + [c for c in chunks if len(c.token_ids) > 1]
-        input_ids, positions, meta = self.prepare_inputs(ordered)
-        sample_rows, sample_chunks, offset = [], [], 0
-        for chunk in ordered:
-            offset += len(chunk.token_ids)
-            if chunk.sample:
-                sample_rows.append(offset - 1)
-                sample_chunks.append(chunk)
+    def broadcast_step(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                       sample_rows: list[int]) -> None:
+        """Send one step (header, then payload) to every follower; see `pack_step`."""
         header, payload = pack_step(input_ids, positions, meta, self.block_size, sample_rows)
         dist.broadcast(header, src=0, group=self.group)
         dist.broadcast(payload, src=0, group=self.group)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta, on_layer_done)
-        if not sample_chunks:
-            return {}
-        logits = self.model.compute_logits(hidden[sample_rows])
-        rows = [SamplingRow(c.sampling_params, c.prompt_token_ids, c.output_token_ids) for c in sample_chunks]
-        sampled = self.sampler(logits, rows)
-        return {c.request_id: SampledToken(t, lp) for c, t, lp in zip(sample_chunks, sampled.token_ids,
-                                                                       sampled.logprobs)}
 
     def call_followers(self, op: object) -> CallResult:
         """`call_followers(op, self.group)`."""
@@ -299,9 +279,9 @@ def start_group(model_config: ModelConfig, model_dir: str | Path, dtype: torch.d
     return model, followers, control
 
 
-def close_group(runner: ModelRunner, followers: list[subprocess.Popen], timeout_s: float = 10.0) -> None:
-    if isinstance(runner, TPDriverRunner):
-        runner.shutdown()
+def close_group(driver: TPDriver, followers: list[subprocess.Popen], timeout_s: float = 10.0) -> None:
+    """Stop the followers (STOP, then wait, then kill) and leave the process group."""
+    driver.shutdown()
     for proc in followers:
         try:
             proc.wait(timeout=timeout_s)

@@ -13,20 +13,25 @@ group g for the blocks that became final this step:
 So each block is sent once, messages grow with layer groups and chunks (never with blocks), and the
 network works while later layers compute. The sender copies the blocks out synchronously, so the pool may
 free or reuse them as soon as the step ends.
+
+Each step is one `EngineCore.step()`; this loop is its `StepHooks`: `before_execute` picks the blocks
+to send and returns the per-layer callback that ships them.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from engine.engine_core import EngineCore, LayerCallback, StepHooks
 from engine.kv_cache_manager import cdiv
 from engine.request import Request, RequestStatus
 from engine.runtime import Runtime
 from engine.sampler import TokenLogprobs
+from engine.scheduler import ScheduledChunk
 from prefill_worker.follower_acks import FollowerAcks
 from prefill_worker.tp_ops import KVSendEntry, PrefillFollowers
 from prefill_worker.tp_rank import layer_group_callback
@@ -76,7 +81,17 @@ class _Job:
 SendFn = Callable[[str, int, int, int, int, list[int]], Future]  # KVSender.send
 
 
-class PrefillLoop:
+@dataclass(frozen=True)
+class _Send:
+    """One request's blocks to ship in this step: every layer group of them, as the forward writes it."""
+
+    job: _Job
+    first_block: int  # index of block_ids[0] in the request's block table
+    block_ids: list[int]
+    last: bool  # the prompt's last blocks: the request's transfer is complete after these
+
+
+class PrefillLoop(StepHooks):
     def __init__(self, runtime: Runtime, send: SendFn | None, kv_bytes_per_block_layer: int, layer_group_size: int = 4,
                  acks: FollowerAcks | None = None):
         if layer_group_size < 1:
@@ -88,12 +103,17 @@ class PrefillLoop:
         self._acks = acks  # tensor parallelism: the follower ranks' reports that they sent their shards
         self._followers = PrefillFollowers(runtime)
         self._jobs: dict[str, _Job] = {}
+        self._step_chunks: Sequence[ScheduledChunk] = ()  # the current step's, set by `before_execute`
+        self._step_sends: list[_Send] = []
+        self._step_failed = False  # set by `on_execute_failed`
+        self._execute_start_s = 0.0  # when this step's sends were chosen: its measured time starts there
         self.num_waiting_tokens = 0  # uncached prompt tokens not computed yet: the work queued here (a
         # waiting request counts its prompt minus the cache hit it had on arrival); recounted on the engine thread
         self._decayed_tokens = 0.0
         self._decayed_step_s = 0.0
         self.tokens_per_s = 0.0  # measured speed, which the router's cost model uses
-        self.thread = EngineThread("prefill-engine", self.rt.scheduler.has_unfinished_requests, self._step)
+        self.core = EngineCore.from_runtime(runtime, hooks=self)
+        self.thread = EngineThread("prefill-engine", self.core.has_unfinished_requests, self._step)
 
     def start(self) -> None:
         self.thread.start()
@@ -117,7 +137,7 @@ class PrefillLoop:
     # -- engine thread ---------------------------------------------------------------------------
 
     def _add(self, job: _Job) -> None:
-        self.rt.scheduler.add_request(job.request)
+        self.core.add_request(job.request)
         self._jobs[job.request.request_id] = job
         job.cached_tokens_at_arrival = self.rt.kv_cache.get_computed_blocks(job.request)[1]
         self._count_waiting_tokens()
@@ -126,7 +146,7 @@ class PrefillLoop:
         job = self._jobs.pop(request_id, None)
         if job is None:
             return
-        self.rt.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+        self.core.abort(request_id)
         self._count_waiting_tokens()
         if job.target is not None and self._acks is not None:
             self._acks.forget(request_id)
@@ -137,12 +157,15 @@ class PrefillLoop:
         job.result.set_exception(error)
         self._check_idle()
 
-    def _step(self) -> None:
-        scheduler, bs = self.rt.scheduler, self.rt.block_size
-        out = scheduler.schedule()
+    def before_execute(self, chunks: Sequence[ScheduledChunk]) -> LayerCallback | None:
+        """`StepHooks`: start the step's jobs' clocks, pick each request's blocks that become final in this
+        step, have the follower ranks send their shards of them (TP), and return the callback that ships
+        this rank's as each layer group is written."""
+        bs = self.rt.block_size
         now = time.monotonic()
-        sends: list[tuple[_Job, int, list[int], bool]] = []  # (job, first block index, block ids, last)
-        for chunk in out.chunks:
+        self._step_chunks = chunks
+        self._step_sends = sends = []
+        for chunk in chunks:
             job = self._jobs[chunk.request_id]
             if job.started_s is None:
                 job.started_s = now
@@ -153,41 +176,49 @@ class PrefillLoop:
             end_blocks = cdiv(request.num_prompt_tokens, bs) if end >= request.num_prompt_tokens else end // bs
             if end_blocks > job.num_sent_blocks:
                 last = end >= request.num_prompt_tokens
-                sends.append((job, job.num_sent_blocks, chunk.block_ids[job.num_sent_blocks : end_blocks], last))
+                sends.append(_Send(job, job.num_sent_blocks, chunk.block_ids[job.num_sent_blocks : end_blocks], last))
                 job.num_sent_blocks = end_blocks
+        self._execute_start_s = time.monotonic()
+        if not sends:
+            return None
+        if self._acks is not None:
+            self._share_sends(sends)
+        return self._layer_sender(sends)
 
-        step_start_s = time.monotonic()
-        try:
-            if sends and self._acks is not None:
-                self._share_sends(sends)
-            sampled = self.rt.runner.execute(out.chunks, self._layer_sender(sends) if sends else None)
-        except Exception as e:
-            log.exception("prefill step failed")
-            if sends and self._acks is not None:  # followers must not ship this step's sends with a later step
-                try:
-                    self._followers.send_kv(())
-                except RuntimeError:
-                    pass  # the TP group is broken: the worker is going down
-            for chunk in out.chunks:
-                self._abort(chunk.request_id, e)
+    def on_execute_failed(self, chunks: Sequence[ScheduledChunk], error: Exception) -> None:
+        """`StepHooks`: the step's requests fail with `error`; the worker goes on."""
+        log.exception("prefill step failed")
+        self._step_failed = True
+        if self._step_sends and self._acks is not None:  # followers must not ship this step's sends later
+            try:
+                self._followers.send_kv(())
+            except RuntimeError:
+                pass  # the TP group is broken: the worker is going down
+        for chunk in chunks:
+            self._abort(chunk.request_id, error)
+
+    def _step(self) -> None:
+        self._step_chunks, self._step_sends, self._step_failed = (), [], False
+        new_tokens = self.core.step()
+        if self._step_failed:
             return
-        updates = scheduler.update_from_output(out, {rid: s.token_id for rid, s in sampled.items()})
         now = time.monotonic()
-        self._measure(out.num_batched_tokens, now - step_start_s)
-        for update in updates:
-            job = self._jobs.pop(update.request_id)
+        self._measure(sum(len(c.token_ids) for c in self._step_chunks), now - self._execute_start_s)
+        for new in new_tokens:
+            job = self._jobs.pop(new.request_id)
             request = job.request
-            if not update.status.finished:
-                scheduler.finish_request(request.request_id, RequestStatus.FINISHED_HANDED_OFF)
+            if not new.finished:
+                self.core.finish_request(request.request_id, RequestStatus.FINISHED_HANDED_OFF)
             if job.error is not None:
                 job.result.set_exception(job.error)
                 continue
+            (token_id,) = new.token_ids  # a prefill samples one token (the core refuses proposed tokens)
             job.result.set_result(
                 PrefillResult(
-                    token_id=update.token_id,
-                    logprobs=sampled[request.request_id].logprobs,
+                    token_id=token_id,
+                    logprobs=new.logprobs[0] if new.logprobs is not None else None,
                     num_cached_tokens=max(request.num_cached_tokens, 0),
-                    finish_reason=update.status.finish_reason if update.status.finished else None,
+                    finish_reason=new.status.finish_reason if new.finished else None,
                     stop_token_id=request.stop_reason if isinstance(request.stop_reason, int) else None,
                     queue_s=job.started_s - job.enqueued_s,
                     prefill_s=now - job.started_s,
@@ -200,32 +231,34 @@ class PrefillLoop:
         self._count_waiting_tokens()
         self._check_idle()
 
-    def _share_sends(self, sends: list[tuple[_Job, int, list[int], bool]]) -> None:
+    def _share_sends(self, sends: list[_Send]) -> None:
         """Tensor parallelism: every follower rank ships its shard of the same blocks in the coming step; once
         a request's last blocks are sent, its result also waits for each rank's report."""
         entries = []
-        for job, first_block, block_ids, last in sends:
-            target = job.target
-            entries.append(KVSendEntry(job.request.request_id, target.endpoints, target.reservation_id, first_block,
-                                       tuple(block_ids), last))
-            if last:
+        for send in sends:
+            job, target = send.job, send.job.target
+            entries.append(KVSendEntry(job.request.request_id, target.endpoints, target.reservation_id,
+                                       send.first_block, tuple(send.block_ids), send.last))
+            if send.last:
                 job.transfers.append(self._acks.expect(job.request.request_id))
         if not self._followers.send_kv(tuple(entries)):
             raise RuntimeError("a tensor-parallel rank refused this step's KV sends")
 
-    def _layer_sender(self, sends: list[tuple[_Job, int, list[int], bool]]) -> Callable[[int], None]:
+    def _layer_sender(self, sends: list[_Send]) -> LayerCallback:
         def ship(start: int, end: int) -> None:
-            for job, first_block, block_ids, _ in sends:
+            for send in sends:
+                job = send.job
                 if job.error is not None:
                     continue
                 try:
                     target = job.target
-                    future = self._send(target.endpoint, target.reservation_id, start, end, first_block, block_ids)
+                    future = self._send(target.endpoint, target.reservation_id, start, end, send.first_block,
+                                        send.block_ids)
                 except Exception as e:  # noqa: BLE001 - the request fails, the worker goes on
                     job.error = e
                     continue
                 job.transfers.append(future)
-                job.kv_bytes += (end - start) * len(block_ids) * self._block_layer_bytes * self.rt.tp_size
+                job.kv_bytes += (end - start) * len(send.block_ids) * self._block_layer_bytes * self.rt.tp_size
 
         return layer_group_callback(self.rt.model_config.num_layers, self.layer_group_size, ship)
 
@@ -244,7 +277,7 @@ class PrefillLoop:
         self.num_waiting_tokens = total
 
     def _check_idle(self) -> None:
-        if self.rt.scheduler.has_unfinished_requests():
+        if self.core.has_unfinished_requests():
             return
         pool = self.rt.block_pool
         if pool.num_free_blocks != pool.num_blocks:

@@ -1,6 +1,7 @@
-"""Static-shape decode steps (engine/cuda_graphs.py) against the plain eager runner.
+"""Static-shape decode steps (engine/cuda_graphs.py's GraphReplayer inside the ModelRunner) against the
+plain eager runner.
 
-Off CUDA the static runner runs its padded buckets eagerly (`capture` is a no-op), so the bucket choice,
+Off CUDA the graph replayer runs its padded buckets eagerly (`capture` is a no-op), so the bucket choice,
 the padding and the scratch slot are tested here for real on CPU; the last test captures and replays
 CUDA graphs where a GPU is present.
 """
@@ -20,13 +21,13 @@ from engine import LLM, SamplingParams
 from engine.config import EngineConfig, ModelConfig, resolve_device
 from engine.cuda_graphs import (
     SCRATCH_BLOCKS,
-    StaticDecodeRunner,
+    GraphReplayer,
     batch_sizes_for,
     bucket_for,
     default_batch_sizes,
-    make_static_decode_runner,
+    make_graph_replayer,
 )
-from engine.model_runner import allocate_kv_caches
+from engine.model_runner import ModelRunner, allocate_kv_caches
 from engine.sampler import Sampler
 from engine.scheduler import ScheduledChunk
 from engine.weights import build_model
@@ -66,12 +67,11 @@ def decode(request_id, token, position, block_ids):
 
 @pytest.fixture(scope="module")
 def small_runner(tiny_llama_dir):
-    """A static runner over 8 pool blocks + the scratch block (id 8), tables 4 blocks wide, buckets 1, 2, 4."""
+    """A graph replayer over 8 pool blocks + the scratch block (id 8), tables 4 blocks wide, buckets 1, 2, 4."""
     config = ModelConfig.from_dir(tiny_llama_dir)
     model = build_model(config, tiny_llama_dir, torch.float32, max_positions=64)
     kv_caches = allocate_kv_caches(model, 8 + SCRATCH_BLOCKS, 16, torch.float32)
-    return StaticDecodeRunner(model, kv_caches, 16, Sampler(0), batch_sizes=(1, 2, 4), max_blocks_per_seq=4,
-                              scratch_block=8)
+    return GraphReplayer(model, kv_caches, 16, batch_sizes=(1, 2, 4), max_blocks_per_seq=4, scratch_block=8)
 
 
 def test_inputs_are_padded_to_the_bucket_into_the_scratch_slot(small_runner):
@@ -102,11 +102,20 @@ def test_steps_the_static_buffers_cannot_hold_run_eagerly(small_runner):
 def test_runner_rejects_a_scratch_block_outside_the_caches(small_runner):
     r = small_runner
     with pytest.raises(ValueError, match=r"scratch_block=9 is invalid: .* in \[0, 9\)"):
-        StaticDecodeRunner(r.model, r.kv_caches, 16, Sampler(0), batch_sizes=(1,), max_blocks_per_seq=4,
-                           scratch_block=9)
+        GraphReplayer(r.model, r.kv_caches, 16, batch_sizes=(1,), max_blocks_per_seq=4, scratch_block=9)
     with pytest.raises(ValueError, match="batch_sizes=.* is invalid"):
-        StaticDecodeRunner(r.model, r.kv_caches, 16, Sampler(0), batch_sizes=(4, 2), max_blocks_per_seq=4,
-                           scratch_block=8)
+        GraphReplayer(r.model, r.kv_caches, 16, batch_sizes=(4, 2), max_blocks_per_seq=4, scratch_block=8)
+
+
+def test_runner_refuses_graph_replay_with_tensor_parallel_followers(small_runner):
+    r = small_runner
+
+    class Broadcaster:  # a StepBroadcaster that must never be reached
+        def broadcast_step(self, input_ids, positions, meta, sample_rows):
+            raise AssertionError("unreachable")
+
+    with pytest.raises(ValueError, match="graph_replayer and step_broadcaster are invalid together"):
+        ModelRunner(r.model, r.kv_caches, 16, Sampler(0), graph_replayer=r, step_broadcaster=Broadcaster())
 
 
 # -- the static path gives the eager path's tokens -----------------------------------------------------------
@@ -116,8 +125,10 @@ def make_llm(model_dir, static: bool) -> LLM:
     llm = LLM(model_dir, max_model_len=MAX_MODEL_LEN, cuda_graph_batch_sizes=BATCH_SIZES)
     if static:  # what build_runtime does on CUDA, minus the capture
         rt = llm.engine.runtime
-        llm.engine.runner = make_static_decode_runner(rt.model, rt.kv_caches, Sampler(rt.config.seed), rt.config,
-                                                      rt.max_model_len, scratch_block=rt.num_kv_blocks)
+        replayer = make_graph_replayer(rt.model, rt.kv_caches, rt.config, rt.max_model_len,
+                                       scratch_block=rt.num_kv_blocks)
+        llm.engine.core.runner = ModelRunner(rt.model, rt.kv_caches, rt.block_size, Sampler(rt.config.seed),
+                                             graph_replayer=replayer)
     return llm
 
 
@@ -151,7 +162,7 @@ def arrivals(vocab: int) -> dict[int, list]:
 
 def test_padded_static_steps_match_eager_tokens_logprobs_and_kv(tiny_llama_dir):
     eager, static = make_llm(tiny_llama_dir, False), make_llm(tiny_llama_dir, True)
-    runner = static.engine.runner
+    runner = static.engine.runner.graph_replayer
     buckets = Counter()
     run_bucket = runner.run_bucket
     runner.run_bucket = lambda b: buckets.update([b]) or run_bucket(b)
@@ -235,7 +246,9 @@ def test_cli_flags_map_onto_the_engine_config():
 def test_cpu_engine_keeps_the_plain_runner(tiny_llama_dir):
     device = "cpu" if torch.cuda.is_available() else "auto"  # auto resolves to cpu on this machine
     llm = LLM(tiny_llama_dir, max_model_len=MAX_MODEL_LEN, device=device)
-    assert type(llm.engine.runner).__name__ == "ModelRunner"  # cuda_graphs is on by default, but for CUDA only
+    runner = llm.engine.runner
+    assert runner.graph_replayer is None  # cuda_graphs is on by default, but for CUDA only
+    assert runner.step_broadcaster is None  # tp_size 1
     assert llm.engine.runtime.kv_caches[0][0].device.type == "cpu"
 
 
@@ -267,7 +280,7 @@ def test_interpreted_triton_static_steps_match_the_eager_twins(tiny_llama_dir, m
         monkeypatch.setattr(importlib.import_module(module), "use_triton", lambda x: True)  # a CUDA tensor's
     static = make_llm(tiny_llama_dir, True)
     buckets = Counter()
-    runner = static.engine.runner
+    runner = static.engine.runner.graph_replayer
     run_bucket = runner.run_bucket
     runner.run_bucket = lambda b: buckets.update([b]) or run_bucket(b)
     got = static.generate(prompts, params)
@@ -285,9 +298,9 @@ def test_interpreted_triton_static_steps_match_the_eager_twins(tiny_llama_dir, m
 def test_cuda_graphs_match_eager_cuda(tiny_llama_dir):
     kw = dict(device="cuda", dtype="float32", max_model_len=MAX_MODEL_LEN, cuda_graph_batch_sizes=BATCH_SIZES)
     graphs, eager = LLM(tiny_llama_dir, **kw), LLM(tiny_llama_dir, cuda_graphs=False, **kw)
-    runner = graphs.engine.runner
-    assert isinstance(runner, StaticDecodeRunner) and runner.captured
-    assert not isinstance(eager.engine.runner, StaticDecodeRunner)
+    runner = graphs.engine.runner.graph_replayer
+    assert isinstance(runner, GraphReplayer) and runner.captured
+    assert eager.engine.runner.graph_replayer is None
     assert graphs.engine.runtime.kv_caches[0][0].is_cuda and next(graphs.engine.model.parameters()).is_cuda
     buckets = Counter()
     run_bucket = runner.run_bucket

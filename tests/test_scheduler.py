@@ -1,5 +1,7 @@
 """Scheduler in tokens: budgets, chunking, prefix hits, preemption — exact block ids and counts."""
 
+import pytest
+
 from engine.block_pool import BlockPool
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
@@ -18,7 +20,7 @@ def req(rid, prompt, max_tokens=8, **kw):
 
 def step(s, token=7):
     out = s.schedule()
-    sampled = {c.request_id: token for c in out.chunks if c.sample}
+    sampled = {c.request_id: [token] for c in out.chunks if c.sample}
     return out, s.update_from_output(out, sampled)
 
 
@@ -28,7 +30,8 @@ def test_prefill_then_decode_one_token_each():
     out, updates = step(s)
     (c,) = out.chunks
     assert (c.token_ids, c.start_position, c.block_ids, c.sample) == ([1, 2, 3, 4, 5], 0, [0, 1], True)
-    assert [(u.request_id, u.token_id) for u in updates] == [("a", 7)]
+    assert [(u.request_id, u.token_ids) for u in updates] == [("a", [7])]
+    assert c.proposed_token_ids == []  # nothing proposes tokens yet
     out, _ = step(s)
     (c,) = out.chunks
     assert (c.token_ids, c.start_position, c.block_ids) == ([7], 5, [0, 1])
@@ -129,3 +132,31 @@ def test_preemption_by_recompute_keeps_output_and_frees_the_latest_request():
     (c,) = out.chunks
     assert c.request_id == "b" and c.start_position + len(c.token_ids) == 5 and c.sample
     s.check_integrity()
+
+
+def test_a_list_of_tokens_is_appended_in_order_and_cut_at_a_stop():
+    s = make()
+    s.add_request(req("a", [1, 2, 3], max_tokens=8))
+    s.add_request(req("b", [4, 5], max_tokens=8, stop_token_ids=[9]))
+    s.add_request(req("c", [6], max_tokens=3))
+    out = s.schedule()
+    updates = s.update_from_output(out, {"a": [7, 8], "b": [7, 9, 8, 8], "c": [7, 7, 7, 7]})
+    assert [(u.request_id, u.token_ids, u.status) for u in updates] == [
+        ("a", [7, 8], RequestStatus.RUNNING),
+        ("b", [7, 9], RequestStatus.FINISHED_STOPPED),  # stop token 9: the tokens after it are dropped
+        ("c", [7, 7, 7], RequestStatus.FINISHED_LENGTH),  # max_tokens=3
+    ]
+    a = s.requests["a"]
+    assert (a.output_token_ids, a.all_token_ids, a.num_computed_tokens) == ([7, 8], [1, 2, 3, 7, 8], 3)
+    assert list(s.requests) == ["a"] and s.kv_cache.block_ids("b") == [] and s.kv_cache.block_ids("c") == []
+    (c,) = s.schedule().chunks  # both new tokens' KV is still to compute: one chunk of two tokens
+    assert (c.token_ids, c.start_position, c.sample) == ([7, 8], 3, True)
+    s.check_integrity()
+
+
+def test_a_sampled_chunk_must_gain_a_token():
+    s = make()
+    s.add_request(req("a", [1, 2]))
+    out = s.schedule()
+    with pytest.raises(ValueError, match="request 'a' sampled no token"):
+        s.update_from_output(out, {"a": []})

@@ -1,0 +1,147 @@
+"""One engine step for every engine: schedule -> execute -> update, with hooks for what differs.
+
+    add_request / add_transferred (KV arrived) / finish_request / abort      (between steps)
+    step():
+      scheduler.schedule()              ─▶ chunks: tokens to compute under the budget
+      refuse proposed tokens            (nothing verifies them yet: issue 19)
+      hooks.before_execute(chunks)      ─▶ on_layer_done for this forward, or None
+      runner.execute(chunks, on_layer_done) ─▶ tokens per sampled request
+                                           (raised: hooks.on_execute_failed: re-raise, or abort them)
+      scheduler.update_from_output      ─▶ appended, stopped requests freed
+      ─▶ [NewTokens]: per request, the tokens it gained (a list), their logprobs, its status
+
+`LLMEngine` (offline: detokenization, stop strings, outputs), the prefill worker (KV sent per layer group,
+through its hooks) and the decode worker (KV arrived, tokens streamed) each hold one and drive `step`;
+none of them touches the scheduler's queues. Not thread-safe: one thread drives a core.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from engine.model_runner import ModelRunner
+from engine.request import Request, RequestStatus
+from engine.runtime import Runtime
+from engine.sampler import TokenLogprobs, refuse_proposed_tokens
+from engine.scheduler import ScheduledChunk, Scheduler
+
+LayerCallback = Callable[[int], None]  # on_layer_done(i): layer i's K/V for every chunk is in the cache
+
+
+@dataclass(slots=True)
+class NewTokens:
+    """What one request gained in a step. `token_ids` is never empty; a request that finished keeps the
+    tokens up to the one that ended it (the scheduler dropped any after it). Read-only by contract (not
+    frozen: one is made per request per step, and a frozen dataclass is several times slower to make)."""
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None  # one per token; None where the request asked for none
+    status: RequestStatus  # after the last token: finished or still running
+
+    @property
+    def finished(self) -> bool:
+        return self.status.finished
+
+
+class StepHooks:
+    """What an engine adds to each step; the defaults add nothing (the offline engine, the decode worker)."""
+
+    def before_execute(self, chunks: Sequence[ScheduledChunk]) -> LayerCallback | None:
+        """Called with the step's scheduled chunks (read-only; their block tables are valid for this step
+        only) right before the forward pass; returns that forward's `on_layer_done`, or None.
+
+        The prefill worker starts its KV sends here and ships each layer group from the callback. An
+        exception here counts as one of the forward (see `on_execute_failed`)."""
+        return None
+
+    def on_execute_failed(self, chunks: Sequence[ScheduledChunk], error: Exception) -> None:
+        """Called when `before_execute` or the forward raised `error`, before anything was updated: the
+        step's chunks are scheduled but not computed. The default re-raises it from `step`. A hook that
+        returns instead has dealt with the step's requests (the prefill worker aborts them and goes on),
+        and `step` returns []."""
+        raise error
+
+
+class EngineCore:
+    """A scheduler and a model runner, stepped together.
+
+    Contract of `step`: every chunk scheduled is executed once; each sampled request appears once in the
+    result, in schedule order, with the tokens it gained; finished requests have already been freed
+    (their blocks are back in the pool). If the forward raises, `hooks.on_execute_failed` decides.
+    """
+
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, hooks: StepHooks | None = None):
+        self.scheduler = scheduler
+        self.runner = runner
+        self.hooks = hooks or StepHooks()
+
+    @classmethod
+    def from_runtime(cls, runtime: Runtime, hooks: StepHooks | None = None) -> EngineCore:
+        return cls(runtime.scheduler, runtime.runner, hooks)
+
+    # -- requests (between steps) ----------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a validated request; ValueError if its id is live."""
+        self.scheduler.add_request(request)
+
+    def add_transferred(self, request: Request, block_ids: list[int]) -> None:
+        """KV arrived: a request whose KV for all but its last token is in `block_ids` (allocated from this
+        pool) joins the running batch; its next step computes the last token and samples the one after."""
+        self.scheduler.add_transferred(request, block_ids)
+
+    def finish_request(self, request_id: str, status: RequestStatus, stop_reason: int | str | None = None) -> bool:
+        """End a live request with a finished `status` now and free its blocks; False if it is not live."""
+        return self.scheduler.finish_request(request_id, status, stop_reason)
+
+    def abort(self, request_id: str) -> bool:
+        return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    @property
+    def num_requests(self) -> int:
+        """Live requests: waiting and running."""
+        return len(self.scheduler.requests)
+
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.scheduler.config.max_num_seqs
+
+    def check_integrity(self, other_holders: Iterable[Sequence[int]] = ()) -> None:
+        """Scheduler and block accounting agree (`other_holders`: block lists held outside the requests)."""
+        self.scheduler.check_integrity(other_holders)
+
+    # -- one step ----------------------------------------------------------------------------------
+
+    def step(self) -> list[NewTokens]:
+        scheduled = self.scheduler.schedule()
+        for chunk in scheduled.chunks:
+            refuse_proposed_tokens(f"request {chunk.request_id!r}", chunk.proposed_token_ids)
+        try:
+            on_layer_done = self.hooks.before_execute(scheduled.chunks)
+            sampled = self.runner.execute(scheduled.chunks, on_layer_done)
+        except Exception as e:
+            self.hooks.on_execute_failed(scheduled.chunks, e)
+            return []
+        updates = self.scheduler.update_from_output(
+            scheduled, {request_id: s.token_ids for request_id, s in sampled.items()}
+        )
+        results = []
+        for update in updates:
+            logprobs = sampled[update.request_id].logprobs
+            if logprobs is not None:
+                logprobs = logprobs[: len(update.token_ids)]  # those of tokens past a stop were dropped too
+            results.append(NewTokens(update.request_id, update.token_ids, logprobs, update.status))
+        return results

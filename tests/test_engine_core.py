@@ -1,0 +1,170 @@
+"""EngineCore.step: the one schedule -> execute -> update loop, its per-request token lists and its hooks.
+
+The pinned tokens below are what the engine gave for this schedule before the core existed (LLMEngine's
+own loop at commit b9bacb1), on the session's seeded tiny model.
+"""
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.config import EngineConfig
+from engine.engine_core import EngineCore, NewTokens, StepHooks
+from engine.request import Request, RequestStatus
+from engine.runtime import build_runtime
+from engine.sampler import Sampler, SamplingRow
+
+ENGINE = dict(max_model_len=128, max_num_batched_tokens=24, max_num_seqs=4)
+JOINS = {0: [0, 1], 2: [2], 3: [3, 4]}  # step -> requests that arrive before it
+PINNED = {
+    "r0": [35, 43, 250, 250, 490, 349, 490, 349, 490, 168, 408, 364],
+    "r1": [125, 80, 472, 334, 84, 136, 467, 87, 135],
+    "r2": [154, 260, 189, 46, 431, 206],
+    "r3": [313, 5, 156, 409, 476, 188, 263, 57, 451, 472],
+    "r4": [287, 320, 221, 287, 37, 243, 287],
+}
+
+
+def workload() -> tuple[list[list[int]], list[SamplingParams]]:
+    g = torch.Generator().manual_seed(13)
+    prompts = [torch.randint(4, 512, (n,), generator=g).tolist() for n in (40, 3, 57, 9, 21)]
+    params = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=9, temperature=0.9, top_p=0.8, seed=7, ignore_eos=True),
+              SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2),
+              SamplingParams(max_tokens=10, temperature=1.0, top_k=20, seed=3, ignore_eos=True),
+              SamplingParams(max_tokens=7, temperature=0, ignore_eos=True)]
+    return prompts, params
+
+
+def make_core(model_dir, hooks: StepHooks | None = None) -> tuple[EngineCore, object]:
+    rt = build_runtime(model_dir, EngineConfig(**ENGINE))
+    return EngineCore.from_runtime(rt, hooks), rt
+
+
+class Recorder(StepHooks):
+    """Records each step's chunks (request id, number of tokens) and the layers reported done."""
+
+    def __init__(self):
+        self.steps: list[list[tuple[str, int]]] = []
+        self.layers: list[list[int]] = []
+
+    def before_execute(self, chunks):
+        self.steps.append([(c.request_id, len(c.token_ids)) for c in chunks])
+        done: list[int] = []
+        self.layers.append(done)
+        return done.append
+
+
+def test_step_gives_each_request_its_tokens_as_before_in_a_mixed_batch(tiny_llama_dir):
+    prompts, params = workload()
+    hooks = Recorder()
+    core, rt = make_core(tiny_llama_dir, hooks)
+    got: dict[str, list[int]] = {}
+    step = 0
+    while step in JOINS or core.has_unfinished_requests():
+        for i in JOINS.get(step, []):
+            core.add_request(Request(f"r{i}", prompts[i], params[i], rt.tokenizer.eos_token_ids))
+        for new in core.step():
+            assert isinstance(new, NewTokens) and len(new.token_ids) == 1  # one token per step until speculation
+            got.setdefault(new.request_id, []).extend(new.token_ids)
+            assert new.finished == (len(got[new.request_id]) == params[int(new.request_id[1:])].max_tokens)
+            assert new.status is (RequestStatus.FINISHED_LENGTH if new.finished else RequestStatus.RUNNING)
+            if new.request_id == "r2":  # asked for logprobs: one per token, of that token
+                assert [lp.token_id for lp in new.logprobs] == new.token_ids and len(new.logprobs[0].top) == 2
+            else:
+                assert new.logprobs is None
+        core.check_integrity()
+        step += 1
+    assert got == PINNED and step == 17
+    # the batches were mixed: some step computed a prefill chunk next to decodes, and a prompt was chunked
+    assert any(any(n == 1 for _, n in s) and any(n > 1 for _, n in s) for s in hooks.steps)
+    # r2's 57 prompt tokens went in 3 chunks, next to 2 decodes
+    assert [n for s in hooks.steps for rid, n in s if rid == "r2"][:3] == [22, 22, 13]
+    assert all(layers == [0, 1] for layers, s in zip(hooks.layers, hooks.steps) if s)  # on_layer_done per layer
+    assert rt.block_pool.num_free_blocks == rt.num_kv_blocks and core.num_requests == 0
+
+    # the offline engine drives the same core: same tokens, same schedule
+    llm = LLM(tiny_llama_dir, **ENGINE)
+    offline: dict[str, list[int]] = {}
+    step = 0
+    while step in JOINS or llm.engine.has_unfinished_requests():
+        for i in JOINS.get(step, []):
+            llm.engine.add_request(prompts[i], params[i], request_id=f"r{i}")
+        for out in llm.engine.step():
+            offline[out.request_id] = out.token_ids
+        step += 1
+    assert offline == PINNED
+
+
+def test_a_chunk_with_proposed_tokens_is_refused_before_the_forward(tiny_llama_dir):
+    core, rt = make_core(tiny_llama_dir)
+    prompts, params = workload()
+    core.add_request(Request("a", prompts[1], params[0], rt.tokenizer.eos_token_ids))
+    schedule = core.scheduler.schedule
+
+    def schedule_with_a_proposal():  # what a proposer (issue 19) would attach
+        out = schedule()
+        out.chunks[0].proposed_token_ids.append(5)
+        return out
+
+    core.scheduler.schedule = schedule_with_a_proposal
+    executed = []
+    execute = core.runner.execute
+    core.runner.execute = lambda *a: executed.append(a) or execute(*a)
+    with pytest.raises(ValueError, match=r"request 'a' carries proposed_token_ids=\[5\]: speculative verification "
+                                         r"is not implemented yet \(issue 19\)"):
+        core.step()
+    assert executed == [] and rt.scheduler.requests["a"].output_token_ids == []
+    assert core.abort("a") and rt.block_pool.num_free_blocks == rt.num_kv_blocks
+    core.check_integrity()
+
+
+def test_sampler_seam_gives_a_list_per_row_and_refuses_proposals():
+    logits = torch.tensor([[0.0, 2.0, 1.0], [3.0, 0.0, 1.0]])
+    rows = [SamplingRow(SamplingParams(temperature=0), [1], []),
+            SamplingRow(SamplingParams(temperature=0, logprobs=1), [1], [2])]
+    out = Sampler(0).sample(logits, rows)
+    assert [s.token_ids for s in out] == [[1], [0]]
+    assert out[0].logprobs is None and [lp.token_id for lp in out[1].logprobs] == [0]
+    proposing = [rows[0], SamplingRow(SamplingParams(temperature=0), [1], [2], proposed_token_ids=[2, 0])]
+    with pytest.raises(ValueError, match=r"sampling row 1 carries proposed_token_ids=\[2, 0\]"):
+        Sampler(0).sample(logits, proposing)
+
+
+class FailingHooks(StepHooks):
+    """Fails every forward from its per-layer callback; optionally handles the failure itself."""
+
+    def __init__(self, handle: bool):
+        self.handle = handle
+        self.failed: list[tuple[list[str], str]] = []
+
+    def before_execute(self, chunks):
+        def fail(layer: int) -> None:
+            raise RuntimeError(f"send failed at layer {layer}")
+
+        return fail if chunks else None
+
+    def on_execute_failed(self, chunks, error):
+        if not self.handle:
+            return super().on_execute_failed(chunks, error)
+        self.failed.append(([c.request_id for c in chunks], str(error)))
+
+
+def test_a_failed_forward_is_raised_or_handed_to_the_hooks(tiny_llama_dir):
+    prompts, params = workload()
+    for handle in (False, True):
+        hooks = FailingHooks(handle)
+        core, rt = make_core(tiny_llama_dir, hooks)
+        core.add_request(Request("a", prompts[1], params[0], rt.tokenizer.eos_token_ids))
+        core.add_request(Request("b", prompts[3], params[2], rt.tokenizer.eos_token_ids))
+        if handle:
+            assert core.step() == []
+            assert hooks.failed == [(["a", "b"], "send failed at layer 0")]
+        else:
+            with pytest.raises(RuntimeError, match="send failed at layer 0"):
+                core.step()
+        # nothing was updated: both requests are scheduled but not computed
+        assert [rt.scheduler.requests[r].num_computed_tokens for r in "ab"] == [0, 0]
+        assert core.abort("a") and core.abort("b") and not core.has_unfinished_requests()
+        assert rt.block_pool.num_free_blocks == rt.num_kv_blocks
+        core.check_integrity()

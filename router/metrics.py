@@ -9,6 +9,7 @@
     duet_router_prompt_tokens_total
     duet_router_index_available                         1 when the last lookup reached Redis
     duet_router_index_block_keys                        index size (refreshed periodically)
+    duet_router_speculative_dropped_total               speculative index entries dropped (writer queue full)
     duet_router_time_to_first_token_seconds, duet_router_e2e_request_latency_seconds
 """
 
@@ -39,6 +40,9 @@ class RouterMetrics:
                                      registry=r)
         self.index_block_keys = Gauge("duet_router_index_block_keys", "Block entries in the prefix index",
                                       registry=r)
+        self.speculative_dropped = Counter("duet_router_speculative_dropped",
+                                           "Speculative index entries dropped because the writer queue was full",
+                                           registry=r)
         self.ttft_s = Histogram("duet_router_time_to_first_token_seconds", "Request received -> first token sent",
                                 buckets=_TTFT_BUCKETS, registry=r)
         self.e2e_s = Histogram("duet_router_e2e_request_latency_seconds", "Request received -> last token sent",

@@ -246,7 +246,7 @@ def test_registry_and_kv_events_in_redis(cluster, client, offline):
     run(client, list(range(10, 60)), SamplingParams(max_tokens=2, temperature=0))
     r = redis.Redis.from_url(cluster.redis_url)
     workers = WorkerRegistry(r).list_workers(offline.engine.model_id)
-    by_role = {info.role: (info, load) for info, load, _ in workers}
+    by_role = {w.info.role: (w.info, w.load) for w in workers}
     assert sorted(by_role) == ["decode", "prefill"] and len(workers) == 2
     decode_info, decode_load = by_role["decode"]
     assert decode_info.block_size == 16 and decode_info.num_kv_blocks == 160 and decode_info.kv_address

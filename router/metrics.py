@@ -49,6 +49,25 @@ class RouterMetrics:
                                buckets=_TTFT_BUCKETS + (60.0, 120.0), registry=r)
         self.index_available.set(1)
 
+    # -- one request's stages (the orchestrator reports each once, when it happens) ------------------
+
+    def request_prefilled(self, prompt_tokens: int, predicted_cached_tokens: int, actual_cached_tokens: int) -> None:
+        """The prefill worker returned the first token: how well the index predicted its cache."""
+        self.prompt_tokens.inc(prompt_tokens)
+        self.predicted_cached.inc(predicted_cached_tokens)
+        self.actual_cached.inc(actual_cached_tokens)
+
+    def first_token_sent(self, ttft_s: float) -> None:
+        self.ttft_s.observe(ttft_s)
+
+    def request_completed(self, e2e_s: float) -> None:
+        """The last token went out (a finish reason or a stop string; not an abort or a failure)."""
+        self.e2e_s.observe(e2e_s)
+
+    def request_ended(self, status: str) -> None:
+        """Every Generate call that reached the orchestrator, once, by final gRPC status name."""
+        self.requests.labels(status).inc()
+
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
         """Expose /metrics over HTTP; returns the port (0 picks a free one)."""
         server, _ = start_http_server(port, addr=host, registry=self.registry)

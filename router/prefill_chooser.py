@@ -51,11 +51,11 @@ class PrefillChoice:
 
 
 class PrefillChooser:
-    def __init__(self, index: PrefixIndex, model_id: str, metrics: RouterMetrics,
-                 policy: PolicyConfig | None = None, speculative: SpeculativeWriter | None = None):
-        """`speculative`: where speculative entries go; None: a writer of its own over `index`."""
+    def __init__(self, index: PrefixIndex, model_id: str, metrics: RouterMetrics, speculative: SpeculativeWriter,
+                 policy: PolicyConfig | None = None):
+        """`speculative`: the background writer that chosen workers' speculative entries are queued to."""
         self.index = index
-        self.speculative = speculative or SpeculativeWriter(index, on_drop=metrics.speculative_dropped.inc)
+        self.speculative = speculative
         self.model_id = model_id
         self.metrics = metrics
         self.policy = policy or PolicyConfig()

@@ -81,7 +81,7 @@ class Router(pb_grpc.GenerationServicer):
         self.metrics = RouterMetrics()
         self.index = PrefixIndex(self.registry.client, self.model_id)
         self.speculative = SpeculativeWriter(self.index, on_drop=self.metrics.speculative_dropped.inc)
-        self.chooser = PrefillChooser(self.index, self.model_id, self.metrics, config.policy, self.speculative)
+        self.chooser = PrefillChooser(self.index, self.model_id, self.metrics, self.speculative, config.policy)
         self.view = WorkerView(self.registry, self.index, self.model_id, self.metrics)
         self.orchestrator = RequestOrchestrator(self.view, self.chooser, self.metrics, self.tokenizer,
                                                 self.model_id, config.reservation_ttl_s)

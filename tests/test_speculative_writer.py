@@ -4,6 +4,7 @@ path. Real redis-server; round trips are counted at the connection, per thread."
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import redis
@@ -58,7 +59,7 @@ def test_a_routing_decision_costs_one_redis_round_trip(counted):
     index = PrefixIndex(counted, MODEL)
     metrics = RouterMetrics()
     writer = SpeculativeWriter(index)
-    chooser = PrefillChooser(index, MODEL, metrics, speculative=writer)
+    chooser = PrefillChooser(index, MODEL, metrics, writer)
     workers = [live("prefill-a"), live("prefill-b")]
     prompt = list(range(2, 2 + 4 * BLOCK))
     try:
@@ -84,7 +85,7 @@ def test_a_routing_decision_costs_one_redis_round_trip(counted):
 def test_explain_writes_nothing(counted):
     index = PrefixIndex(counted, MODEL)
     writer = SpeculativeWriter(index)
-    chooser = PrefillChooser(index, MODEL, RouterMetrics(), speculative=writer)
+    chooser = PrefillChooser(index, MODEL, RouterMetrics(), writer)
     prompt = list(range(2, 2 + 2 * BLOCK))
     try:
         chooser.choose(prompt, "", [live("prefill-a")], {}, speculate=False)
@@ -100,8 +101,10 @@ class BlockedIndex(PrefixIndex):
     def __init__(self, client: redis.Redis, model_id: str):
         super().__init__(client, model_id)
         self.go = threading.Event()
+        self.entered = threading.Event()
 
     def add_speculative(self, worker_id: str, block_hashes) -> None:
+        self.entered.set()
         self.go.wait(10)
         super().add_speculative(worker_id, block_hashes)
 
@@ -111,14 +114,17 @@ def test_a_full_queue_drops_instead_of_blocking(counted):
     metrics = RouterMetrics()
     writer = SpeculativeWriter(index, max_pending=2, on_drop=metrics.speculative_dropped.inc)
     try:
-        # the thread takes the first and waits on it; two more fill the queue; the fourth is dropped
-        accepted = [writer.submit("w", [i + 1]) for i in range(4)]
+        assert writer.submit("w", [1])
+        assert index.entered.wait(5)  # the thread holds the first entry, waiting on "Redis"
+        started_s = time.monotonic()
+        accepted = [writer.submit("w", [i + 2]) for i in range(3)]
+        assert time.monotonic() - started_s < 0.5  # never blocks the caller
+        assert accepted == [True, True, False]  # two fill the queue, the third is dropped
         assert not writer.flush(0.2)  # still blocked
-        assert accepted.count(False) >= 1 and writer.num_dropped == accepted.count(False)
-        assert metrics.speculative_dropped._value.get() == writer.num_dropped
+        assert writer.num_dropped == 1 and metrics.speculative_dropped._value.get() == 1
         index.go.set()
         assert writer.flush(5.0)
-        assert writer.num_written == accepted.count(True) and writer.num_failed == 0
+        assert writer.num_written == 3 and writer.num_failed == 0
     finally:
         index.go.set()
         writer.close()

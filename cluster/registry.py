@@ -98,6 +98,20 @@ class WorkerLoad:
                 raise ValueError(f"{f.name}={getattr(self, f.name)} is invalid: must be >= 0")
 
 
+@dataclass(frozen=True)
+class LiveWorker:
+    """A registered worker as the registry saw it just now: who it is, its last load report, and how old
+    that report is (heartbeats are ttl_s/3 apart, so a load is up to that stale)."""
+
+    info: WorkerInfo
+    load: WorkerLoad
+    load_age_s: float
+
+    @property
+    def worker_id(self) -> str:
+        return self.info.worker_id
+
+
 def _to_json(obj) -> str:
     return json.dumps(dataclasses.asdict(obj), separators=(",", ":"), sort_keys=True)
 
@@ -163,9 +177,9 @@ class WorkerRegistry:
 
     # --------------------------------------------------------------------------------------------- readers
 
-    def list_workers(self, model_id: str, role: str | None = None) -> list[tuple[WorkerInfo, WorkerLoad, float]]:
-        """Live workers of `model_id` (optionally of one role) as (info, load, age of the load report in s),
-        sorted by worker_id. Two round trips: the index (pruning dead members), then every member's hash."""
+    def list_workers(self, model_id: str, role: str | None = None) -> list[LiveWorker]:
+        """Live workers of `model_id` (optionally of one role), sorted by worker_id. Two round trips: the
+        index (pruning dead members), then every member's hash."""
         if role is not None and role not in ROLES:
             raise ValueError(f"role={role!r} is invalid: must be None or one of {ROLES}")
         index = workers_key(model_id)
@@ -196,7 +210,7 @@ class WorkerRegistry:
             if role is not None and info.role != role:
                 continue
             age_s = max(0.0, (int(ttl_ms) - pttl_ms) / 1000) if ttl_ms is not None and pttl_ms >= 0 else 0.0
-            workers.append((info, load, age_s))
+            workers.append(LiveWorker(info, load, age_s))
         return workers
 
     def list_models(self) -> list[str]:

@@ -1,10 +1,12 @@
 """The decode worker's engine loop: reservations for arriving KV, then continuous batching.
 
     Reserve   ─▶ blocks allocated for the prompt's KV, held by a reservation (admission control: refused
-                 when they would not fit next to the running requests)
+                 when they would not fit next to the running requests); the request (prompt, sampling,
+                 salt) waits with it, so it is sent to this worker once
     (KV arrives through kvtransfer into those blocks; the reservation completes)
-    Decode    ─▶ the reservation's blocks become the request's block table; it joins the running batch
-                 with the prefill worker's first token as output token 0, one token left to compute
+    Decode    ─▶ attaches to the reservation: its blocks become the reserved request's block table; it
+                 joins the running batch with the prefill worker's first token as output token 0, one token
+                 left to compute
     Release / expiry ─▶ the blocks go back to the pool
 
 Everything here runs on the engine thread (see worker.engine_thread); gRPC handlers post calls and read
@@ -26,6 +28,7 @@ from engine.kv_cache_manager import cdiv
 from engine.request import Request, RequestStatus
 from engine.runtime import Runtime
 from engine.sampler import TokenLogprobs
+from engine.sampling_params import SamplingParams
 from kvtransfer.errors import ReservationExpired
 from kvtransfer.reservation import Reservation, ReservationTable
 from worker.engine_thread import EngineThread
@@ -41,6 +44,24 @@ class DecodeEvent:
     stop_token_id: int | None = None
 
 
+@dataclass(frozen=True)
+class ReservedRequest:
+    """A request that Reserve carried: it waits with its reservation for the KV and the first token."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    cache_salt: str = ""
+
+    def with_first_token(self, first_token_id: int, eos_token_ids: frozenset[int]) -> Request:
+        """The engine request: prompt computed (its KV arrived), the prefill worker's token as output 0."""
+        return Request(
+            request_id=self.request_id, prompt_token_ids=self.prompt_token_ids,
+            sampling_params=self.sampling_params, eos_token_ids=eos_token_ids, cache_salt=self.cache_salt,
+            output_token_ids=[first_token_id], num_computed_tokens=len(self.prompt_token_ids),
+        )
+
+
 class DecodeLoop:
     def __init__(self, runtime: Runtime, reservations: ReservationTable,
                  on_token_gap: Callable[[float], None] | None = None):
@@ -52,6 +73,7 @@ class DecodeLoop:
         self._followers = DecodeFollowers(runtime)
         self._live: dict[str, tuple[Request, queue.SimpleQueue]] = {}
         self._reserved: dict[int, list[int]] = {}  # reservation id -> its blocks (engine thread's view)
+        self._reserved_requests: dict[int, ReservedRequest] = {}  # reservation id -> the request it waits for
         self.thread = EngineThread(
             "decode-engine", self.core.has_unfinished_requests, self._step, tick=self._expire
         )
@@ -64,8 +86,10 @@ class DecodeLoop:
 
     # -- engine thread: reservations -------------------------------------------------------------
 
-    def reserve(self, request_id: str, num_prompt_tokens: int, ttl_s: float) -> Reservation | None:
-        """Blocks for the prompt's KV, or None when admitting it would crowd out running requests."""
+    def reserve(self, request: ReservedRequest, ttl_s: float) -> Reservation | None:
+        """Blocks for the request's prompt KV, or None when admitting it would crowd out running requests.
+        The request waits with the reservation until `start_request` (or release / expiry drops it)."""
+        request_id, num_prompt_tokens = request.request_id, len(request.prompt_token_ids)
         core, pool = self.core, self.rt.block_pool
         num_blocks = cdiv(num_prompt_tokens, self.rt.block_size)
         if core.num_requests + len(self.reservations) >= core.max_num_seqs:
@@ -76,6 +100,7 @@ class DecodeLoop:
         block_ids = pool.allocate(num_blocks)
         reservation = self.reservations.add(request_id, block_ids, num_prompt_tokens, ttl_s)
         self._reserved[reservation.reservation_id] = block_ids
+        self._reserved_requests[reservation.reservation_id] = request
         mirrored = self._followers.reserve(reservation.reservation_id, request_id, block_ids, num_prompt_tokens,
                                            ttl_s)
         if not mirrored:  # a follower rank refused: undo everywhere
@@ -94,6 +119,7 @@ class DecodeLoop:
         # followers first: once they popped it no write lands there, then the blocks may be reused
         self._followers.release(reservation.reservation_id)
         del self._reserved[reservation.reservation_id]
+        del self._reserved_requests[reservation.reservation_id]
         self.rt.block_pool.free(reversed(reservation.block_ids))
         self._check_idle()
 
@@ -105,17 +131,17 @@ class DecodeLoop:
 
     # -- engine thread: requests -----------------------------------------------------------------
 
-    def start_request(self, request: Request, reservation_id: int, sink: queue.SimpleQueue) -> None:
-        """The request, holding its prompt and first token, takes over a complete reservation's blocks."""
+    def start_request(self, reservation_id: int, first_token_id: int, sink: queue.SimpleQueue) -> Request:
+        """The reserved request, with the prefill worker's first token, takes over its complete reservation's
+        blocks and joins the batch; returns it (its events go to `sink`)."""
         reservation = self.reservations.pop(reservation_id)
         if reservation is None:
             raise ReservationExpired(f"reservation {reservation_id} is unknown, released or expired")
-        if not reservation.complete or reservation.num_tokens != request.num_prompt_tokens:
+        request = self._reserved_requests[reservation_id].with_first_token(
+            first_token_id, self.rt.tokenizer.eos_token_ids)
+        if not reservation.complete:
             self._free(reservation)
-            raise ReservationExpired(
-                f"reservation {reservation_id} is not usable: complete={reservation.complete}, "
-                f"holds {reservation.num_tokens} prompt tokens, request has {request.num_prompt_tokens}"
-            )
+            raise ReservationExpired(f"reservation {reservation_id} is not usable: its KV is incomplete")
         if not self._followers.commit(reservation_id):
             self._free(reservation)
             raise ReservationExpired(f"reservation {reservation_id}: the KV shard of a tensor-parallel rank is "
@@ -126,8 +152,10 @@ class DecodeLoop:
             self._free(reservation)
             raise
         del self._reserved[reservation.reservation_id]  # the request's block table holds them now
+        del self._reserved_requests[reservation.reservation_id]
         self._live[request.request_id] = (request, sink)
         self._last_token_s[request.request_id] = time.monotonic()
+        return request
 
     def abort(self, request_id: str) -> None:
         live = self._live.pop(request_id, None)
@@ -178,6 +206,9 @@ class DecodeLoop:
     def check_integrity(self) -> None:
         """Every block is held exactly by the request tables and reservations that claim it."""
         self.core.check_integrity(self.reserved_block_ids)
+        if set(self._reserved_requests) != set(self._reserved):
+            raise AssertionError(f"reservations {sorted(self._reserved)} hold blocks, requests wait on "
+                                 f"{sorted(self._reserved_requests)}")
         if len(self._reserved) != len(self.reservations):
             raise AssertionError(f"{len(self._reserved)} reservations hold blocks, the table has "
                                  f"{len(self.reservations)}")

@@ -1,5 +1,7 @@
-"""The decode worker's gRPC service: Reserve / Release blocks for a prompt's KV, then Decode streams the
-rest of the answer from the running batch.
+"""The decode worker's gRPC service: Reserve takes a request and blocks for its prompt's KV (Release gives
+them back), then Decode attaches to that reservation with the first token and streams the rest of the
+answer from the running batch. The request (prompt, sampling, salt) comes once, in Reserve; it was
+validated by the router, and is only guarded here against this worker's own limits (workers.proto: Trust).
 
 Status codes: RESOURCE_EXHAUSTED with `grpc-retry-pushback-ms` (no room to reserve), INVALID_ARGUMENT,
 FAILED_PRECONDITION (reservation unknown, expired or released), DATA_LOSS (KV checksum mismatch),
@@ -15,12 +17,11 @@ import grpc
 
 from cluster.proto_convert import logprobs_to_proto, sampling_from_proto
 from cluster.registry import WorkerLoad
-from decode_worker.decode_loop import DecodeLoop
+from decode_worker.decode_loop import DecodeLoop, ReservedRequest
 from duet.internal.v1 import workers_pb2 as wpb
 from duet.internal.v1 import workers_pb2_grpc as wpb_grpc
 from engine.errors import InvalidRequestError
-from engine.request import Request
-from engine.validation import check_request
+from engine.validation import check_routed_request, check_token_ids
 from kvtransfer.errors import ChecksumMismatch, ReservationExpired, TransferError, TransferTimeout
 from kvtransfer.receiver import KVReceiver
 from kvtransfer.reservation import ReservationTable
@@ -78,15 +79,23 @@ class DecodeWorker(WorkerProcess, wpb_grpc.DecodeWorkerServicer):
     # -- RPCs ------------------------------------------------------------------------------------
 
     def Reserve(self, request: wpb.ReserveRequest, context: grpc.ServicerContext) -> wpb.ReserveResponse:
-        n = request.num_prompt_tokens
-        if not 1 <= n <= self.rt.max_model_len - 1:
+        prompt = list(request.prompt_token_ids)
+        n = len(prompt)
+        try:
+            params = sampling_from_proto(request.sampling)
+            check_routed_request(prompt, params, vocab_size=self.rt.model_config.vocab_size,
+                                 max_model_len=self.rt.max_model_len, max_logprobs=self.rt.config.max_logprobs)
+        except InvalidRequestError as e:
+            abort_with(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if n > self.rt.max_model_len - 1:  # the first token must fit too
             abort_with(context, grpc.StatusCode.INVALID_ARGUMENT,
-                       f"num_prompt_tokens={n} is invalid: must be in [1, {self.rt.max_model_len - 1}]")
+                       f"prompt_token_ids holds {n} tokens: must be in [1, {self.rt.max_model_len - 1}]")
         ttl_s = request.ttl_s or DEFAULT_RESERVATION_TTL_S
         if not 0 < ttl_s <= MAX_RESERVATION_TTL_S:
             abort_with(context, grpc.StatusCode.INVALID_ARGUMENT,
                        f"ttl_s={ttl_s} is invalid: must be in (0, {MAX_RESERVATION_TTL_S}]")
-        reservation = self.loop.thread.call(self.loop.reserve, request.request_id, n, ttl_s)
+        reserved = ReservedRequest(request.request_id, prompt, params, request.cache_salt)
+        reservation = self.loop.thread.call(self.loop.reserve, reserved, ttl_s)
         if reservation is None:
             context.set_trailing_metadata((("grpc-retry-pushback-ms", str(RETRY_PUSHBACK_MS)),))
             abort_with(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -99,15 +108,9 @@ class DecodeWorker(WorkerProcess, wpb_grpc.DecodeWorkerServicer):
         return wpb.ReleaseResponse(found=self.loop.thread.call(self.loop.release, request.reservation_id))
 
     def Decode(self, request: wpb.DecodeRequest, context: grpc.ServicerContext):
-        rid, reservation_id = request.request_id, request.reservation_id
+        reservation_id = request.reservation_id
         try:
-            params = sampling_from_proto(request.sampling)
-            prompt = list(request.prompt_token_ids)
-            check_request(prompt, params, vocab_size=self.rt.model_config.vocab_size,
-                          max_model_len=self.rt.max_model_len, max_logprobs=self.rt.config.max_logprobs)
-            check_request([request.first_token_id], params, vocab_size=self.rt.model_config.vocab_size,
-                          max_model_len=self.rt.max_model_len, max_logprobs=self.rt.config.max_logprobs,
-                          prompt_field="first_token_id")
+            check_token_ids("first_token_id", [request.first_token_id], self.rt.model_config.vocab_size)
         except InvalidRequestError as e:
             self.loop.thread.post(self.loop.release, reservation_id)
             abort_with(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -120,23 +123,19 @@ class DecodeWorker(WorkerProcess, wpb_grpc.DecodeWorkerServicer):
                 TransferTimeout: grpc.StatusCode.DEADLINE_EXCEEDED,
                 ReservationExpired: grpc.StatusCode.FAILED_PRECONDITION,
             }.get(type(e), grpc.StatusCode.ABORTED)
-            abort_with(context, code, f"request {rid}: KV of reservation {reservation_id} not usable: {e}")
+            abort_with(context, code, f"KV of reservation {reservation_id} not usable: {e}")
 
-        engine_request = Request(
-            request_id=rid, prompt_token_ids=prompt, sampling_params=params,
-            eos_token_ids=self.rt.tokenizer.eos_token_ids, cache_salt=request.cache_salt,
-            output_token_ids=[request.first_token_id], num_computed_tokens=len(prompt),
-        )
         sink: queue.SimpleQueue = queue.SimpleQueue()
         try:
-            self.loop.thread.call(self.loop.start_request, engine_request, reservation_id, sink)
+            request_id = self.loop.thread.call(self.loop.start_request, reservation_id, request.first_token_id,
+                                               sink).request_id
         except ReservationExpired as e:
             abort_with(context, grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except ValueError as e:
             self.loop.thread.post(self.loop.release, reservation_id)
             abort_with(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        if not context.add_callback(lambda: self.loop.thread.post(self.loop.abort, rid)):
-            self.loop.thread.post(self.loop.abort, rid)  # cancelled before we got here
+        if not context.add_callback(lambda: self.loop.thread.post(self.loop.abort, request_id)):
+            self.loop.thread.post(self.loop.abort, request_id)  # cancelled before we got here
             return
 
         while True:
@@ -144,11 +143,11 @@ class DecodeWorker(WorkerProcess, wpb_grpc.DecodeWorkerServicer):
                 event = sink.get(timeout=min(1.0, remaining_s(context, DEFAULT_TIMEOUT_S)) or 0.001)
             except queue.Empty:
                 if not context.is_active() or not self.loop.thread.alive:
-                    self.loop.thread.post(self.loop.abort, rid)
-                    abort_with(context, grpc.StatusCode.UNAVAILABLE, f"request {rid}: decode stopped")
+                    self.loop.thread.post(self.loop.abort, request_id)
+                    abort_with(context, grpc.StatusCode.UNAVAILABLE, f"request {request_id}: decode stopped")
                 if remaining_s(context, DEFAULT_TIMEOUT_S) <= 0:
-                    self.loop.thread.post(self.loop.abort, rid)
-                    abort_with(context, grpc.StatusCode.DEADLINE_EXCEEDED, f"request {rid}: deadline passed")
+                    self.loop.thread.post(self.loop.abort, request_id)
+                    abort_with(context, grpc.StatusCode.DEADLINE_EXCEEDED, f"request {request_id}: deadline passed")
                 continue
             reply = wpb.DecodeResponse(finish_reason=event.finish_reason or "")
             events = [event]

@@ -35,3 +35,32 @@ def check_request(
     check_token_ids("stop_token_ids", params.stop_token_ids, vocab_size)
     if params.logprobs is not None and params.logprobs > max_logprobs:
         raise InvalidRequestError("logprobs", params.logprobs, f"must be in [0, {max_logprobs}]")
+
+
+def check_routed_request(
+    token_ids: Sequence[int],
+    params: SamplingParams,
+    *,
+    vocab_size: int,
+    max_model_len: int,
+    max_logprobs: int,
+    prompt_field: str = "prompt_token_ids",
+) -> None:
+    """The guard a worker applies to a request the router already judged with `check_request`.
+
+    The internal plane is trusted: the router validated the public request once, against the model's
+    limits. A worker only refuses what would break it under its own settings (its max_model_len and
+    max_logprobs may be set lower than the router's; an id outside the vocabulary would fail a whole
+    batch step), in C-speed passes (min/max), without `check_request`'s per-id messages.
+    """
+    if not token_ids:
+        raise InvalidRequestError(prompt_field, list(token_ids), "must hold at least one token id")
+    if len(token_ids) > max_model_len:
+        raise InvalidRequestError(
+            "prompt", f"{len(token_ids)} tokens", f"must be at most max_model_len={max_model_len} tokens"
+        )
+    for field, ids in ((prompt_field, token_ids), ("stop_token_ids", params.stop_token_ids)):
+        if ids and not (0 <= min(ids) and max(ids) < vocab_size):
+            check_token_ids(field, ids, vocab_size)  # names the first bad id
+    if params.logprobs is not None and params.logprobs > max_logprobs:
+        raise InvalidRequestError("logprobs", params.logprobs, f"must be in [0, {max_logprobs}]")

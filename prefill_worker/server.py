@@ -20,7 +20,7 @@ from duet.internal.v1 import workers_pb2 as wpb
 from duet.internal.v1 import workers_pb2_grpc as wpb_grpc
 from engine.errors import InvalidRequestError
 from engine.request import Request
-from engine.validation import check_request
+from engine.validation import check_routed_request
 from kvtransfer.errors import (
     ChecksumMismatch,
     LayoutMismatch,
@@ -92,8 +92,9 @@ class PrefillWorker(WorkerProcess, wpb_grpc.PrefillWorkerServicer):
         try:
             params = sampling_from_proto(request.sampling)
             token_ids = list(request.prompt_token_ids)
-            check_request(token_ids, params, vocab_size=self.rt.model_config.vocab_size,
-                          max_model_len=self.rt.max_model_len, max_logprobs=self.rt.config.max_logprobs)
+            # validated by the router; guarded only against this worker's own limits (workers.proto: Trust)
+            check_routed_request(token_ids, params, vocab_size=self.rt.model_config.vocab_size,
+                                 max_model_len=self.rt.max_model_len, max_logprobs=self.rt.config.max_logprobs)
         except InvalidRequestError as e:
             abort_with(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         target = None

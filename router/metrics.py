@@ -9,6 +9,7 @@
     duet_router_prompt_tokens_total
     duet_router_index_available                         1 when the last lookup reached Redis
     duet_router_index_block_keys                        index size (refreshed periodically)
+    duet_router_speculative_dropped_total               speculative index entries dropped (writer queue full)
     duet_router_time_to_first_token_seconds, duet_router_e2e_request_latency_seconds
 """
 
@@ -39,11 +40,33 @@ class RouterMetrics:
                                      registry=r)
         self.index_block_keys = Gauge("duet_router_index_block_keys", "Block entries in the prefix index",
                                       registry=r)
+        self.speculative_dropped = Counter("duet_router_speculative_dropped",
+                                           "Speculative index entries dropped because the writer queue was full",
+                                           registry=r)
         self.ttft_s = Histogram("duet_router_time_to_first_token_seconds", "Request received -> first token sent",
                                 buckets=_TTFT_BUCKETS, registry=r)
         self.e2e_s = Histogram("duet_router_e2e_request_latency_seconds", "Request received -> last token sent",
                                buckets=_TTFT_BUCKETS + (60.0, 120.0), registry=r)
         self.index_available.set(1)
+
+    # -- one request's stages (the orchestrator reports each once, when it happens) ------------------
+
+    def request_prefilled(self, prompt_tokens: int, predicted_cached_tokens: int, actual_cached_tokens: int) -> None:
+        """The prefill worker returned the first token: how well the index predicted its cache."""
+        self.prompt_tokens.inc(prompt_tokens)
+        self.predicted_cached.inc(predicted_cached_tokens)
+        self.actual_cached.inc(actual_cached_tokens)
+
+    def first_token_sent(self, ttft_s: float) -> None:
+        self.ttft_s.observe(ttft_s)
+
+    def request_completed(self, e2e_s: float) -> None:
+        """The last token went out (a finish reason or a stop string; not an abort or a failure)."""
+        self.e2e_s.observe(e2e_s)
+
+    def request_ended(self, status: str) -> None:
+        """Every Generate call that reached the orchestrator, once, by final gRPC status name."""
+        self.requests.labels(status).inc()
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
         """Expose /metrics over HTTP; returns the port (0 picks a free one)."""

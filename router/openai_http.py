@@ -139,16 +139,17 @@ class OpenAIHTTPServer:
                     return self._error(400, "invalid_request_error", None, f"body is not JSON: {e}")
                 except BadRequest as e:
                     return self._error(400, "invalid_request_error", e.param, str(e))
+                # one id: the response's "id" is the request_id the router and the workers log
+                request.request_id = request.request_id or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
                 timeout = body.get("timeout")
                 call = server._stub.Generate(request, timeout=float(timeout) if timeout else None,
                                              metadata=server._metadata)
-                rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
                 if body.get("stream"):
-                    self._stream(call, rid, chat)
+                    self._stream(call, request.request_id, chat)
                 else:
-                    self._complete(call, rid, chat)
+                    self._complete(call, request.request_id, chat)
 
-            def _complete(self, call, rid: str, chat: bool) -> None:
+            def _complete(self, call, request_id: str, chat: bool) -> None:
                 text, finish, usage = [], None, None
                 try:
                     for msg in call:
@@ -162,14 +163,14 @@ class OpenAIHTTPServer:
                     choice["message"] = {"role": "assistant", "content": "".join(text)}
                 else:
                     choice["text"] = "".join(text)
-                self._json(200, {"id": rid, "object": "chat.completion" if chat else "text_completion",
+                self._json(200, {"id": request_id, "object": "chat.completion" if chat else "text_completion",
                                  "created": int(time.time()), "model": server.model_id, "choices": [choice],
                                  "usage": {"prompt_tokens": usage.prompt_tokens,
                                            "completion_tokens": usage.completion_tokens,
                                            "total_tokens": usage.prompt_tokens + usage.completion_tokens,
                                            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}})
 
-            def _stream(self, call, rid: str, chat: bool) -> None:
+            def _stream(self, call, request_id: str, chat: bool) -> None:
                 try:
                     first = next(call)
                 except grpc.RpcError as e:
@@ -190,7 +191,7 @@ class OpenAIHTTPServer:
                             choice["delta"] = delta
                         else:
                             choice["text"] = msg.text
-                        self._event({"id": rid, "object": kind, "created": int(time.time()),
+                        self._event({"id": request_id, "object": kind, "created": int(time.time()),
                                      "model": server.model_id, "choices": [choice]})
                     self.wfile.write(b"data: [DONE]\n\n")
                     self.wfile.flush()

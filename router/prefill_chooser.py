@@ -3,7 +3,9 @@
     prompt ─▶ block hashes (engine.hashing, the workers' block size, root from model id + cache salt)
            ─▶ PrefixIndex.lookup: leading blocks each prefill worker holds (ONE Redis round trip)
            ─▶ prefix_policy.choose_prefill(cached tokens, queued work, measured speed)
-           ─▶ speculative entry for the chosen worker (the next request with this prefix sees it at once)
+           ─▶ speculative entry for the chosen worker (the next request with this prefix sees it at once),
+              queued to router/speculative_writer.py: written off the request's path, so the decision itself
+              costs one Redis round trip
 
 If Redis cannot be reached the choice falls back to load only (branch "load_only"), logged once when it
 goes down and once when it comes back, and `duet_router_index_available` says so; every request retries
@@ -23,10 +25,11 @@ from dataclasses import dataclass
 import redis
 
 from cluster.prefix_index import PrefixIndex
-from cluster.registry import WorkerInfo, WorkerLoad
+from cluster.registry import LiveWorker, WorkerInfo
 from engine.hashing import hash_blocks, root_hash
 from router.metrics import RouterMetrics
 from router.prefix_policy import PolicyConfig, RouteDecision, WorkerState, choose_prefill
+from router.speculative_writer import SpeculativeWriter
 
 log = logging.getLogger("duet.router")
 
@@ -48,9 +51,11 @@ class PrefillChoice:
 
 
 class PrefillChooser:
-    def __init__(self, index: PrefixIndex, model_id: str, metrics: RouterMetrics,
+    def __init__(self, index: PrefixIndex, model_id: str, metrics: RouterMetrics, speculative: SpeculativeWriter,
                  policy: PolicyConfig | None = None):
+        """`speculative`: the background writer that chosen workers' speculative entries are queued to."""
         self.index = index
+        self.speculative = speculative
         self.model_id = model_id
         self.metrics = metrics
         self.policy = policy or PolicyConfig()
@@ -60,33 +65,33 @@ class PrefillChooser:
         self,
         prompt_token_ids: Sequence[int],
         cache_salt: str,
-        prefills: Sequence[tuple[WorkerInfo, WorkerLoad, float]],
+        prefills: Sequence[LiveWorker],
         inflight_tokens: Mapping[str, int],
         speculate: bool = True,
     ) -> PrefillChoice:
+        """The prefill worker for this prompt (one index round trip). With `speculate`, the chosen worker is
+        also queued to hold the prompt's blocks speculatively (written in the background, see the module
+        docstring); ExplainRoute passes False, since it sends nothing."""
         start_s = time.perf_counter()
-        block_size = prefills[0][0].block_size
+        block_size = prefills[0].info.block_size
         hashes = hash_blocks(prompt_token_ids, block_size, root_hash(self.model_id, cache_salt))
-        held, lookup_s = self._lookup(hashes, [info.worker_id for info, _, _ in prefills])
+        held, lookup_s = self._lookup(hashes, [w.worker_id for w in prefills])
         states = [
             WorkerState(
-                worker_id=info.worker_id,
-                cached_tokens=held.get(info.worker_id, 0) * info.block_size if held is not None else 0,
-                queued_tokens=load.num_waiting_tokens + inflight_tokens.get(info.worker_id, 0),
-                tokens_per_s=load.prefill_tokens_per_s or None,
+                worker_id=w.worker_id,
+                cached_tokens=held.get(w.worker_id, 0) * w.info.block_size if held is not None else 0,
+                queued_tokens=w.load.num_waiting_tokens + inflight_tokens.get(w.worker_id, 0),
+                tokens_per_s=w.load.prefill_tokens_per_s or None,
             )
-            for info, load, _ in prefills
+            for w in prefills
         ]
         rng = random.Random(hashes[-1] if hashes else len(prompt_token_ids))  # replicas break ties alike
         decision = choose_prefill(len(prompt_token_ids), states, self.policy, rng)
         if held is None:
             decision = RouteDecision(decision.worker_id, "load_only", decision.estimates)
-        worker = next(info for info, _, _ in prefills if info.worker_id == decision.worker_id)
+        worker = next(w.info for w in prefills if w.worker_id == decision.worker_id)
         if speculate and held is not None and hashes:
-            try:
-                self.index.add_speculative(worker.worker_id, hashes)
-            except (redis.RedisError, OSError) as e:
-                log.info("router event=speculative_failed worker=%s error=%s", worker.worker_id, e)
+            self.speculative.submit(worker.worker_id, hashes)
         decision_s = time.perf_counter() - start_s
         self.metrics.decisions.labels(decision.branch).inc()
         self.metrics.decision_s.observe(decision_s)

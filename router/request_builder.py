@@ -1,5 +1,5 @@
-"""A public `GenerateRequest` to prompt token ids and engine `SamplingParams`, judged exactly as the
-workers judge it (same tokenizer, same chat template, same checks). Raises `InvalidRequestError`."""
+"""A public `GenerateRequest` to prompt token ids and engine `SamplingParams`, judged once, here, with the
+engine's own checks (same tokenizer, same chat template, `check_request`). Raises `InvalidRequestError`."""
 
 from __future__ import annotations
 
@@ -17,8 +17,13 @@ MAX_REQUEST_ID_CHARS = 256
 
 @dataclass(frozen=True)
 class BuiltRequest:
+    """A public request judged valid: its prompt as token ids, its sampling parameters as the engine takes
+    them, and the same parameters in wire form, which the router forwards to the workers as received
+    (validated once here; workers decode it without re-judging, see workers.proto: Trust)."""
+
     prompt_token_ids: list[int]
     params: SamplingParams
+    sampling: pb.SamplingParams
 
 
 @dataclass(frozen=True)
@@ -52,7 +57,7 @@ def build_request(msg: pb.GenerateRequest, tokenizer: Tokenizer, limits: ModelLi
         token_ids, params, vocab_size=limits.vocab_size, max_model_len=limits.max_model_len,
         max_logprobs=limits.max_logprobs, prompt_field=field,
     )
-    return BuiltRequest(token_ids, params)
+    return BuiltRequest(token_ids, params, msg.sampling)
 
 
 def _chat_token_ids(chat: pb.ChatMessages, tokenizer: Tokenizer) -> list[int]:

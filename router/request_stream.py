@@ -1,5 +1,5 @@
-"""One request's life on the router: what to cancel when the client leaves, how a failure ends it, and
-how new tokens become client messages (detokenized here, stop strings cut here)."""
+"""One request's life on the router: what to cancel when the client leaves, its deadline, how a failure
+ends it, and how new tokens become client messages (detokenized here, stop strings cut here)."""
 
 from __future__ import annotations
 
@@ -12,18 +12,22 @@ import grpc
 from duet.v1 import generation_pb2 as pb
 from engine.detokenizer import IncrementalDetokenizer
 
+DEFAULT_TIMEOUT_S = 3600.0  # a downstream call's timeout when the client set no deadline
+
 
 @dataclass
 class Live:
-    """A request in flight: what to cancel when the client goes away or calls Abort."""
+    """A request in flight: what to cancel when the client goes away or calls Abort, and its deadline
+    (`deadline_s` on the monotonic clock; None: the client set none)."""
 
     request_id: str
+    deadline_s: float | None = None
     call: grpc.Future | grpc.Call | None = None
     aborted: bool = False
     cancelled: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def set_call(self, call) -> None:
+    def set_call(self, call: grpc.Future | grpc.Call) -> None:
         with self.lock:
             self.call = call
             stop = self.aborted or self.cancelled
@@ -40,44 +44,73 @@ class Live:
         if call is not None:
             call.cancel()
 
+    def remaining_s(self) -> float:
+        """The timeout for the next downstream call: what is left of the client's deadline (at least 1 ms),
+        capped at DEFAULT_TIMEOUT_S."""
+        if self.deadline_s is None:
+            return DEFAULT_TIMEOUT_S
+        return max(0.001, min(self.deadline_s - time.monotonic(), DEFAULT_TIMEOUT_S))
+
+    def is_active(self) -> bool:
+        """The client is still there and its deadline has not passed."""
+        return not self.cancelled and (self.deadline_s is None or time.monotonic() < self.deadline_s)
+
 
 class Failed(Exception):
     """Ends a request with this gRPC status (and trailers, e.g. a retry hint)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, trailers: tuple = ()):
+    def __init__(self, code: grpc.StatusCode, message: str, trailers: tuple[tuple[str, str], ...] = ()):
         super().__init__(message)
         self.code, self.message, self.trailers = code, message, trailers
 
 
-def tokens_message(client_id: str, detok: IncrementalDetokenizer, token_ids: list[int], logprobs: list,
-                    finish_reason: str, stop_token_id: int | None, usage: pb.Usage) -> tuple:
-    """The client message for new tokens; done=True when the request ends with them."""
-    message = pb.GenerateResponse(request_id=client_id)
-    text = []
-    for i, token_id in enumerate(token_ids):
-        usage.completion_tokens += 1
-        message.token_ids.append(token_id)
-        if i < len(logprobs):
-            message.logprobs.append(logprobs[i])
-        text.append(detok.add_token(token_id))
-        if detok.stop_matched is not None:
-            message.text = "".join(text)
-            message.finish_reason = "stop"
-            message.stop_string = detok.stop_matched
-            return message, True
-    if finish_reason:
-        text.append(detok.flush())
-        message.finish_reason = finish_reason
-        if stop_token_id is not None:
-            message.stop_token_id = stop_token_id
-    message.text = "".join(text)
-    return message, bool(finish_reason)
+class ClientStream:
+    """The messages one request sends its client: token ids and text deltas, then usage and timing on the
+    last. Owns the request's `Usage` and `Timing` (the orchestrator fills the stage timings in)."""
 
+    def __init__(self, request_id: str, detok: IncrementalDetokenizer, num_prompt_tokens: int, received_s: float):
+        self.request_id = request_id
+        self.detok = detok
+        self.received_s = received_s
+        self.usage = pb.Usage(prompt_tokens=num_prompt_tokens)
+        self.timing = pb.Timing()
 
-def abort_message(client_id, detok, usage, timing, received_s) -> pb.GenerateResponse:
-    timing.e2e_s = time.monotonic() - received_s
-    return pb.GenerateResponse(request_id=client_id, text=detok.flush(), finish_reason="abort", usage=usage,
-                               timing=timing)
+    def tokens(self, token_ids: list[int], logprobs: list[pb.TokenLogprob], finish_reason: str,
+               stop_token_id: int | None) -> tuple[pb.GenerateResponse, bool]:
+        """The client message for new tokens; done=True when the request ends with them (a finish reason,
+        or a stop string matched here, which cuts the tokens after it)."""
+        message = pb.GenerateResponse(request_id=self.request_id)
+        text = []
+        for i, token_id in enumerate(token_ids):
+            self.usage.completion_tokens += 1
+            message.token_ids.append(token_id)
+            if i < len(logprobs):
+                message.logprobs.append(logprobs[i])
+            text.append(self.detok.add_token(token_id))
+            if self.detok.stop_matched is not None:
+                message.text = "".join(text)
+                message.finish_reason = "stop"
+                message.stop_string = self.detok.stop_matched
+                return message, True
+        if finish_reason:
+            text.append(self.detok.flush())
+            message.finish_reason = finish_reason
+            if stop_token_id is not None:
+                message.stop_token_id = stop_token_id
+        message.text = "".join(text)
+        return message, bool(finish_reason)
+
+    def finish(self, message: pb.GenerateResponse) -> pb.GenerateResponse:
+        """`message`, made the last one: end-to-end time measured now, usage and timing attached."""
+        self.timing.e2e_s = time.monotonic() - self.received_s
+        message.usage.CopyFrom(self.usage)
+        message.timing.CopyFrom(self.timing)
+        return message
+
+    def aborted(self) -> pb.GenerateResponse:
+        """The last message of a request ended by `Abort`: what text was held back, finish_reason "abort"."""
+        return self.finish(pb.GenerateResponse(request_id=self.request_id, text=self.detok.flush(),
+                                               finish_reason="abort"))
 
 
 def downstream_code(error: grpc.RpcError) -> grpc.StatusCode:

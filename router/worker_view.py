@@ -17,7 +17,7 @@ import redis
 
 from cluster import grpc_plumbing
 from cluster.prefix_index import PrefixIndex
-from cluster.registry import WorkerInfo, WorkerRegistry
+from cluster.registry import LiveWorker, WorkerInfo, WorkerRegistry
 from router.load_policy import Candidate
 from router.metrics import RouterMetrics
 
@@ -40,13 +40,13 @@ class WorkerView:
         self._suspects: dict[str, float] = {}  # worker_id -> avoid until (monotonic)
         self._inflight: dict[str, int] = {}  # requests this router has on a decode/prefill worker
         self._inflight_tokens: dict[str, int] = {}  # prefill work this router sent and has not seen done
-        self._cache: tuple[float, list] = (0.0, [])
+        self._cache: tuple[float, list[LiveWorker]] = (0.0, [])
         self._registry_down = False
         self._last_purge_s = 0.0
         self._last_size_s = 0.0
 
-    def workers(self) -> tuple[list, list]:
-        """(prefill, decode) live workers as (info, load, age) tuples; raises NoWorkers naming the role."""
+    def workers(self) -> tuple[list[LiveWorker], list[LiveWorker]]:
+        """(prefill, decode) live workers; raises NoWorkers naming the role that has none."""
         now = time.monotonic()
         cached_at, workers = self._cache
         if now - cached_at > REGISTRY_CACHE_S:
@@ -64,35 +64,36 @@ class WorkerView:
                     log.warning("router event=registry_down using=last_known_workers error=%s", e)
                     self._registry_down = True
                 self._cache = (now, workers)
-        prefills = [w for w in workers if w[0].role == "prefill"]
-        decodes = [w for w in workers if w[0].role == "decode"]
+        prefills = [w for w in workers if w.info.role == "prefill"]
+        decodes = [w for w in workers if w.info.role == "decode"]
         for role, found in (("prefill", prefills), ("decode", decodes)):
             if not found:
                 raise NoWorkers(f"no {role} worker is up for model {self.model_id}")
         return prefills, decodes
 
-    def _maintain_index(self, workers: list, now: float) -> None:
+    def _maintain_index(self, workers: list[LiveWorker], now: float) -> None:
         """Forget index entries of prefill workers that stopped heartbeating; refresh the index size gauge."""
         if now - self._last_purge_s < PURGE_EVERY_S:
             return
         self._last_purge_s = now
-        purged = self.index.purge_missing([info.worker_id for info, _, _ in workers if info.role == "prefill"])
+        purged = self.index.purge_missing([w.worker_id for w in workers if w.info.role == "prefill"])
         for worker_id in purged:
             log.info("router event=index_purge worker=%s", worker_id)
         if now - self._last_size_s >= INDEX_SIZE_EVERY_S:
             self._last_size_s = now
             self.metrics.index_block_keys.set(self.index.stats()["num_block_keys"])
 
-    def healthy(self, workers: list) -> list:
+    def healthy(self, workers: list[LiveWorker]) -> list[LiveWorker]:
         """Workers not suspect; all of them if every one is (a suspect worker beats no worker)."""
         suspects = self.active_suspects()
-        return [w for w in workers if w[0].worker_id not in suspects] or workers
+        return [w for w in workers if w.worker_id not in suspects] or workers
 
-    def candidates(self, workers: list) -> list[Candidate]:
+    def candidates(self, workers: list[LiveWorker]) -> list[Candidate]:
+        """Each worker's load report plus what this router has sent there since (see load_policy)."""
         with self._lock:
-            return [Candidate(info.worker_id, load.num_waiting, load.num_running, load.num_free_blocks,
-                              load.num_waiting_tokens, self._inflight.get(info.worker_id, 0))
-                    for info, load, _ in workers]
+            return [Candidate(w.worker_id, w.load.num_waiting, w.load.num_running, w.load.num_free_blocks,
+                              w.load.num_waiting_tokens, self._inflight.get(w.worker_id, 0))
+                    for w in workers]
 
     def active_suspects(self) -> dict[str, float]:
         now = time.monotonic()

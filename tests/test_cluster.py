@@ -229,6 +229,51 @@ def test_no_room_on_the_decode_worker_is_resource_exhausted_with_retry_hint(clus
     hold.cancel()
 
 
+def test_reserve_carries_the_request_and_decode_attaches_by_ticket(cluster, offline):
+    """The internal hand-off without the router: the prompt goes to the decode worker once, in Reserve;
+    Decode names only the ticket and the first token; the tokens are the offline engine's."""
+    from cluster import grpc_plumbing
+    from cluster.proto_convert import sampling_to_proto
+    from duet.internal.v1 import workers_pb2 as wpb
+    from duet.internal.v1 import workers_pb2_grpc as wpb_grpc
+
+    prefill, decode = (next(c for c in worker_components(cluster) if c.name.startswith(r))
+                       for r in ("prefill", "decode"))
+    prompt = prompts_for(offline.engine.model_config.vocab_size, [37], seed=5)[0]
+    params = SamplingParams(max_tokens=9, temperature=0, ignore_eos=True)
+    sampling = sampling_to_proto(params)
+    with grpc_plumbing.channel(decode.address) as dch, grpc_plumbing.channel(prefill.address) as pch:
+        d, p = wpb_grpc.DecodeWorkerStub(dch), wpb_grpc.PrefillWorkerStub(pch)
+        reserved = d.Reserve(wpb.ReserveRequest(request_id="direct-1", prompt_token_ids=prompt, sampling=sampling),
+                             timeout=10)
+        assert reserved.num_blocks == 3  # 37 tokens in 16-token blocks
+        first = p.Prefill(wpb.PrefillRequest(
+            request_id="direct-1", prompt_token_ids=prompt, sampling=sampling,
+            target=wpb.KVTarget(kv_address=reserved.kv_address, reservation_id=reserved.reservation_id,
+                                kv_addresses=reserved.kv_addresses)), timeout=30)
+        replies = list(d.Decode(wpb.DecodeRequest(reservation_id=reserved.reservation_id,
+                                                  first_token_id=first.first_token_id), timeout=30))
+        tokens = [first.first_token_id] + [t for r in replies for t in r.token_ids]
+        assert tokens == offline.generate([prompt], params)[0].token_ids
+        assert replies[-1].finish_reason == "length"
+
+        # a released reservation takes its request with it: Decode finds nothing to attach to
+        released = d.Reserve(wpb.ReserveRequest(request_id="direct-2", prompt_token_ids=prompt, sampling=sampling),
+                             timeout=10)
+        assert d.Release(wpb.ReleaseRequest(reservation_id=released.reservation_id), timeout=10).found
+        e = rpc_error(lambda: list(d.Decode(wpb.DecodeRequest(reservation_id=released.reservation_id,
+                                                              first_token_id=1), timeout=10)))
+        assert e.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+        # what would break this worker under its own settings is refused at Reserve, naming the field
+        vocab = offline.engine.model_config.vocab_size
+        for bad, named in (([1, vocab, 2], "prompt_token_ids[1]"), ([1] * 2048, "must be in [1, 2047]"),
+                           ([], "prompt_token_ids")):
+            e = rpc_error(lambda b=bad: d.Reserve(wpb.ReserveRequest(request_id="bad", prompt_token_ids=b),
+                                                  timeout=10))
+            assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and named in e.details(), (named, e.details())
+
+
 def test_router_serves_health_and_reflection(cluster):
     with grpc.insecure_channel(cluster.router_address) as ch:
         health = health_pb2_grpc.HealthStub(ch)
@@ -246,7 +291,7 @@ def test_registry_and_kv_events_in_redis(cluster, client, offline):
     run(client, list(range(10, 60)), SamplingParams(max_tokens=2, temperature=0))
     r = redis.Redis.from_url(cluster.redis_url)
     workers = WorkerRegistry(r).list_workers(offline.engine.model_id)
-    by_role = {info.role: (info, load) for info, load, _ in workers}
+    by_role = {w.info.role: (w.info, w.load) for w in workers}
     assert sorted(by_role) == ["decode", "prefill"] and len(workers) == 2
     decode_info, decode_load = by_role["decode"]
     assert decode_info.block_size == 16 and decode_info.num_kv_blocks == 160 and decode_info.kv_address
@@ -342,6 +387,9 @@ def test_openai_http_api(cluster, tiny_llama_dir, offline):
         body = json.load(post("/v1/completions", {"prompt": "Hello there", "max_tokens": 6, "temperature": 0,
                                                   "ignore_eos": True}))
         assert body["choices"][0]["text"] == ref.text and body["choices"][0]["finish_reason"] == "length"
+        assert body["id"].startswith("cmpl-")
+        named = json.load(post("/v1/completions", {"prompt": "Hello there", "max_tokens": 2, "request_id": "my-id"}))
+        assert named["id"] == "my-id"  # one id: the response's is the request's, as the router and workers log it
         assert body["usage"]["completion_tokens"] == 6 and body["usage"]["prompt_tokens"] == len(ref.prompt_token_ids)
         stream = post("/v1/completions", {"prompt": "Hello there", "max_tokens": 6, "temperature": 0,
                                           "ignore_eos": True, "stream": True}).read().decode()

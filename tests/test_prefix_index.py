@@ -421,7 +421,7 @@ def test_workers_that_stop_heartbeating_are_purged(r):
     time.sleep(0.3)
     registry.heartbeat(infos["alive"], WorkerLoad())
     time.sleep(0.3)
-    live = [info.worker_id for info, _, _ in registry.list_workers(MODEL, role="prefill")]
+    live = [w.worker_id for w in registry.list_workers(MODEL, role="prefill")]
     assert live == ["alive"]
     assert index.purge_missing(live) == ["dead"]
     assert index.workers() == {"alive"} and index.lookup([10, 11, 13]) == {"alive": 2}

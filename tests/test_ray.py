@@ -101,7 +101,7 @@ def test_launcher_serves_offline_engines_greedy_tokens(launcher, tiny_llama_dir)
     pgs = [c.pg for role in ("prefill", "decode") for c in launcher.pools[role]]
     assert all(pg.bundle_count == 1 for pg in pgs)  # tp=1: one bundle per rank, STRICT_PACK
     registry = WorkerRegistry.from_url(launcher.redis_url)
-    roles = sorted(info.role for info, _, _ in registry.list_workers(Path(tiny_llama_dir).name))
+    roles = sorted(w.info.role for w in registry.list_workers(Path(tiny_llama_dir).name))
     assert roles == ["decode", "prefill"]
 
     prompts = [_prompt(40, 1), _prompt(5, 2)]
@@ -168,13 +168,13 @@ def test_a_dead_worker_is_replaced(launcher, tiny_llama_dir):
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         pool = launcher.pools["decode"]
-        addresses = [info.address for info, _, _ in registry.list_workers(model_id, "decode")]
+        addresses = [w.info.address for w in registry.list_workers(model_id, "decode")]
         if len(pool) == 1 and pool[0].pid != old.pid and addresses == [pool[0].address]:
             break
         time.sleep(0.2)
     (new,) = launcher.pools["decode"]
     assert new.pid != old.pid and new.name == "decode-1"
-    assert [info.address for info, _, _ in registry.list_workers(model_id, "decode")] == [new.address]
+    assert [w.info.address for w in registry.list_workers(model_id, "decode")] == [new.address]
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     ref = LLM(tiny_llama_dir, **ENGINE).generate([_prompt(20, 3)], params)[0]
     with Client(launcher.router_address) as client:

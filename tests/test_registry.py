@@ -43,7 +43,8 @@ def test_register_then_list_returns_exact_fields(registry):
                       block_size=32, num_kv_blocks=4096, tp_size=2, kv_address="10.0.0.7:7001", kv_layout="9f3a")
     load = WorkerLoad(num_waiting=3, num_running=5, num_free_blocks=100, num_waiting_tokens=777)
     registry.register(info, load)
-    [(got_info, got_load, age_s)] = registry.list_workers("llama-3-8b")
+    [live] = registry.list_workers("llama-3-8b")
+    got_info, got_load, age_s = live.info, live.load, live.load_age_s
     assert got_info == info
     assert got_load == load
     assert 0.0 <= age_s < 0.5
@@ -71,10 +72,10 @@ def test_roles_and_models_are_separated(registry):
     other = _info("decode-9", "decode", "m2", 4)
     for info in (p1, d0, other, p0):
         registry.register(info, WorkerLoad())
-    assert [w[0] for w in registry.list_workers("m1")] == [d0, p0, p1]  # sorted by worker_id
-    assert [w[0] for w in registry.list_workers("m1", role="prefill")] == [p0, p1]
-    assert [w[0] for w in registry.list_workers("m1", role="decode")] == [d0]
-    assert [w[0] for w in registry.list_workers("m2")] == [other]
+    assert [w.info for w in registry.list_workers("m1")] == [d0, p0, p1]  # sorted by worker_id
+    assert [w.info for w in registry.list_workers("m1", role="prefill")] == [p0, p1]
+    assert [w.info for w in registry.list_workers("m1", role="decode")] == [d0]
+    assert [w.info for w in registry.list_workers("m2")] == [other]
     assert registry.list_workers("m2", role="prefill") == []
     assert registry.list_workers("nope") == []
     assert registry.list_models() == ["m1", "m2"]
@@ -107,7 +108,7 @@ def test_ttl_expiry_removes_worker(redis_server):
     time.sleep(0.6)
     registry.heartbeat(alive, WorkerLoad(num_running=1))
     time.sleep(0.6)  # dead expired 0.2 s ago, alive expires in 0.4 s
-    assert [w[0] for w in registry.list_workers("tiny")] == [alive]
+    assert [w.info for w in registry.list_workers("tiny")] == [alive]
     time.sleep(0.6)
     assert registry.list_workers("tiny") == []
     assert registry.list_models() == []
@@ -117,11 +118,13 @@ def test_heartbeat_updates_load_and_age(registry):
     info = _info()
     registry.register(info, WorkerLoad(num_waiting=1))
     time.sleep(0.3)
-    [(_, load, age_s)] = registry.list_workers("tiny")
+    [live] = registry.list_workers("tiny")
+    load, age_s = live.load, live.load_age_s
     assert load == WorkerLoad(num_waiting=1)
     assert 0.25 <= age_s < 1.0
     registry.heartbeat(info, WorkerLoad(num_waiting=0, num_running=2, num_free_blocks=7, num_waiting_tokens=0))
-    [(_, load, age_s)] = registry.list_workers("tiny")
+    [live] = registry.list_workers("tiny")
+    load, age_s = live.load, live.load_age_s
     assert load == WorkerLoad(num_running=2, num_free_blocks=7)
     assert age_s < 0.2
 
@@ -134,7 +137,7 @@ def test_heartbeat_recreates_expired_entry(redis_server):
     time.sleep(0.3)
     assert registry.list_workers("tiny") == []
     registry.heartbeat(info, WorkerLoad(num_running=4))
-    assert [(i, load) for i, load, _ in registry.list_workers("tiny")] == [(info, WorkerLoad(num_running=4))]
+    assert [(w.info, w.load) for w in registry.list_workers("tiny")] == [(info, WorkerLoad(num_running=4))]
 
 
 def test_deregister(registry):
@@ -142,7 +145,7 @@ def test_deregister(registry):
     registry.register(a, WorkerLoad())
     registry.register(b, WorkerLoad())
     registry.deregister(a)
-    assert [w[0] for w in registry.list_workers("tiny")] == [b]
+    assert [w.info for w in registry.list_workers("tiny")] == [b]
     assert registry.client.zrange("duet:{tiny}:workers", 0, -1) == [b"prefill-b"]
     assert not registry.client.exists("duet:{tiny}:worker:prefill-a")
     registry.deregister(a)  # idempotent
@@ -151,7 +154,7 @@ def test_deregister(registry):
 def test_index_members_long_dead_are_pruned(registry):
     registry.register(_info("prefill-live"), WorkerLoad())
     registry.client.zadd("duet:{tiny}:workers", {"prefill-ghost": time.time() - 3600})
-    assert [w[0].worker_id for w in registry.list_workers("tiny")] == ["prefill-live"]
+    assert [w.worker_id for w in registry.list_workers("tiny")] == ["prefill-live"]
     assert registry.client.zrange("duet:{tiny}:workers", 0, -1) == [b"prefill-live"]
 
 
@@ -159,14 +162,14 @@ def test_unreadable_entry_is_skipped(registry):
     registry.register(_info("prefill-good"), WorkerLoad())
     registry.register(_info("prefill-bad"), WorkerLoad())
     registry.client.hset("duet:{tiny}:worker:prefill-bad", "info", "not json")
-    assert [w[0].worker_id for w in registry.list_workers("tiny")] == ["prefill-good"]
+    assert [w.worker_id for w in registry.list_workers("tiny")] == ["prefill-good"]
 
 
 def test_unknown_json_fields_are_ignored(registry):
     registry.register(_info(), WorkerLoad())
     stored = json.loads(registry.client.hget("duet:{tiny}:worker:prefill-0", "info"))
     registry.client.hset("duet:{tiny}:worker:prefill-0", "info", json.dumps({**stored, "added_later": 1}))
-    assert [w[0] for w in registry.list_workers("tiny")] == [_info()]
+    assert [w.info for w in registry.list_workers("tiny")] == [_info()]
 
 
 def test_invalid_worker_info_is_rejected():
@@ -187,7 +190,7 @@ def test_heartbeat_thread_registers_reports_load_and_deregisters(registry):
     assert hb.interval_s == pytest.approx(0.2)
     hb.start()
     assert hb.wait_registered(2.0)
-    _wait_until(lambda: registry.list_workers("tiny")[0][1].num_waiting >= 2, 2.0, "two heartbeats")
+    _wait_until(lambda: registry.list_workers("tiny")[0].load.num_waiting >= 2, 2.0, "two heartbeats")
     hb.stop()
     assert registry.list_workers("tiny") == []
     hb.stop()  # idempotent
@@ -206,7 +209,7 @@ def test_heartbeat_thread_survives_redis_restart(caplog):
         server.stop()
         time.sleep(1.0)  # several failed heartbeats
         server = RedisServer(port=port).start()  # same port, empty dataset
-        _wait_until(lambda: [w[0] for w in registry.list_workers("tiny")] == [info], 3.0, "re-registration")
+        _wait_until(lambda: [w.info for w in registry.list_workers("tiny")] == [info], 3.0, "re-registration")
     finally:
         hb.stop()
         server.stop()
@@ -229,7 +232,8 @@ def test_heartbeat_thread_keeps_going_when_load_fn_fails(registry, caplog):
     hb.start()
     try:
         _wait_until(lambda: len(calls) >= 5, 3.0, "five heartbeats")
-        [(_, load, age_s)] = registry.list_workers("tiny")
+        [live] = registry.list_workers("tiny")
+        load, age_s = live.load, live.load_age_s
         assert load == WorkerLoad(num_running=3)
         assert age_s < 0.3
     finally:

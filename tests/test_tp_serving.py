@@ -82,8 +82,8 @@ def test_tp_mismatch_is_refused_with_a_message(mixed_cluster):
     prefill, decode = (next(c for c in worker_components(mixed_cluster) if c.name.startswith(r))
                        for r in ("prefill", "decode"))
     with grpc_plumbing.channel(decode.address) as dch, grpc_plumbing.channel(prefill.address) as pch:
-        reserved = wpb_grpc.DecodeWorkerStub(dch).Reserve(wpb.ReserveRequest(request_id="x", num_prompt_tokens=3),
-                                                          timeout=10)
+        reserved = wpb_grpc.DecodeWorkerStub(dch).Reserve(
+            wpb.ReserveRequest(request_id="x", prompt_token_ids=[1, 2, 3]), timeout=10)
         assert len(reserved.kv_addresses) == 2 and reserved.kv_addresses[0] == reserved.kv_address
         target = wpb.KVTarget(kv_address=reserved.kv_address, reservation_id=reserved.reservation_id,
                               kv_addresses=reserved.kv_addresses)

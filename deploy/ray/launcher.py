@@ -203,7 +203,7 @@ class RayLauncher:
                 break
             self._replace_dead(role)
             workers = self._registry.list_workers(model_id, role)
-            load = pool_load(role, [w_load for _, w_load, _ in workers])
+            load = pool_load(role, [w.load for w in workers])
             with self._lock:
                 before = self.states[role].replicas
                 decision = decide(self.policies[role], self.states[role], load,
@@ -212,7 +212,7 @@ class RayLauncher:
                 self.decisions.append((time.monotonic(), role, decision.replicas, decision.reason, load))
                 log.info("ray_launcher: pool=%s event=scale replicas=%d->%d reason=%s load=%.0f", role, before,
                          decision.replicas, decision.reason, load)
-                loads = {info.address: pool_load(role, [w_load]) for info, w_load, _ in workers}
+                loads = {w.info.address: pool_load(role, [w.load]) for w in workers}
                 self._resize(role, decision.replicas, loads)
         return self.pool_sizes()
 

@@ -1,0 +1,351 @@
+"""One request's hand-off across the cluster, as four named stages:
+
+    reserve  pick decode worker D by load; D.Reserve(request) holds blocks for the prompt's KV and keeps
+             the request (prompt, sampling, salt): the ticket is the reservation id
+    plan     the prefill workers whose KV layout D takes; pick prefill worker P (one index round trip; the
+             speculative index entry is queued off the request's path) -> a `HandOffPlan`
+    prefill  P.Prefill(request, target = D's reservation): P computes the prompt, streams its KV into D's
+             blocks and samples the first token, which goes to the client at once
+    decode   D.Decode(ticket, first token): the reserved request joins D's batch; its tokens stream to the
+             client (detokenized and stop strings cut here, router/request_stream.py)
+
+A request keeps one id, `request_id` (the client's, or one the router makes), on the router, on both
+workers and in every log line. Every downstream call gets the client's remaining deadline; a client
+cancel or `Abort` cancels the call in flight and the workers free the request's blocks. A reservation that
+will not be decoded is released at once (it would expire on its own anyway). A worker that fails to
+answer is avoided for a few seconds (router/worker_view.py). Metrics are reported once per stage, through
+`RouterMetrics`'s request methods.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import grpc
+
+from cluster.registry import LiveWorker, WorkerInfo
+from duet.internal.v1 import workers_pb2 as wpb
+from duet.internal.v1 import workers_pb2_grpc as wpb_grpc
+from duet.v1 import generation_pb2 as pb
+from engine.detokenizer import IncrementalDetokenizer
+from engine.tokenizer import Tokenizer
+from router.load_policy import rank_decode, without
+from router.metrics import RouterMetrics
+from router.prefill_chooser import PrefillChoice, PrefillChooser
+from router.request_builder import BuiltRequest
+from router.request_stream import ClientStream, Failed, Live, downstream_code
+from router.worker_view import NoWorkers, WorkerView
+
+log = logging.getLogger("duet.router")
+RESERVE_TIMEOUT_S = 5.0
+RELEASE_TIMEOUT_S = 2.0
+DEFAULT_PUSHBACK_MS = 200  # retry hint when a full decode worker gave none
+
+
+@dataclass(frozen=True)
+class RoutedRequest:
+    """A validated request as the orchestrator takes it."""
+
+    request_id: str
+    built: BuiltRequest
+    cache_salt: str
+    received_s: float  # monotonic
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.built.prompt_token_ids
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Blocks a decode worker holds for a request's prompt KV; `ticket` names it to both workers."""
+
+    decode: WorkerInfo
+    ticket: int  # the decode worker's reservation id
+    kv_addresses: tuple[str, ...]  # its kvtransfer receivers, one per TP rank, in rank order
+
+    def kv_target(self) -> wpb.KVTarget:
+        return wpb.KVTarget(kv_address=self.kv_addresses[0], reservation_id=self.ticket,
+                            kv_addresses=self.kv_addresses)
+
+
+@dataclass(frozen=True)
+class HandOffPlan:
+    """Where a request goes: the reservation on decode worker `reservation.decode`, prefill on `prefill`."""
+
+    request_id: str
+    reservation: Reservation
+    prefill: WorkerInfo
+    predicted_cached_tokens: int  # what the index said `prefill` holds of the prompt
+    routed_tokens: int  # prefill work sent to `prefill`: the prompt less its predicted cached part
+    reserve_s: float
+
+    @property
+    def decode(self) -> WorkerInfo:
+        return self.reservation.decode
+
+
+@dataclass(frozen=True)
+class FirstToken:
+    """The prefill worker's answer: output token 0 and what the prefill cost."""
+
+    token_id: int
+    logprob: pb.TokenLogprob | None
+    finish_reason: str  # "" unless the first token already ends the request
+    stop_token_id: int | None
+    cached_tokens: int
+    queue_s: float
+    prefill_s: float
+    transfer_s: float
+
+    @classmethod
+    def from_reply(cls, reply: wpb.PrefillResponse) -> FirstToken:
+        return cls(reply.first_token_id, reply.logprob if reply.HasField("logprob") else None,
+                   reply.finish_reason, reply.stop_token_id if reply.HasField("stop_token_id") else None,
+                   reply.cached_tokens, reply.queue_s, reply.prefill_s, reply.transfer_s)
+
+
+@dataclass(frozen=True)
+class RoutePreview:
+    """Where a request would go now, without sending anything (ExplainRoute)."""
+
+    choice: PrefillChoice
+    decode_worker_id: str
+    prefills: list[LiveWorker]
+
+
+class _HeldReservation:
+    """Releases the reservation once, unless the decode worker took the request over (then it ends there)."""
+
+    def __init__(self, orchestrator: RequestOrchestrator, reservation: Reservation):
+        self._orchestrator, self.reservation, self._done = orchestrator, reservation, False
+
+    def taken_over(self) -> None:
+        self._done = True
+
+    def release(self) -> None:
+        if not self._done:
+            self._done = True
+            self._orchestrator.release(self.reservation)
+
+
+class RequestOrchestrator:
+    def __init__(self, view: WorkerView, chooser: PrefillChooser, metrics: RouterMetrics, tokenizer: Tokenizer,
+                 model_id: str, reservation_ttl_s: float):
+        self.view, self.chooser, self.metrics, self.tokenizer = view, chooser, metrics, tokenizer
+        self.model_id = model_id
+        self.reservation_ttl_s = reservation_ttl_s
+
+    def run(self, request: RoutedRequest, live: Live) -> Iterator[pb.GenerateResponse]:
+        """The client's messages, first token to last. Raises `Failed` with the status to end the call;
+        a cancelled client ends the stream quietly. Reports the request's final status to the metrics."""
+        status = "OK"
+        try:
+            yield from self._run(request, live)
+        except Failed as f:
+            status = f.code.name
+            log.info("request=%s event=failed status=%s message=%s", request.request_id, f.code.name, f.message)
+            raise
+        finally:
+            self.metrics.request_ended("CANCELLED" if live.cancelled else status)
+
+    def _run(self, request: RoutedRequest, live: Live) -> Iterator[pb.GenerateResponse]:
+        prefills, decodes = self.workers()
+        reserve_start_s = time.monotonic()
+        reservation = self.reserve(request, decodes, live)
+        held = _HeldReservation(self, reservation)
+        try:
+            plan = self.plan(request, prefills, reservation, time.monotonic() - reserve_start_s)
+            params = request.built.params
+            detok = IncrementalDetokenizer(
+                self.tokenizer, request.prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
+                stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output,
+            )
+            client = ClientStream(request.request_id, detok, len(request.prompt_token_ids), request.received_s)
+            client.timing.reserve_s = plan.reserve_s
+
+            first = self.prefill(plan, request, live)
+            self.metrics.request_prefilled(len(request.prompt_token_ids), plan.predicted_cached_tokens,
+                                           first.cached_tokens)
+            client.timing.queue_s, client.timing.prefill_s = first.queue_s, first.prefill_s
+            client.timing.transfer_s = first.transfer_s
+            client.usage.cached_tokens = first.cached_tokens
+            message, done = client.tokens([first.token_id], [first.logprob] if first.logprob is not None else [],
+                                          first.finish_reason, first.stop_token_id)
+            message.prefill_worker, message.decode_worker = plan.prefill.worker_id, plan.decode.worker_id
+            first_sent_s = time.monotonic()
+            client.timing.ttft_s = first_sent_s - request.received_s
+            self.metrics.first_token_sent(client.timing.ttft_s)
+            if done:
+                held.release()
+                yield self._finish(client, message)
+                return
+            yield message
+            yield from self.decode(plan, first, live, client, held, first_sent_s)
+        finally:
+            held.release()
+
+    # -- the stages ------------------------------------------------------------------------------
+
+    def reserve(self, request: RoutedRequest, decodes: list[LiveWorker], live: Live) -> Reservation:
+        """A reservation on the least loaded decode worker that admits the request (the request goes with it).
+        RESOURCE_EXHAUSTED with a retry hint when every reachable one is full."""
+        ranked = without(rank_decode(self.view.candidates(decodes)), self.view.active_suspects())
+        by_id = {w.worker_id: w.info for w in decodes}
+        num_prompt_tokens = len(request.prompt_token_ids)
+        message = wpb.ReserveRequest(
+            request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
+            sampling=request.built.sampling, cache_salt=request.cache_salt, ttl_s=self.reservation_ttl_s,
+        )
+        exhausted, pushback_ms = [], 0
+        for worker_id in ranked:
+            info = by_id[worker_id]
+            stub = wpb_grpc.DecodeWorkerStub(self.view.channel(info.address))
+            try:
+                reply = stub.Reserve(message, timeout=min(RESERVE_TIMEOUT_S, live.remaining_s()))
+                return Reservation(info, reply.reservation_id, tuple(reply.kv_addresses) or (reply.kv_address,))
+            except grpc.RpcError as e:
+                code = e.code()
+                if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    exhausted.append(worker_id)
+                    for key, value in e.trailing_metadata() or ():
+                        if key == "grpc-retry-pushback-ms":
+                            pushback_ms = max(pushback_ms, int(value))
+                    continue
+                if code == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise Failed(code, e.details()) from None
+                if not live.is_active():
+                    raise Failed(grpc.StatusCode.CANCELLED, "request cancelled") from None
+                self.view.on_worker_error(info, e)  # unreachable or slow: try the next one
+        if exhausted:
+            pushback_ms = pushback_ms or DEFAULT_PUSHBACK_MS
+            raise Failed(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"no decode worker can admit {num_prompt_tokens} prompt tokens now ({len(exhausted)} full); "
+                f"retry after {pushback_ms} ms",
+                (("grpc-retry-pushback-ms", str(pushback_ms)),),
+            )
+        raise Failed(grpc.StatusCode.UNAVAILABLE, f"no decode worker for model {self.model_id} answered")
+
+    def plan(self, request: RoutedRequest, prefills: list[LiveWorker], reservation: Reservation,
+             reserve_s: float) -> HandOffPlan:
+        """The prefill worker for a reserved request: one whose KV layout the decode worker takes, chosen
+        by cached prefix and queued work."""
+        choice = self.choose_prefill(request.prompt_token_ids, request.cache_salt,
+                                     self.compatible(prefills, reservation.decode))
+        predicted = choice.predicted_cached_tokens
+        return HandOffPlan(request.request_id, reservation, choice.worker, predicted,
+                           len(request.prompt_token_ids) - predicted, reserve_s)
+
+    def prefill(self, plan: HandOffPlan, request: RoutedRequest, live: Live) -> FirstToken:
+        """P computes the prompt and streams its KV into the reservation; returns once D holds all of it."""
+        prefill = plan.prefill
+        stub = wpb_grpc.PrefillWorkerStub(self.view.channel(prefill.address))
+        self.view.track_tokens(prefill.worker_id, plan.routed_tokens)
+        self.view.track_requests(prefill.worker_id, +1)
+        try:
+            future = stub.Prefill.future(
+                wpb.PrefillRequest(request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
+                                   sampling=request.built.sampling, cache_salt=request.cache_salt,
+                                   target=plan.reservation.kv_target()),
+                timeout=live.remaining_s(),
+            )
+            live.set_call(future)
+            return FirstToken.from_reply(future.result())
+        except grpc.FutureCancelledError:
+            raise Failed(grpc.StatusCode.CANCELLED, "request cancelled") from None
+        except grpc.RpcError as e:
+            if live.cancelled or live.aborted:
+                raise Failed(grpc.StatusCode.CANCELLED, "request cancelled") from None
+            self.view.on_worker_error(prefill, e)
+            raise Failed(downstream_code(e), f"prefill worker {prefill.worker_id}: {e.details()}") from None
+        finally:
+            self.view.track_requests(prefill.worker_id, -1)
+            self.view.track_tokens(prefill.worker_id, -plan.routed_tokens)
+
+    def decode(self, plan: HandOffPlan, first: FirstToken, live: Live, client: ClientStream,
+               held: _HeldReservation, first_sent_s: float) -> Iterator[pb.GenerateResponse]:
+        """D takes the reserved request with its first token and streams the rest to the client."""
+        decode = plan.decode
+        stub = wpb_grpc.DecodeWorkerStub(self.view.channel(decode.address))
+        stream = stub.Decode(wpb.DecodeRequest(reservation_id=plan.reservation.ticket, first_token_id=first.token_id),
+                             timeout=live.remaining_s())
+        live.set_call(stream)
+        self.view.track_requests(decode.worker_id, +1)
+        try:
+            for reply in stream:
+                if client.timing.first_decode_s == 0 and reply.token_ids:
+                    client.timing.first_decode_s = time.monotonic() - first_sent_s
+                message, done = client.tokens(
+                    list(reply.token_ids), list(reply.logprobs), reply.finish_reason,
+                    reply.stop_token_id if reply.HasField("stop_token_id") else None,
+                )
+                if reply.finish_reason:
+                    held.taken_over()  # the request ran on the decode worker and ended there
+                if done:
+                    stream.cancel()  # a stop string: the decode worker aborts and frees the blocks
+                    yield self._finish(client, message)
+                    return
+                if message.token_ids or message.text:
+                    yield message
+            raise Failed(grpc.StatusCode.INTERNAL, f"decode worker {decode.worker_id} ended the stream early")
+        except grpc.RpcError as e:
+            if live.aborted:
+                yield client.aborted()
+                return
+            if live.cancelled:
+                return
+            self.view.on_worker_error(decode, e)
+            raise Failed(downstream_code(e), f"decode worker {decode.worker_id}: {e.details()}") from None
+        finally:
+            self.view.track_requests(decode.worker_id, -1)
+
+    def _finish(self, client: ClientStream, message: pb.GenerateResponse) -> pb.GenerateResponse:
+        last = client.finish(message)
+        self.metrics.request_completed(client.timing.e2e_s)
+        return last
+
+    # -- helpers ---------------------------------------------------------------------------------
+
+    def release(self, reservation: Reservation) -> None:
+        """Best effort: if the decode worker is unreachable, the reservation expires there on its own.
+        Idempotent on the worker: once Decode took the reservation, Release finds nothing."""
+        stub = wpb_grpc.DecodeWorkerStub(self.view.channel(reservation.decode.address))
+        try:
+            stub.Release(wpb.ReleaseRequest(reservation_id=reservation.ticket), timeout=RELEASE_TIMEOUT_S)
+        except grpc.RpcError as e:
+            log.info("worker=%s event=release_failed reservation=%d status=%s", reservation.decode.worker_id,
+                     reservation.ticket, e.code().name)
+
+    def workers(self) -> tuple[list[LiveWorker], list[LiveWorker]]:
+        """(prefill, decode) live workers; UNAVAILABLE when a role has none."""
+        try:
+            return self.view.workers()
+        except NoWorkers as e:
+            raise Failed(grpc.StatusCode.UNAVAILABLE, str(e)) from None
+
+    def compatible(self, prefills: list[LiveWorker], decode: WorkerInfo) -> list[LiveWorker]:
+        """The prefill workers whose KV layout (model, dtype, block size, TP size) the decode worker takes;
+        FAILED_PRECONDITION naming the mismatch when there is none."""
+        fits = [w for w in prefills
+                if not w.info.kv_layout or not decode.kv_layout or w.info.kv_layout == decode.kv_layout]
+        if prefills and not fits:
+            raise Failed(grpc.StatusCode.FAILED_PRECONDITION,
+                         f"no prefill worker can send KV to decode worker {decode.worker_id} (tp_size="
+                         f"{decode.tp_size}): prefill workers run tp_size {sorted({w.info.tp_size for w in prefills})} "
+                         "or another KV layout; prefill and decode workers need the same --tp, dtype and block size")
+        return fits
+
+    def choose_prefill(self, prompt_token_ids: list[int], cache_salt: str, prefills: list[LiveWorker],
+                       speculate: bool = True) -> PrefillChoice:
+        return self.chooser.choose(prompt_token_ids, cache_salt, self.view.healthy(prefills),
+                                   self.view.inflight_tokens(), speculate=speculate)
+
+    def preview(self, built: BuiltRequest, cache_salt: str) -> RoutePreview:
+        """Where `built` would go now (no reservation, no speculative entry)."""
+        prefills, decodes = self.workers()
+        choice = self.choose_prefill(built.prompt_token_ids, cache_salt, prefills, speculate=False)
+        return RoutePreview(choice, rank_decode(self.view.candidates(decodes))[0], prefills)

@@ -21,7 +21,7 @@ from decode_worker.decode_loop import DecodeLoop, ReservedRequest
 from duet.internal.v1 import workers_pb2 as wpb
 from duet.internal.v1 import workers_pb2_grpc as wpb_grpc
 from engine.errors import InvalidRequestError
-from engine.validation import check_routed_request, check_token_ids
+from engine.validation import check_request, check_token_ids
 from kvtransfer.errors import ChecksumMismatch, ReservationExpired, TransferError, TransferTimeout
 from kvtransfer.receiver import KVReceiver
 from kvtransfer.reservation import ReservationTable
@@ -59,20 +59,14 @@ class DecodeWorker(WorkerProcess, wpb_grpc.DecodeWorkerServicer):
         self.loop.stop()
         self.receiver.close()
 
-    def engine_alive(self) -> bool:
-        return self.loop.thread.alive
-
-    def engine_thread(self):
-        return self.loop.thread
-
     def kv_address(self) -> str:
         host = f"[{self.advertise_host}]" if ":" in self.advertise_host else self.advertise_host
         return f"{host}:{self.receiver.port}"
 
     def load(self) -> WorkerLoad:
-        s = self.rt.scheduler
+        core = self.loop.core
         return WorkerLoad(
-            num_waiting=len(s.waiting) + len(self.reservations), num_running=len(s.running),
+            num_waiting=core.num_waiting + len(self.reservations), num_running=core.num_running,
             num_free_blocks=self.rt.block_pool.num_free_blocks,
         )
 
@@ -83,8 +77,8 @@ class DecodeWorker(WorkerProcess, wpb_grpc.DecodeWorkerServicer):
         n = len(prompt)
         try:
             params = sampling_from_proto(request.sampling)
-            check_routed_request(prompt, params, vocab_size=self.rt.model_config.vocab_size,
-                                 max_model_len=self.rt.max_model_len, max_logprobs=self.rt.config.max_logprobs)
+            check_request(prompt, params, vocab_size=self.rt.model_config.vocab_size,
+                          max_model_len=self.rt.max_model_len, max_logprobs=self.rt.config.max_logprobs, routed=True)
         except InvalidRequestError as e:
             abort_with(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if n > self.rt.max_model_len - 1:  # the first token must fit too
@@ -182,10 +176,10 @@ class DecodeWorker(WorkerProcess, wpb_grpc.DecodeWorkerServicer):
                 error = str(e) or "integrity check failed"
         return wpb.WorkerStats(
             worker_id=self.worker_id, role="decode", num_kv_blocks=rt.num_kv_blocks,
-            num_free_blocks=rt.block_pool.num_free_blocks, num_running=len(rt.scheduler.running),
-            num_waiting=len(rt.scheduler.waiting), num_reservations=len(self.reservations), integrity_error=error,
-            prefix_query_tokens=rt.scheduler.num_prefix_query_tokens,
-            prefix_hit_tokens=rt.scheduler.num_prefix_hit_tokens,
+            num_free_blocks=rt.block_pool.num_free_blocks, num_running=self.loop.core.num_running,
+            num_waiting=self.loop.core.num_waiting, num_reservations=len(self.reservations), integrity_error=error,
+            prefix_query_tokens=self.loop.core.num_prefix_query_tokens,
+            prefix_hit_tokens=self.loop.core.num_prefix_hit_tokens,
             num_kv_events_published=self.publisher.num_published,
             num_kv_events_dropped=self.publisher.num_dropped, num_index_resyncs=self.publisher.num_resyncs,
             kv_event_lag_s=self.publisher.last_lag_s,

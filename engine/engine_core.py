@@ -116,6 +116,15 @@ class EngineCore:
         return self.scheduler.num_waiting
 
     @property
+    def num_prefix_query_tokens(self) -> int:
+        """Prompt tokens looked up in the prefix cache so far (a plain read: safe from any thread)."""
+        return self.scheduler.num_prefix_query_tokens
+
+    @property
+    def num_prefix_hit_tokens(self) -> int:
+        return self.scheduler.num_prefix_hit_tokens
+
+    @property
     def max_num_seqs(self) -> int:
         return self.scheduler.config.max_num_seqs
 

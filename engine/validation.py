@@ -15,6 +15,13 @@ def check_token_ids(field: str, token_ids: Sequence[int], vocab_size: int) -> No
             raise InvalidRequestError(f"{field}[{i}]", t, f"must be a token id in [0, {vocab_size})")
 
 
+def check_token_ids_fast(field: str, token_ids: Sequence[int], vocab_size: int) -> None:
+    """`check_token_ids` for ids that are ints already (decoded from protobuf): two C-speed passes (min, max),
+    and the per-id walk only to name the first bad one."""
+    if token_ids and not (0 <= min(token_ids) and max(token_ids) < vocab_size):
+        check_token_ids(field, token_ids, vocab_size)
+
+
 def check_request(
     token_ids: Sequence[int],
     params: SamplingParams,
@@ -23,44 +30,24 @@ def check_request(
     max_model_len: int,
     max_logprobs: int,
     prompt_field: str = "prompt_token_ids",
+    routed: bool = False,
 ) -> None:
-    """The prompt fits the context and the vocabulary; stop ids and logprobs are within the model's limits."""
-    if not token_ids:
-        raise InvalidRequestError(prompt_field, list(token_ids), "must hold at least one token id")
-    check_token_ids(prompt_field, token_ids, vocab_size)
-    if len(token_ids) > max_model_len:
-        raise InvalidRequestError(
-            "prompt", f"{len(token_ids)} tokens", f"must be at most max_model_len={max_model_len} tokens"
-        )
-    check_token_ids("stop_token_ids", params.stop_token_ids, vocab_size)
-    if params.logprobs is not None and params.logprobs > max_logprobs:
-        raise InvalidRequestError("logprobs", params.logprobs, f"must be in [0, {max_logprobs}]")
+    """The prompt fits the context and the vocabulary; stop ids and logprobs are within the model's limits.
 
-
-def check_routed_request(
-    token_ids: Sequence[int],
-    params: SamplingParams,
-    *,
-    vocab_size: int,
-    max_model_len: int,
-    max_logprobs: int,
-    prompt_field: str = "prompt_token_ids",
-) -> None:
-    """The guard a worker applies to a request the router already judged with `check_request`.
-
-    The internal plane is trusted: the router validated the public request once, against the model's
-    limits. A worker only refuses what would break it under its own settings (its max_model_len and
-    max_logprobs may be set lower than the router's; an id outside the vocabulary would fail a whole
-    batch step), in C-speed passes (min/max), without `check_request`'s per-id messages.
+    `routed=True` is the guard a worker applies to a request the router already judged: the internal plane is
+    trusted (the router validated the public request once, against the model's limits), so a worker only
+    refuses what would break it under its own settings (its max_model_len and max_logprobs may be set lower
+    than the router's; an id outside the vocabulary would fail a whole batch step), and its ids are ints
+    already, so they are checked by `check_token_ids_fast`.
     """
+    check_ids = check_token_ids_fast if routed else check_token_ids
     if not token_ids:
         raise InvalidRequestError(prompt_field, list(token_ids), "must hold at least one token id")
+    check_ids(prompt_field, token_ids, vocab_size)
     if len(token_ids) > max_model_len:
         raise InvalidRequestError(
             "prompt", f"{len(token_ids)} tokens", f"must be at most max_model_len={max_model_len} tokens"
         )
-    for field, ids in ((prompt_field, token_ids), ("stop_token_ids", params.stop_token_ids)):
-        if ids and not (0 <= min(ids) and max(ids) < vocab_size):
-            check_token_ids(field, ids, vocab_size)  # names the first bad id
+    check_ids("stop_token_ids", params.stop_token_ids, vocab_size)
     if params.logprobs is not None and params.logprobs > max_logprobs:
         raise InvalidRequestError("logprobs", params.logprobs, f"must be in [0, {max_logprobs}]")

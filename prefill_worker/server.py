@@ -20,7 +20,7 @@ from duet.internal.v1 import workers_pb2 as wpb
 from duet.internal.v1 import workers_pb2_grpc as wpb_grpc
 from engine.errors import InvalidRequestError
 from engine.request import Request
-from engine.validation import check_routed_request
+from engine.validation import check_request
 from kvtransfer.errors import (
     ChecksumMismatch,
     LayoutMismatch,
@@ -73,16 +73,11 @@ class PrefillWorker(WorkerProcess, wpb_grpc.PrefillWorkerServicer):
         if self.acks is not None:
             self.acks.close()
 
-    def engine_alive(self) -> bool:
-        return self.loop.thread.alive
-
-    def engine_thread(self):
-        return self.loop.thread
-
     def load(self) -> WorkerLoad:
-        s = self.rt.scheduler
+        core = self.loop.core
         return WorkerLoad(
-            num_waiting=len(s.waiting), num_running=len(s.running), num_free_blocks=self.rt.block_pool.num_free_blocks,
+            num_waiting=core.num_waiting, num_running=core.num_running,
+            num_free_blocks=self.rt.block_pool.num_free_blocks,
             num_waiting_tokens=self.loop.num_waiting_tokens, prefill_tokens_per_s=round(self.loop.tokens_per_s, 1),
         )
 
@@ -93,8 +88,8 @@ class PrefillWorker(WorkerProcess, wpb_grpc.PrefillWorkerServicer):
             params = sampling_from_proto(request.sampling)
             token_ids = list(request.prompt_token_ids)
             # validated by the router; guarded only against this worker's own limits (workers.proto: Trust)
-            check_routed_request(token_ids, params, vocab_size=self.rt.model_config.vocab_size,
-                                 max_model_len=self.rt.max_model_len, max_logprobs=self.rt.config.max_logprobs)
+            check_request(token_ids, params, vocab_size=self.rt.model_config.vocab_size,
+                          max_model_len=self.rt.max_model_len, max_logprobs=self.rt.config.max_logprobs, routed=True)
         except InvalidRequestError as e:
             abort_with(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         target = None
@@ -167,15 +162,15 @@ class PrefillWorker(WorkerProcess, wpb_grpc.PrefillWorkerServicer):
         error = ""
         if check:
             try:
-                rt.scheduler.check_integrity()
+                self.loop.core.check_integrity()
             except AssertionError as e:
                 error = str(e) or "integrity check failed"
         return wpb.WorkerStats(
             worker_id=self.worker_id, role="prefill", num_kv_blocks=rt.num_kv_blocks,
-            num_free_blocks=rt.block_pool.num_free_blocks, num_running=len(rt.scheduler.running),
-            num_waiting=len(rt.scheduler.waiting), num_waiting_tokens=self.loop.num_waiting_tokens,
-            integrity_error=error, prefix_query_tokens=rt.scheduler.num_prefix_query_tokens,
-            prefix_hit_tokens=rt.scheduler.num_prefix_hit_tokens,
+            num_free_blocks=rt.block_pool.num_free_blocks, num_running=self.loop.core.num_running,
+            num_waiting=self.loop.core.num_waiting, num_waiting_tokens=self.loop.num_waiting_tokens,
+            integrity_error=error, prefix_query_tokens=self.loop.core.num_prefix_query_tokens,
+            prefix_hit_tokens=self.loop.core.num_prefix_hit_tokens,
             num_kv_events_published=self.publisher.num_published,
             num_kv_events_dropped=self.publisher.num_dropped, num_index_resyncs=self.publisher.num_resyncs,
             kv_event_lag_s=self.publisher.last_lag_s,

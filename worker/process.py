@@ -15,6 +15,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import grpc
 
@@ -23,8 +24,10 @@ from cluster.kv_event_publisher import KVEventPublisher
 from cluster.prefix_index import PrefixIndex
 from cluster.registry import Heartbeat, WorkerInfo, WorkerLoad, WorkerRegistry
 from engine.config import EngineConfig
+from engine.engine_core import EngineCore
 from engine.runtime import Runtime, build_runtime
 from kvtransfer.layout import KVLayout
+from worker.engine_thread import EngineThread
 from worker.metrics import WorkerMetrics
 from worker.tp_rank import follower_argv as make_follower_argv
 from worker.tp_rank import follower_module
@@ -51,10 +54,19 @@ class WorkerConfig:
     metrics_port: int | None = None  # Prometheus /metrics over HTTP; None: off
 
 
+class EngineLoop(Protocol):
+    """A worker kind's engine loop (prefill_worker/prefill_loop.py, decode_worker/decode_loop.py)."""
+
+    thread: EngineThread  # the one thread that steps `core`
+    core: EngineCore
+
+
 class WorkerProcess:
-    """Shared lifecycle; a role supplies its servicer (`add_services`) and its load (`load`)."""
+    """Shared lifecycle; a role supplies its servicer (`add_services`), its load (`load`) and, in its
+    `__init__`, its `loop`."""
 
     service_names: tuple[str, ...] = ()
+    loop: EngineLoop
 
     def __init__(self, config: WorkerConfig):
         self.config = config
@@ -116,8 +128,12 @@ class WorkerProcess:
         """The block pool's (epoch, sequence, cached hashes), read on the engine thread."""
         return self.engine_thread().call(self.rt.block_pool.snapshot)
 
-    def engine_thread(self):
-        raise NotImplementedError
+    def engine_thread(self) -> EngineThread:
+        return self.loop.thread
+
+    def engine_core(self) -> EngineCore:
+        """The worker's engine core (its counts are plain reads, safe from any thread)."""
+        return self.loop.core
 
     def start_engine(self) -> None:
         raise NotImplementedError
@@ -136,11 +152,11 @@ class WorkerProcess:
 
     def metric_values(self) -> dict[str, float]:
         """The numbers Prometheus reads at scrape time (plain attribute reads: safe from any thread)."""
-        load, s, pool = self.load(), self.rt.scheduler, self.rt.block_pool
+        load, core, pool = self.load(), self.engine_core(), self.rt.block_pool
         return {
             "num_requests_waiting": load.num_waiting, "num_requests_running": load.num_running,
             "num_waiting_tokens": load.num_waiting_tokens, "kv_cache_usage_perc": pool.usage(),
-            "prefix_cache_queries": s.num_prefix_query_tokens, "prefix_cache_hits": s.num_prefix_hit_tokens,
+            "prefix_cache_queries": core.num_prefix_query_tokens, "prefix_cache_hits": core.num_prefix_hit_tokens,
             "kv_events_dropped": self.publisher.num_dropped, "prefix_index_resyncs": self.publisher.num_resyncs,
         }
 
@@ -191,7 +207,7 @@ class WorkerProcess:
         return code
 
     def engine_alive(self) -> bool:
-        return True
+        return self.loop.thread.alive
 
 
 def abort_with(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> None:

@@ -137,7 +137,8 @@ class EngineCore:
     def step(self) -> list[NewTokens]:
         scheduled = self.scheduler.schedule()
         for chunk in scheduled.chunks:
-            refuse_proposed_tokens(f"request {chunk.request_id!r}", chunk.proposed_token_ids)
+            if chunk.proposed_token_ids:  # (tested first: no message is formatted on the per-step path)
+                refuse_proposed_tokens(f"request {chunk.request_id!r}", chunk.proposed_token_ids)
         try:
             on_layer_done = self.hooks.before_execute(scheduled.chunks)
             sampled = self.runner.execute(scheduled.chunks, on_layer_done)

@@ -11,6 +11,10 @@ declared type; anything else raises `OpDecodeError` naming the op and the field.
 business (prefill_worker/tp_ops.py, decode_worker/tp_ops.py); the engine only carries them (the CALL in
 engine/tp_runner.py) and dispatches each to the one method a follower's `FollowerHooks.handlers` names for
 its class. Each rank answers a `CallStatus`; rank 0 gets them all, in rank order, as a `CallResult`.
+
+Why a hand-written codec and not msgspec or pydantic: it is ~80 lines of the standard library over a handful of
+flat control messages between ranks of one worker, and it is stricter than their defaults where it matters here
+(extra fields, NaN, a bool for an int are refused), without another dependency in the engine.
 """
 
 from __future__ import annotations

@@ -109,7 +109,8 @@ class Sampler:
         with proposed tokens raises ValueError instead.
         """
         for i, row in enumerate(rows):
-            refuse_proposed_tokens(f"sampling row {i}", row.proposed_token_ids)
+            if row.proposed_token_ids:
+                refuse_proposed_tokens(f"sampling row {i}", row.proposed_token_ids)
         out = self(logits, rows)
         return [SampledTokens([token_id], None if lp is None else [lp])
                 for token_id, lp in zip(out.token_ids, out.logprobs, strict=True)]

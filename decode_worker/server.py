@@ -70,6 +70,9 @@ class DecodeWorker(WorkerProcess, wpb_grpc.DecodeWorkerServicer):
             num_free_blocks=self.rt.block_pool.num_free_blocks,
         )
 
+    def role_stats(self) -> dict[str, int]:
+        return {"num_reservations": len(self.reservations)}
+
     # -- RPCs ------------------------------------------------------------------------------------
 
     def Reserve(self, request: wpb.ReserveRequest, context: grpc.ServicerContext) -> wpb.ReserveResponse:
@@ -163,24 +166,3 @@ class DecodeWorker(WorkerProcess, wpb_grpc.DecodeWorkerServicer):
             if reply.finish_reason:
                 return
 
-    def Stats(self, request: wpb.StatsRequest, context: grpc.ServicerContext) -> wpb.WorkerStats:
-        return self.loop.thread.call(self._stats, request.check_integrity)
-
-    def _stats(self, check: bool) -> wpb.WorkerStats:
-        rt = self.rt
-        error = ""
-        if check:
-            try:
-                self.loop.check_integrity()
-            except AssertionError as e:
-                error = str(e) or "integrity check failed"
-        return wpb.WorkerStats(
-            worker_id=self.worker_id, role="decode", num_kv_blocks=rt.num_kv_blocks,
-            num_free_blocks=rt.block_pool.num_free_blocks, num_running=self.loop.core.num_running,
-            num_waiting=self.loop.core.num_waiting, num_reservations=len(self.reservations), integrity_error=error,
-            prefix_query_tokens=self.loop.core.num_prefix_query_tokens,
-            prefix_hit_tokens=self.loop.core.num_prefix_hit_tokens,
-            num_kv_events_published=self.publisher.num_published,
-            num_kv_events_dropped=self.publisher.num_dropped, num_index_resyncs=self.publisher.num_resyncs,
-            kv_event_lag_s=self.publisher.last_lag_s,
-        )

@@ -276,6 +276,10 @@ class PrefillLoop(StepHooks):
             total += max(request.num_tokens - done, 0)
         self.num_waiting_tokens = total
 
+    def check_integrity(self) -> None:
+        """Every block is held exactly by the request tables that claim it (on the engine thread)."""
+        self.core.check_integrity()
+
     def _check_idle(self) -> None:
         if self.core.has_unfinished_requests():
             return

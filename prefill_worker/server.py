@@ -81,6 +81,9 @@ class PrefillWorker(WorkerProcess, wpb_grpc.PrefillWorkerServicer):
             num_waiting_tokens=self.loop.num_waiting_tokens, prefill_tokens_per_s=round(self.loop.tokens_per_s, 1),
         )
 
+    def role_stats(self) -> dict[str, int]:
+        return {"num_waiting_tokens": self.loop.num_waiting_tokens}
+
     # -- RPCs ------------------------------------------------------------------------------------
 
     def Prefill(self, request: wpb.PrefillRequest, context: grpc.ServicerContext) -> wpb.PrefillResponse:
@@ -154,24 +157,3 @@ class PrefillWorker(WorkerProcess, wpb_grpc.PrefillWorkerServicer):
             reply.logprob.CopyFrom(logprobs_to_proto(result.logprobs))
         return reply
 
-    def Stats(self, request: wpb.StatsRequest, context: grpc.ServicerContext) -> wpb.WorkerStats:
-        return self.loop.thread.call(self._stats, request.check_integrity)
-
-    def _stats(self, check: bool) -> wpb.WorkerStats:
-        rt = self.rt
-        error = ""
-        if check:
-            try:
-                self.loop.core.check_integrity()
-            except AssertionError as e:
-                error = str(e) or "integrity check failed"
-        return wpb.WorkerStats(
-            worker_id=self.worker_id, role="prefill", num_kv_blocks=rt.num_kv_blocks,
-            num_free_blocks=rt.block_pool.num_free_blocks, num_running=self.loop.core.num_running,
-            num_waiting=self.loop.core.num_waiting, num_waiting_tokens=self.loop.num_waiting_tokens,
-            integrity_error=error, prefix_query_tokens=self.loop.core.num_prefix_query_tokens,
-            prefix_hit_tokens=self.loop.core.num_prefix_hit_tokens,
-            num_kv_events_published=self.publisher.num_published,
-            num_kv_events_dropped=self.publisher.num_dropped, num_index_resyncs=self.publisher.num_resyncs,
-            kv_event_lag_s=self.publisher.last_lag_s,
-        )

@@ -23,6 +23,7 @@ from cluster import grpc_plumbing
 from cluster.kv_event_publisher import KVEventPublisher
 from cluster.prefix_index import PrefixIndex
 from cluster.registry import Heartbeat, WorkerInfo, WorkerLoad, WorkerRegistry
+from duet.internal.v1 import workers_pb2 as wpb
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
 from engine.runtime import Runtime, build_runtime
@@ -59,6 +60,9 @@ class EngineLoop(Protocol):
 
     thread: EngineThread  # the one thread that steps `core`
     core: EngineCore
+
+    def check_integrity(self) -> None:
+        """Block accounting agrees (AssertionError naming what does not); on the engine thread."""
 
 
 class WorkerProcess:
@@ -208,6 +212,30 @@ class WorkerProcess:
 
     def engine_alive(self) -> bool:
         return self.loop.thread.alive
+
+    def role_stats(self) -> dict[str, int]:
+        """The `WorkerStats` fields only this worker kind reports."""
+        return {}
+
+    def Stats(self, request: wpb.StatsRequest, context: grpc.ServicerContext) -> wpb.WorkerStats:
+        return self.engine_thread().call(self._stats, request.check_integrity)
+
+    def _stats(self, check: bool) -> wpb.WorkerStats:
+        error = ""
+        if check:
+            try:
+                self.loop.check_integrity()
+            except AssertionError as e:
+                error = str(e) or "integrity check failed"
+        core, rt = self.engine_core(), self.rt
+        return wpb.WorkerStats(
+            worker_id=self.worker_id, role=self.config.role, num_kv_blocks=rt.num_kv_blocks,
+            num_free_blocks=rt.block_pool.num_free_blocks, num_running=core.num_running,
+            num_waiting=core.num_waiting, integrity_error=error, prefix_query_tokens=core.num_prefix_query_tokens,
+            prefix_hit_tokens=core.num_prefix_hit_tokens, num_kv_events_published=self.publisher.num_published,
+            num_kv_events_dropped=self.publisher.num_dropped, num_index_resyncs=self.publisher.num_resyncs,
+            kv_event_lag_s=self.publisher.last_lag_s, **self.role_stats(),
+        )
 
 
 def abort_with(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> None:

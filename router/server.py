@@ -154,8 +154,8 @@ class RouterServer:
 
     def __init__(self, config: RouterConfig):
         self.router = Router(config)
-        self.server = grpc_plumbing.make_server(config.max_concurrent_streams, grpc_plumbing.PUBLIC_MAX_MESSAGE_BYTES,
-                                          config.auth_token)
+        self.server = grpc_plumbing.make_server(config.max_concurrent_streams,
+                                                grpc_plumbing.PUBLIC_MAX_MESSAGE_BYTES, config.auth_token)
         pb_grpc.add_GenerationServicer_to_server(self.router, self.server)
         self.health = grpc_plumbing.add_health_and_reflection(self.server, [SERVICE_NAME])
         self.port = grpc_plumbing.bind(self.server, config.host, config.port, config.tls_cert, config.tls_key)

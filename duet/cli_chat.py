@@ -5,7 +5,7 @@
 
 Each line read is a user message; the answer streams to stdout and ends with a newline. The history
 (system, user and assistant messages) goes with every turn; the model's chat template is applied by the
-engine or the router. `/reset` clears the history (the system message stays), `/exit` or end of input
+engine or the router. `/reset` clears the history (the system message stays), `/exit` (or `/bye`) or end of input
 (Ctrl-D) leaves with status 0, Ctrl-C during an answer stops that answer. A turn that did not finish
 (stopped, or refused) leaves the history as it was before the user's line. The `>>> ` prompt is shown
 only when stdin is a terminal, so piped output is exactly the answers, one after another.
@@ -73,8 +73,9 @@ class Interrupt:
 
 class ChatBackend(Protocol):
     def answer(self, messages: list[Message], interrupt: Interrupt) -> Iterator[str]:
-        """Yield the reply's text deltas as they are generated (possibly empty ones). Stops early, with the
-        request cancelled, once `interrupt.pressed` is set or the iterator is closed. Raises
+        """Yield the reply's text deltas as they are generated (possibly empty ones), so that the caller sees
+        `interrupt.pressed` between them; closing the iterator early cancels the request. A backend that
+        can block between deltas sets `interrupt.on_press` to wake itself (it then ends quietly). Raises
         `TurnRefusedError` for a turn the engine or router refuses (the session goes on) and
         `ChatUnavailableError` when no further turn can be served."""
         ...
@@ -93,10 +94,8 @@ class OfflineChat:
         prompt_ids = self.llm.tokenizer.apply_chat_template_ids(messages, add_generation_prompt=True)
         stream = self.llm.generate_stream(prompt_ids, self.params)
         try:
-            for out in stream:  # one output per engine step: the interrupt is seen between steps
+            for out in stream:  # one output per engine step: Ctrl-C is seen between steps
                 yield out.new_text
-                if interrupt.pressed.is_set():
-                    return
         except InvalidRequestError as e:
             raise TurnRefusedError(str(e)) from None
         finally:
@@ -238,7 +237,10 @@ def _stream_answer(backend: ChatBackend, messages: list[Message], interrupt: Int
                     parts.append(delta)
                     stdout.write(delta)
                     stdout.flush()
-            completed = True
+                if interrupt.pressed.is_set():
+                    break
+            else:
+                completed = True
         finally:
             deltas.close()
             if completed or parts or interrupt.pressed.is_set():
@@ -248,20 +250,17 @@ def _stream_answer(backend: ChatBackend, messages: list[Message], interrupt: Int
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    """Exit status: 0 when the user leaves, 1 when the router cannot be reached or goes away, 2 for bad
+    flags, 130 for Ctrl-C while the model loads or the router is being reached."""
+    _check_flags(args)
     params = sampling_params(args)
-    if args.addr is not None:
-        engine_flags = engine_config(args).to_flags()
-        if args.model is not None or engine_flags:
-            given = (["--model"] if args.model is not None else []) + [f for f in engine_flags if f.startswith("--")]
-            args.parser.error(f"{', '.join(given)} only apply offline: with --addr the router's model and "
-                              "engine answer")
-        backend = _remote_backend(args, params)
-    else:
-        if args.auth_token is not None or args.tls_ca is not None:
-            args.parser.error("--auth-token and --tls-ca only apply with --addr")
-        backend = _offline_backend(args, params)
     if sys.stdin.isatty():
         import readline  # noqa: F401  (line editing and history for input())
+    try:
+        backend = _remote_backend(args, params) if args.addr is not None else _offline_backend(args, params)
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
     try:
         if isinstance(backend, RemoteChat):
             backend.check_reachable(CONNECT_TIMEOUT_S)
@@ -269,8 +268,25 @@ def cmd_chat(args: argparse.Namespace) -> int:
     except ChatUnavailableError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
     finally:
         backend.close()
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    """Refuse (exit 2, naming the flag) a flag that the chosen side would not use."""
+    if args.addr is not None:
+        engine_flags = [f for f in engine_config(args).to_flags() if f.startswith("--")]
+        given = (["--model"] if args.model is not None else []) + engine_flags
+        if given:
+            args.parser.error(f"{', '.join(given)} only apply offline: with --addr the router's model and "
+                              "engine answer")
+        if args.tls_ca is not None and not args.tls_ca.is_file():
+            args.parser.error(f"--tls-ca {args.tls_ca}: no such file (a PEM root certificate)")
+    elif args.auth_token is not None or args.tls_ca is not None:
+        args.parser.error("--auth-token and --tls-ca only apply with --addr")
 
 
 def _offline_backend(args: argparse.Namespace, params: SamplingParams) -> OfflineChat:

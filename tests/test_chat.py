@@ -140,6 +140,7 @@ def test_ctrl_c_stops_the_answer_and_drops_the_turn(tiny_llama_dir, offline):
     (["--addr", "127.0.0.1:1", "--model", "m"], "--model only apply offline"),
     (["--addr", "127.0.0.1:1", "--num-kv-blocks", "64"], "--num-kv-blocks only apply offline"),
     (["--auth-token", "t"], "--auth-token and --tls-ca only apply with --addr"),
+    (["--addr", "127.0.0.1:1", "--tls-ca", "/nonexistent/ca.pem"], "--tls-ca /nonexistent/ca.pem: no such file"),
 ])
 def test_bad_flags_exit_2_naming_the_flag(flags, message):
     r = chat(*flags, stdin="hi\n")

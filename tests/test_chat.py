@@ -22,8 +22,8 @@ PARAMS = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
 CHAT_FLAGS = ["--temperature", "0", "--max-tokens", str(MAX_TOKENS)]
 FIRST, SECOND = "hello there", "and how are you today?"
 # Long answers for Ctrl-C: the reply must still be streaming when the signal lands.
-LONG_PARAMS = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
-LONG_FLAGS = ["--temperature", "0", "--max-tokens", "400", "--ignore-eos"]
+LONG_PARAMS = SamplingParams(max_tokens=160, temperature=0, ignore_eos=True)
+LONG_FLAGS = ["--temperature", "0", "--max-tokens", "160", "--ignore-eos"]
 
 
 def chat(*args, stdin: str = "", timeout: float = 300) -> subprocess.CompletedProcess:
@@ -158,15 +158,22 @@ def test_unreachable_router_is_a_clear_error():
     assert "Traceback" not in r.stderr and r.stdout == ""
 
 
+TOKEN = "chat-test-token"
+
+
 @pytest.fixture(scope="module")
 def cluster(tiny_llama_dir):
-    with LocalCluster(ClusterConfig(model_dir=str(tiny_llama_dir))).start() as c:
+    with LocalCluster(ClusterConfig(model_dir=str(tiny_llama_dir), router_args=["--auth-token", TOKEN])).start() as c:
         yield c
+
+
+def remote(cluster) -> list[str]:
+    return ["--addr", cluster.router_address, "--auth-token", TOKEN]
 
 
 def test_remote_chat_gives_the_offline_answers(cluster, expected):
     first, second, fresh = expected
-    r = chat("--addr", cluster.router_address, *CHAT_FLAGS, stdin=two_turns_and_reset())
+    r = chat(*remote(cluster), *CHAT_FLAGS, stdin=two_turns_and_reset())
     assert r.returncode == 0, r.stderr
     assert r.stdout == f"{first}\n{second}\n{fresh}\n"
     wait_idle(cluster)
@@ -175,6 +182,13 @@ def test_remote_chat_gives_the_offline_answers(cluster, expected):
 def test_remote_ctrl_c_cancels_the_request_on_every_worker(cluster, offline):
     full = offline.chat([user(FIRST)], LONG_PARAMS)[0].text
     fresh = offline.chat([user(SECOND)], LONG_PARAMS)[0].text
-    stdout, stderr, rc = interrupted_session(["--addr", cluster.router_address, *LONG_FLAGS], FIRST, SECOND)
+    stdout, stderr, rc = interrupted_session([*remote(cluster), *LONG_FLAGS], FIRST, SECOND)
     assert_interrupted(stdout, stderr, rc, full, fresh)
     wait_idle(cluster)  # the cancelled request left no block, request or reservation behind
+
+
+def test_remote_wrong_token_is_a_clear_error(cluster):
+    r = chat("--addr", cluster.router_address, "--auth-token", "wrong", *CHAT_FLAGS, stdin=f"{FIRST}\n{SECOND}\n")
+    assert r.returncode == 1 and r.stdout == "", r.stderr
+    assert (f"error: the router at {cluster.router_address} failed: UNAUTHENTICATED: missing or wrong bearer token"
+            in r.stderr) and "Traceback" not in r.stderr

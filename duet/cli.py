@@ -1,4 +1,5 @@
-"""`duet`: one console command for everything: make-tiny-model, generate, demo, up, router, prefill, decode, client."""
+"""`duet`: one console command for everything: make-tiny-model, generate, chat, demo, up, router, prefill, decode,
+client."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 from duet.cli_bench import add_bench_commands
+from duet.cli_chat import add_chat_command
 from duet.cli_common import _parse_ids, add_engine_args, add_sampling_args, engine_config, sampling_params
 from duet.cli_ray import add_ray_commands
 from duet.cli_serving import add_serving_commands
@@ -101,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="one JSON object per prompt, one per line")
     p.set_defaults(func=cmd_generate)
 
+    add_chat_command(sub)
     add_serving_commands(sub)
     add_bench_commands(sub)
     add_ray_commands(sub)

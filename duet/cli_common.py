@@ -22,9 +22,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     add_engine_flags(g)
 
 
-def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int = 32, logprobs: bool = True) -> None:
+    """The sampling flags, `--max-tokens` defaulting to `max_tokens`; `--logprobs` only where the command
+    shows logprobs (`logprobs=True`)."""
     g = parser.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--max-tokens", type=int, default=max_tokens)
     g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=-1)
@@ -36,7 +38,8 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--stop-token-ids", type=_parse_ids, default=[])
     g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--logprobs", type=int, default=None, help="top-n logprobs per token")
+    if logprobs:
+        g.add_argument("--logprobs", type=int, default=None, help="top-n logprobs per token")
 
 
 def engine_config(args: argparse.Namespace, **fields: object) -> EngineConfig:
@@ -60,5 +63,5 @@ def sampling_params(args: argparse.Namespace):
         stop=args.stop,
         stop_token_ids=args.stop_token_ids,
         ignore_eos=args.ignore_eos,
-        logprobs=args.logprobs,
+        logprobs=getattr(args, "logprobs", None),  # None where the command has no --logprobs
     )

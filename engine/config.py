@@ -68,10 +68,10 @@ class ModelConfig:
     def from_path(cls, model_path: str | Path) -> ModelConfig:
         """The config of a model path: a GGUF file's metadata (engine/gguf_file.py) or a checkpoint
         directory's config.json."""
-        from engine.gguf_file import GGUFFile, is_gguf_path
+        from engine.gguf_file import is_gguf_path, open_gguf
 
         if is_gguf_path(model_path):
-            return cls.from_dict(GGUFFile(model_path).hf_config())
+            return cls.from_dict(open_gguf(model_path).hf_config())
         return cls.from_dir(model_path)
 
     @classmethod

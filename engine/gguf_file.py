@@ -13,7 +13,7 @@ package can dequantize.
 
 from __future__ import annotations
 
-from functools import cache
+from functools import cache, lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +29,24 @@ def is_gguf_path(path: str | Path) -> bool:
     name, or any existing file (a checkpoint directory is a directory, so a file can only be a GGUF)."""
     path = Path(path)
     return path.suffix.lower() == ".gguf" or path.is_file()
+
+
+def open_gguf(path: str | Path) -> GGUFFile:
+    """The opened `GGUFFile` at `path`, shared by every caller in this process while the file is unchanged.
+
+    Why shared: loading asks for the config, the tokenizer's special ids and the tensors separately, and
+    `gguf.GGUFReader` parses every metadata array (a 49k-token vocabulary and its merges) when it opens a
+    file, which takes seconds; once is enough. Raises ModelLoadError as `GGUFFile` does (never cached)."""
+    path = Path(path)
+    if not path.is_file():
+        return GGUFFile(path)  # raises "not found"
+    stat = path.stat()
+    return _open_unchanged(path.resolve(), stat.st_size, stat.st_mtime_ns)
+
+
+@lru_cache(maxsize=2)
+def _open_unchanged(path: Path, size_bytes: int, mtime_ns: int) -> GGUFFile:
+    return GGUFFile(path)  # size and mtime are part of the key: a rewritten file is opened afresh
 
 
 @cache
@@ -49,7 +67,8 @@ def supported_tensor_types() -> tuple[str, ...]:
 
 class GGUFFile:
     """One GGUF file, opened (memory-mapped) and checked: readable, a supported architecture, tensors of
-    supported types. Raises ModelLoadError naming the file, the field and what is supported."""
+    supported types. Raises ModelLoadError naming the file, the field and what is supported. Read-only
+    once built (`open_gguf` shares one per file)."""
 
     def __init__(self, path: str | Path):
         import gguf

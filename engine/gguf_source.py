@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from engine.errors import ModelLoadError
-from engine.gguf_file import GGUFFile
+from engine.gguf_file import GGUFFile, open_gguf
 from engine.tensor_source import TensorSlice
 
 _GLOBAL_NAMES = {
@@ -86,7 +86,7 @@ class GGUFSource:
 
     @classmethod
     def from_path(cls, path: str) -> GGUFSource:
-        return cls(GGUFFile(path))
+        return cls(open_gguf(path))
 
     def names(self) -> list[str]:
         return list(self._tensors)  # the file's order
@@ -116,7 +116,7 @@ class GGUFSource:
         return out.narrow(part.dim, part.start, part.end - part.start).contiguous()
 
     def close(self) -> None:
-        self._tensors = {}  # the reader's memory map goes with the last reference to it
+        self._tensors = {}  # the reader (and its memory map) is open_gguf's to keep or drop
 
     def __enter__(self) -> GGUFSource:
         return self

@@ -138,9 +138,9 @@ class Tokenizer:
         """The tokenizer a GGUF file's metadata describes, converted by transformers (see the module docstring);
         generation ends at the file's eos, and at its end-of-turn / end-of-message tokens where it names them
         (llama.cpp stops at all three). Raises ModelLoadError for a file that is not a supported GGUF."""
-        from engine.gguf_file import GGUFFile
+        from engine.gguf_file import open_gguf
 
-        file = GGUFFile(path)  # refuses bad files and architectures with the engine's own messages
+        file = open_gguf(path)  # refuses bad files and architectures with the engine's own messages
         from transformers import AutoTokenizer
 
         try:

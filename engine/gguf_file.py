@@ -25,10 +25,10 @@ GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 
 def is_gguf_path(path: str | Path) -> bool:
-    """Whether a model path names a GGUF file rather than a Hugging Face checkpoint directory: a `.gguf`
-    name, or any existing file (a checkpoint directory is a directory, so a file can only be a GGUF)."""
+    """Whether a model path names a GGUF file rather than a Hugging Face checkpoint directory: any existing
+    file (a checkpoint is a directory, so a file can only be meant as GGUF), or a missing path named .gguf."""
     path = Path(path)
-    return path.suffix.lower() == ".gguf" or path.is_file()
+    return path.is_file() or (path.suffix.lower() == ".gguf" and not path.is_dir())
 
 
 def open_gguf(path: str | Path) -> GGUFFile:

@@ -69,8 +69,8 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def write_gguf_from_hf(model_dir: Path, path: Path, arch: str, quantize_matrices: bool) -> Path:
-    """A GGUF of the tiny checkpoint at `model_dir`: llama.cpp's names and metadata, Q/K permuted for llama,
-    2-D weights Q8_0-quantized if asked and their rows divide into blocks (else F32)."""
+    """A GGUF of the tiny checkpoint at `model_dir`: llama.cpp's names and metadata, Q/K permuted for llama;
+    if asked, 2-D weights Q8_0-quantized where their rows divide into blocks and F16 where not; else F32."""
     hf = json.loads((model_dir / "config.json").read_text())
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(hf["num_hidden_layers"])
@@ -95,6 +95,8 @@ def write_gguf_from_hf(model_dir: Path, path: Path, arch: str, quantize_matrices
         if quantize_matrices and w.ndim == 2 and w.shape[1] % 32 == 0:  # Q8_0 blocks: 32 along a row
             q = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)
             writer.add_tensor(gguf_name(name), q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        elif quantize_matrices and w.ndim == 2:  # as llama.cpp falls back for rows that are not whole blocks
+            writer.add_tensor(gguf_name(name), w.astype(np.float16))
         else:
             writer.add_tensor(gguf_name(name), w)
     writer.write_header_to_file()
@@ -108,7 +110,7 @@ def write_gguf_from_hf(model_dir: Path, path: Path, arch: str, quantize_matrices
 def tiny_gguf(request, tiny_llama_dir, tiny_qwen2_dir, tmp_path_factory):
     model_dir = tiny_llama_dir if request.param == "llama" else tiny_qwen2_dir
     path = tmp_path_factory.mktemp(f"gguf-{request.param}") / "tiny.gguf"
-    # llama: quantized matrices (the dequantization path); qwen2: F32 (exactly the safetensors weights)
+    # llama: Q8_0 and F16 matrices (the dequantization paths); qwen2: F32 (exactly the safetensors weights)
     quantized = request.param == "llama"
     return model_dir, write_gguf_from_hf(model_dir, path, request.param, quantize_matrices=quantized), quantized
 
@@ -150,9 +152,13 @@ def test_tiny_gguf_config_and_tensors_match_the_checkpoint(tiny_gguf):
         for name in expected:
             assert source.shape(name) == tuple(tensors[name].shape)
             got = source.read(name)
-            # F32 exactly; Q8_0 within its step (max |w| / 127 per block of 32)
+            assert got.dtype == (torch.float16 if quantized and got.dim() == 2 and got.shape[1] % 32 else torch.float32)
+            # F32 exactly; Q8_0 within its step (max |w| / 127 per block of 32), F16 within its rounding
             atol = float(tensors[name].abs().max()) / 100 if quantized and got.dim() == 2 else 0
-            torch.testing.assert_close(got, tensors[name].float(), atol=atol, rtol=0)
+            torch.testing.assert_close(got.float(), tensors[name].float(), atol=atol, rtol=0)
+        if quantized:
+            types = {t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+            assert types == {"Q8_0", "F16", "F32"}
         q = "model.layers.1.self_attn.q_proj.weight"
         rows = source.read(q, TensorSlice(0, 8, 24))
         assert torch.equal(rows, source.read(q)[8:24])

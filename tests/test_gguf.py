@@ -83,6 +83,7 @@ def write_gguf_from_hf(model_dir: Path, path: Path, arch: str, quantize_matrices
     theta = hf.get("rope_theta") or (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0)
     writer.add_rope_freq_base(theta)
     writer.add_vocab_size(hf["vocab_size"])
+    _add_tokenizer(writer, model_dir, arch)
     tensors = load_file(str(model_dir / "model.safetensors"))
     for name, tensor in tensors.items():
         if hf.get("tie_word_embeddings") and name == "lm_head.weight":
@@ -104,6 +105,27 @@ def write_gguf_from_hf(model_dir: Path, path: Path, arch: str, quantize_matrices
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _add_tokenizer(writer: gguf.GGUFWriter, model_dir: Path, arch: str) -> None:
+    """The tiny byte-level BPE (tokenizer.json) as llama.cpp's converter stores a gpt2-type vocabulary."""
+    spec = json.loads((model_dir / "tokenizer.json").read_text())
+    vocab = dict(spec["model"]["vocab"])
+    special = {t["content"]: t["id"] for t in spec["added_tokens"] if t["special"]}
+    vocab.update(special)
+    tokens = [token for token, _ in sorted(vocab.items(), key=lambda item: item[1])]
+    assert len(tokens) == max(vocab.values()) + 1
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("llama-bpe" if arch == "llama" else "qwen2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t in tokens])
+    writer.add_token_merges(merges)
+    generation = json.loads((model_dir / "generation_config.json").read_text())
+    eos = generation["eos_token_id"]
+    writer.add_eos_token_id(eos[0] if isinstance(eos, list) else eos)
+    if generation.get("bos_token_id") is not None:
+        writer.add_bos_token_id(generation["bos_token_id"])
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
@@ -184,6 +206,30 @@ def test_tiny_gguf_logits_match_transformers_on_the_same_file(tiny_gguf):
     got = [run_chunks(model, kv, [chunk(0, 28)])[0]] + [run_chunks(model, kv, [chunk(t, t + 1)])[0]
                                                           for t in range(28, 60)]
     torch.testing.assert_close(torch.cat(got), hf_logits(hf, ids), atol=LOGIT_ATOL, rtol=0)
+
+
+def test_tiny_gguf_tokenizer_matches_transformers(tiny_gguf):
+    _, path, _ = tiny_gguf
+    ours = Tokenizer.from_path(path)
+    ref = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    for text in ["Hello world", "  two spaces, ça va? 123456", "line one\nline two\t\ttabs", ""]:
+        assert ours.encode(text) == ref(text)["input_ids"], text
+        assert ours.decode(ours.encode(text)) == ref.decode(ref(text)["input_ids"], skip_special_tokens=True)
+    assert ours.eos_token_ids == {ref.eos_token_id} and ours.bos_token_id == ref.bos_token_id
+
+
+def test_tiny_gguf_tp2_gives_the_tp1_tokens(tiny_gguf):
+    """Real gloo ranks, each reading the GGUF and slicing its share after dequantizing."""
+    _, path, _ = tiny_gguf
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=3)
+    prompts = [[5, 6, 7], list(range(10, 50))]
+    ref = LLM(path, max_model_len=128).generate(prompts, params)
+    with LLM(path, max_model_len=128, tp_size=2) as llm:
+        out = llm.generate(prompts, params)
+    assert [o.token_ids for o in out] == [o.token_ids for o in ref]
+    for got, want in zip(out, ref):
+        for a, b in zip(got.logprobs, want.logprobs):
+            assert abs(a.logprob - b.logprob) < LOGIT_ATOL
 
 
 def test_truncated_file_is_refused(tmp_path):

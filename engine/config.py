@@ -16,6 +16,9 @@ from engine.errors import ModelLoadError
 __all__ = ["DEVICES", "DTYPE_ALIASES", "DTYPES", "EngineConfig", "ModelConfig", "parse_dtype", "resolve_device"]
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# model_type -> architecture, for a config.json without `architectures` (transformers' AutoModelForCausalLM
+# picks the class by model_type the same way)
+ARCHITECTURE_OF_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -62,6 +65,16 @@ class ModelConfig:
         return DTYPES[self.dtype]
 
     @classmethod
+    def from_path(cls, model_path: str | Path) -> ModelConfig:
+        """The config of a model path: a GGUF file's metadata (engine/gguf_file.py) or a checkpoint
+        directory's config.json."""
+        from engine.gguf_file import is_gguf_path, open_gguf
+
+        if is_gguf_path(model_path):
+            return cls.from_dict(open_gguf(model_path).hf_config())
+        return cls.from_dir(model_path)
+
+    @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
@@ -71,10 +84,18 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, hf: dict) -> ModelConfig:
         archs = hf.get("architectures") or []
-        arch = archs[0] if archs else None
-        if arch not in SUPPORTED_ARCHITECTURES:
-            allowed = ", ".join(SUPPORTED_ARCHITECTURES)
-            raise ModelLoadError(f"architectures={archs!r} in config.json is not supported: allowed are {allowed}")
+        if archs:
+            arch = archs[0]
+            if arch not in SUPPORTED_ARCHITECTURES:
+                allowed = ", ".join(SUPPORTED_ARCHITECTURES)
+                raise ModelLoadError(f"architectures={archs!r} in config.json is not supported: allowed are {allowed}")
+        else:
+            model_type = hf.get("model_type")
+            if model_type not in ARCHITECTURE_OF_MODEL_TYPE:
+                allowed = ", ".join(ARCHITECTURE_OF_MODEL_TYPE)
+                raise ModelLoadError(f"config.json has no architectures and model_type={model_type!r} is not "
+                                     f"supported: allowed are {allowed}")
+            arch = ARCHITECTURE_OF_MODEL_TYPE[model_type]
         try:
             hidden = int(hf["hidden_size"])
             num_heads = int(hf["num_attention_heads"])

@@ -17,7 +17,7 @@ _ENGINE_FIELDS = {f.name for f in fields(EngineConfig)}
 
 
 class LLM:
-    """An engine in this process. `model` is a Hugging Face checkpoint directory; None uses the
+    """An engine in this process. `model` is a Hugging Face checkpoint directory or a .gguf file; None uses the
     embedded tiny default (made locally on first use). Keyword arguments are `EngineConfig` fields."""
 
     def __init__(self, model: str | Path | None = None, **engine_args):

@@ -82,16 +82,17 @@ class Runtime:
 
 def build_runtime(model_dir: str | Path, config: EngineConfig, follower_module: str = "engine.tp_worker",
                   follower_argv: list[str] | tuple = ()) -> Runtime:
-    """Load the checkpoint and size the KV cache. Raises `ModelLoadError` naming what is wrong.
+    """Load the checkpoint at `model_dir` (a Hugging Face checkpoint directory or a .gguf file) and size the
+    KV cache. Raises `ModelLoadError` naming what is wrong.
     At tp_size > 1 the follower ranks run `python -m follower_module` with `follower_argv` added (a serving
     worker's followers also run their share of KV transfer)."""
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     model_dir = Path(model_dir)
-    model_config = ModelConfig.from_dir(model_dir)
+    model_config = ModelConfig.from_path(model_dir)
     device = resolve_device(config.device)
     dtype = parse_dtype(config.dtype) if config.dtype else model_config.torch_dtype
-    tokenizer = Tokenizer.from_dir(model_dir)
+    tokenizer = Tokenizer.from_path(model_dir)
     model_id = config.model_id or model_dir.resolve().name
 
     max_model_len = config.max_model_len or model_config.max_position_embeddings

@@ -141,7 +141,13 @@ class SafetensorsSource:
         self.close()
 
 
-def open_source(model_dir: str | Path) -> TensorSource:
-    """The tensor source for a model directory. Safetensors today; a GGUF file is meant to be picked here
-    too (issue 14), so callers never name a format."""
-    return SafetensorsSource.from_dir(model_dir)
+def open_source(model_path: str | Path) -> TensorSource:
+    """The tensor source for a model path: a GGUF file (engine/gguf_file.py's `is_gguf_path`) or a Hugging
+    Face checkpoint directory, so callers never name a format."""
+    from engine.gguf_file import is_gguf_path
+
+    if is_gguf_path(model_path):
+        from engine.gguf_source import GGUFSource  # it imports this module's TensorSlice
+
+        return GGUFSource.from_path(str(model_path))
+    return SafetensorsSource.from_dir(model_path)

@@ -1,4 +1,4 @@
-"""Text <-> token ids for one checkpoint, without transformers.
+"""Text <-> token ids for one checkpoint, without transformers (except to convert a GGUF file's tokenizer).
 
 A thin layer over the `tokenizers` library (tokenizer.json) plus jinja2 for the chat template. It reproduces
 what `transformers.AutoTokenizer` (5.x) does with the same directory, because the router tokenizes and the
@@ -16,6 +16,11 @@ workers detokenize with it, and "same answer everywhere" starts with the same id
 - chat template: chat_template.jinja if present, else tokenizer_config.json's `chat_template`; rendered in
   transformers' jinja environment (sandboxed, trim_blocks, lstrip_blocks, loopcontrols, `raise_exception`,
   `strftime_now`, a `tojson` that does not escape HTML, `{% generation %}` accepted).
+
+A GGUF file carries no tokenizer.json, only llama.cpp's tokenizer metadata (vocabulary, merges, special
+token ids, chat template); `from_gguf` has transformers convert it (its GGUF tokenizer conversion, which
+`AutoTokenizer.from_pretrained(..., gguf_file=...)` runs) and keeps the resulting `tokenizers` pipeline,
+so the ids are transformers' on the same file.
 
 Not reproduced: transformers' per-class overrides of the pipeline (transformers 5 rebuilds e.g. a qwen2 or
 LlamaTokenizer tokenizer from tokenizer.json's vocab and merges with the class's own normalizer and
@@ -119,6 +124,42 @@ class Tokenizer:
             chat_template=chat_template,
             clean_up_tokenization_spaces=bool(config.get("clean_up_tokenization_spaces", False)),
             name=str(path),
+        )
+
+    @classmethod
+    def from_path(cls, model_path: str | Path) -> Tokenizer:
+        """The tokenizer of a model path: a GGUF file's (`from_gguf`) or a checkpoint directory's (`from_dir`)."""
+        from engine.gguf_file import is_gguf_path
+
+        return cls.from_gguf(model_path) if is_gguf_path(model_path) else cls.from_dir(model_path)
+
+    @classmethod
+    def from_gguf(cls, path: str | Path) -> Tokenizer:
+        """The tokenizer a GGUF file's metadata describes, converted by transformers (see the module docstring);
+        generation ends at the file's eos, and at its end-of-turn / end-of-message tokens where it names them
+        (llama.cpp stops at all three). Raises ModelLoadError for a file that is not a supported GGUF."""
+        from engine.gguf_file import open_gguf
+
+        file = open_gguf(path)  # refuses bad files and architectures with the engine's own messages
+        from transformers import AutoTokenizer
+
+        try:
+            converted = AutoTokenizer.from_pretrained(str(file.path.parent), gguf_file=file.path.name)
+        except Exception as e:  # transformers raises ValueError, KeyError, ... for what it cannot convert
+            raise ModelLoadError(f"{file.path}: the tokenizer in its metadata (tokenizer.ggml.*) cannot be "
+                                 f"converted by transformers ({type(e).__name__}: {e})") from None
+        eos_keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+        extra = converted.extra_special_tokens
+        special_tokens = {name: str(token) for name, token in converted.special_tokens_map.items()
+                          if isinstance(token, str) and name in NAMED_SPECIAL_TOKENS}
+        return cls(
+            converted.backend_tokenizer,
+            special_tokens=special_tokens,
+            extra_special_tokens=[str(token) for token in (extra.values() if isinstance(extra, dict) else extra)],
+            eos_token_ids=[int(file.number(key)) for key in eos_keys if file.has(key)],
+            chat_template=converted.chat_template,
+            clean_up_tokenization_spaces=bool(converted.clean_up_tokenization_spaces),
+            name=str(file.path),
         )
 
     @property

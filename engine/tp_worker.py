@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None =
     control = init_group(args.rank, args.size, args.init_method, device=device)
     hooks = None
     try:
-        model_config = ModelConfig.from_dir(args.model)
+        model_config = ModelConfig.from_path(args.model)
         dtype = parse_dtype(config.dtype)
         tp = TPGroup(args.rank, args.size)
         model = build_model(model_config, args.model, dtype, config.max_model_len, device, tp)

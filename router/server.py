@@ -69,8 +69,8 @@ class Router(pb_grpc.GenerationServicer):
             from engine.tiny_model import default_model_dir
 
             model_dir = default_model_dir()
-        self.tokenizer = Tokenizer.from_dir(model_dir)
-        model_config = ModelConfig.from_dir(model_dir)
+        self.tokenizer = Tokenizer.from_path(model_dir)  # a checkpoint directory or a .gguf file
+        model_config = ModelConfig.from_path(model_dir)
         self.model_id = config.model_id or Path(model_dir).resolve().name
         self.limits = ModelLimits(
             vocab_size=model_config.vocab_size,

@@ -95,6 +95,29 @@ def test_mistral_architecture_loads_as_llama(tiny_llama_dir, tmp_path, arch_name
     assert out.token_ids == ref[0, 4:].tolist()
 
 
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2"])
+def test_config_without_architectures_loads_by_model_type(tiny_llama_dir, tiny_qwen2_dir, tmp_path, model_type):
+    """As transformers' AutoModelForCausalLM does: no `architectures`, the class comes from model_type."""
+    d = copy(tiny_qwen2_dir if model_type == "qwen2" else tiny_llama_dir, tmp_path / model_type)
+    edit_config(d, architectures=None, model_type=model_type, sliding_window=None)
+    assert "architectures" not in json.loads((d / "config.json").read_text())
+    hf = transformers.AutoModelForCausalLM.from_pretrained(d).eval()
+    expected = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}[model_type]
+    assert type(hf).__name__ == ModelConfig.from_dir(d).architecture == expected
+    out = LLM(d).generate([3, 4, 5, 6], GREEDY)[0]
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([[3, 4, 5, 6]]), max_new_tokens=24, do_sample=False, min_new_tokens=24)
+    assert out.token_ids == ref[0, 4:].tolist()
+
+
+def test_config_without_architectures_names_an_unknown_model_type(tiny_llama_dir, tmp_path):
+    d = copy(tiny_llama_dir, tmp_path / "m")
+    edit_config(d, architectures=None, model_type="gpt_neox")
+    with pytest.raises(ModelLoadError, match=r"no architectures and model_type='gpt_neox' is not supported: "
+                                             r"allowed are llama, mistral, qwen2"):
+        LLM(d)
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_requested_dtype(tiny_llama_dir, dtype):
     llm = LLM(tiny_llama_dir, dtype=dtype)

@@ -294,8 +294,10 @@ def _offline_backend(args: argparse.Namespace, params: SamplingParams) -> Offlin
 
     from engine.llm import LLM
 
+    from engine.default_model import DEFAULT_MODEL_LABEL
+
     if sys.stdin.isatty():
-        print(f"loading {args.model or 'the default model'} ...", file=sys.stderr, flush=True)
+        print(f"loading {args.model or DEFAULT_MODEL_LABEL} ...", file=sys.stderr, flush=True)
     return OfflineChat(LLM(args.model, **dataclasses.asdict(engine_config(args))), params)
 
 

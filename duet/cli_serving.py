@@ -62,14 +62,22 @@ def cmd_router(args: argparse.Namespace) -> int:
     return 0
 
 
+def resolve_model(args: argparse.Namespace) -> Path:
+    """`--model`, or the embedded default's GGUF file (`ModelLoadError` with the install hint where it is
+    missing: `duet` prints it). Resolved here, once, so `duet up` / `duet demo` fail at once instead of in every
+    component they start."""
+    from engine.default_model import default_model_path
+
+    return args.model if args.model is not None else default_model_path()
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from deploy.local_cluster import ClusterConfig, run_up
 
+    model = resolve_model(args)
     worker_args = engine_config(args).to_flags() + ["--kv-transport", args.kv_transport]
-    config = ClusterConfig(
-        model_dir=str(args.model) if args.model else None, num_prefill=args.prefill, num_decode=args.decode,
-        port=args.port, worker_args=worker_args,
-    )
+    config = ClusterConfig(model_dir=str(model), num_prefill=args.prefill, num_decode=args.decode, port=args.port,
+                           worker_args=worker_args)
     return run_up(config)
 
 
@@ -122,7 +130,8 @@ def cmd_route_explain(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from duet.demo import run_demo
 
-    return run_demo(args.model, max_tokens=args.max_tokens, worker_args=engine_config(args).to_flags())
+    model = resolve_model(args)
+    return run_demo(model, max_tokens=args.max_tokens, worker_args=engine_config(args).to_flags())
 
 
 def add_serving_commands(sub: argparse._SubParsersAction) -> None:
@@ -133,7 +142,8 @@ def add_serving_commands(sub: argparse._SubParsersAction) -> None:
         p.set_defaults(func=cmd_worker)
 
     p = sub.add_parser("router", help="run the router (public gRPC API)")
-    p.add_argument("--model", type=Path, default=None, help="checkpoint dir for tokenizer and limits")
+    p.add_argument("--model", type=Path, default=None,
+                   help="checkpoint dir or .gguf file for tokenizer and limits (default: the embedded SmolLM2)")
     p.add_argument("--model-id", default=None)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--host", default="127.0.0.1")
@@ -175,8 +185,9 @@ def add_serving_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     p.set_defaults(func=cmd_client)
 
-    p = sub.add_parser("demo", help="the main job: a local cluster on the embedded model, a few streamed requests")
+    p = sub.add_parser("demo", help="the main job: a local cluster on the embedded SmolLM2-135M-Instruct (or --model), "
+                       "a two-turn chat and questions sharing a system prompt, with timings and routing")
     add_engine_args(p)
-    p.add_argument("--max-tokens", type=int, default=24)
+    p.add_argument("--max-tokens", type=int, default=64, help="cap per answer (answers end at EOS before it)")
     p.set_defaults(func=cmd_demo)
 

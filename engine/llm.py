@@ -18,16 +18,16 @@ _ENGINE_FIELDS = {f.name for f in fields(EngineConfig)}
 
 class LLM:
     """An engine in this process. `model` is a Hugging Face checkpoint directory or a .gguf file; None uses the
-    embedded tiny default (made locally on first use). Keyword arguments are `EngineConfig` fields."""
+    embedded default, SmolLM2-135M-Instruct (engine/default_model.py). Keyword arguments are `EngineConfig` fields."""
 
     def __init__(self, model: str | Path | None = None, **engine_args):
         unknown = set(engine_args) - _ENGINE_FIELDS
         if unknown:
             raise TypeError(f"unknown engine arguments {sorted(unknown)}: allowed are {sorted(_ENGINE_FIELDS)}")
         if model is None:
-            from engine.tiny_model import default_model_dir
+            from engine.default_model import default_model_path
 
-            model = default_model_dir()
+            model = default_model_path()
         self.engine = LLMEngine(model, EngineConfig(**engine_args))
 
     @property

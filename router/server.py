@@ -66,9 +66,9 @@ class Router(pb_grpc.GenerationServicer):
         self.config = config
         model_dir = config.model_dir
         if model_dir is None:
-            from engine.tiny_model import default_model_dir
+            from engine.default_model import default_model_path
 
-            model_dir = default_model_dir()
+            model_dir = default_model_path()
         self.tokenizer = Tokenizer.from_path(model_dir)  # a checkpoint directory or a .gguf file
         model_config = ModelConfig.from_path(model_dir)
         self.model_id = config.model_id or Path(model_dir).resolve().name

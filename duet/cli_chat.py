@@ -292,9 +292,8 @@ def _check_flags(args: argparse.Namespace) -> None:
 def _offline_backend(args: argparse.Namespace, params: SamplingParams) -> OfflineChat:
     import dataclasses
 
-    from engine.llm import LLM
-
     from engine.default_model import DEFAULT_MODEL_LABEL
+    from engine.llm import LLM
 
     if sys.stdin.isatty():
         print(f"loading {args.model or DEFAULT_MODEL_LABEL} ...", file=sys.stderr, flush=True)

@@ -18,7 +18,8 @@ def _parse_ids(text: str) -> list[int]:
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """--model and every engine setting's flag (engine/engine_config.py's ENGINE_FLAGS, the one spelling)."""
     g = parser.add_argument_group("engine")
-    g.add_argument("--model", type=Path, default=None, help="HF checkpoint dir or .gguf file (default: the embedded SmolLM2-135M-Instruct GGUF)")
+    g.add_argument("--model", type=Path, default=None,
+                   help="HF checkpoint dir or .gguf file (default: the embedded SmolLM2-135M-Instruct GGUF)")
     add_engine_flags(g)
 
 

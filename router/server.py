@@ -45,7 +45,7 @@ class RouterConfig:
     """The router's settings; `duet router` flags map onto these fields."""
 
     redis_url: str
-    model_dir: Path | None = None  # for the tokenizer, chat template and limits; None: the embedded tiny model
+    model_dir: Path | None = None  # for the tokenizer, chat template and limits; None: the embedded default
     model_id: str | None = None  # the workers' model id; None: the model directory's name
     host: str = "127.0.0.1"
     port: int = 0

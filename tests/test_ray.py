@@ -224,6 +224,15 @@ def test_duet_ray_up_flags_map_to_the_launcher_config(monkeypatch):
         RayLauncherConfig(prefill=PoolConfig(min_replicas=2, max_replicas=1))
 
 
+def test_without_a_model_the_workers_use_the_embedded_default_and_register_under_its_file_name():
+    from engine.default_model import default_model_path
+
+    config = RayLauncherConfig(redis_url="redis://127.0.0.1:6379/0")
+    assert config.model_dir is None and config.resolved_model_id == default_model_path().name
+    # no --model: each node resolves its own installed copy
+    assert RayLauncher(config)._model_args() == ["--redis-url", "redis://127.0.0.1:6379/0"]
+
+
 def test_tp2_workers_run_their_ranks_in_one_placement_group(ray_cluster, tiny_llama_dir):
     config = RayLauncherConfig(
         model_dir=str(tiny_llama_dir), router_host="127.0.0.1", port=0, num_cpus_per_rank=0.25, tp=2,

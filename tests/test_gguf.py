@@ -381,6 +381,32 @@ def test_smollm2_greedy_tokens_match_transformers_and_knows_paris(smollm2_hf):
 
 
 @pytest.mark.slow
+def test_smollm2_cluster_returns_the_offline_tokens():
+    """The disaggregated cluster (router, one prefill and one decode worker as processes, KV over TCP) on the
+    real GGUF gives exactly the offline engine's greedy tokens, with every block back in its pool after."""
+    from cluster_helpers import wait_idle
+
+    from deploy.local_cluster import ClusterConfig, LocalCluster
+    from duet.client import Client, stream_to_record
+
+    path = smollm2_path()
+    llm = LLM(path, max_model_len=512)
+    chats = [[{"role": "user", "content": "What is the capital of France?"}],
+             [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "Opposite of hot?"}]]
+    prompts = [llm.tokenizer.apply_chat_template_ids(messages) for messages in chats] + [
+        llm.tokenizer.encode("The quick brown fox")]
+    params = SamplingParams(max_tokens=16, temperature=0)
+    offline = [out.token_ids for out in llm.generate(prompts, params)]
+    config = ClusterConfig(model_dir=str(path), worker_args=["--max-model-len", "512", "--num-kv-blocks", "96"],
+                           router_args=["--max-model-len", "512"])
+    with LocalCluster(config).start() as cluster, Client(cluster.router_address) as client:
+        served = [stream_to_record(client.generate(prompt, params, timeout_s=120)) for prompt in prompts]
+        assert [record["token_ids"] for record in served] == offline
+        assert "Paris" in served[0]["text"]
+        wait_idle(cluster)
+
+
+@pytest.mark.slow
 def test_smollm2_tensor_parallel_gives_the_tp1_tokens():
     """tp=3: SmolLM2's 9 query and 3 kv heads divide by 3, not by 2 (each rank dequantizes, then slices)."""
     path = smollm2_path()

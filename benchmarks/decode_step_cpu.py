@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
     reuse_freed_memory()  # as the engine's runtime does
     model_dir = ensure_checkpoint(args.model)
     dtype = parse_dtype(args.dtype)
-    config = ModelConfig.from_dir(model_dir)
+    config = ModelConfig.from_path(model_dir)
     model = build_model(config, model_dir, dtype, args.context + 64)
     fast_linears(model)
     instrument()

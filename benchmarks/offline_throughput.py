@@ -64,6 +64,8 @@ MODEL_SPECS = {
 # With the defaults a full run should take ~35 min on a quiet 2-core Xeon (estimated from benchmarks/RESULTS.md's
 # cell timings; two thirds of it qwen05b / bf16).
 SLOW_CELLS = {"qwen05b": 8}
+# Real checkpoints, by name: the embedded default (SmolLM2-135M-Instruct, Q4_1 GGUF, loaded dense in the cell's dtype).
+REAL_MODELS = ("smollm2",)
 
 
 @dataclass(frozen=True)
@@ -113,7 +115,8 @@ class EngineRun:
 
 def parse_args(argv: list[str] | None = None) -> BenchConfig:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", default="small,qwen05b", help=f"comma-separated, from {', '.join(MODEL_SPECS)}")
+    p.add_argument("--models", default="small,qwen05b,smollm2",
+                   help=f"comma-separated, from {', '.join([*MODEL_SPECS, *REAL_MODELS])}")
     p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated, from float32, bfloat16")
     p.add_argument("--batches", default="1,8,32,64", help="comma-separated batch sizes")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats per cell")
@@ -134,8 +137,8 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     a = p.parse_args(argv)
     models, dtypes = a.models.split(","), a.dtypes.split(",")
     for name in models:
-        if name not in MODEL_SPECS:
-            p.error(f"--models: {name!r} is not one of {', '.join(MODEL_SPECS)}")
+        if name not in MODEL_SPECS and name not in REAL_MODELS:
+            p.error(f"--models: {name!r} is not one of {', '.join([*MODEL_SPECS, *REAL_MODELS])}")
     for name in dtypes:
         if name not in DTYPE_BYTES:
             p.error(f"--dtypes: {name!r} is not one of {', '.join(DTYPE_BYTES)}")
@@ -150,7 +153,12 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
 
 
 def ensure_checkpoint(name: str) -> Path:
-    """The model's checkpoint directory, made on first use (in a temp dir, renamed into place)."""
+    """The model's checkpoint: a random one's directory, made on first use (in a temp dir, renamed into place),
+    or a real one's file (`REAL_MODELS`)."""
+    if name == "smollm2":
+        from engine.default_model import default_model_path
+
+        return default_model_path()
     dir_name, kwargs = MODEL_SPECS[name]
     target = MODELS_DIR / dir_name
     if target.is_dir():
@@ -245,7 +253,11 @@ def run_hf(model_dir: Path, model: str, dtype: str, vocab: int, cfg: BenchConfig
 
     run = EngineRun()
     t0 = time.perf_counter()
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+    if model_dir.is_file():  # a GGUF file: transformers dequantizes it, as duet does
+        hf = AutoModelForCausalLM.from_pretrained(model_dir.parent, gguf_file=model_dir.name,
+                                                  dtype=getattr(torch, dtype)).eval()
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     run.startup_s = time.perf_counter() - t0
     eos = hf.generation_config.eos_token_id
     pad_id = eos[0] if isinstance(eos, list) else eos
@@ -328,7 +340,7 @@ def _progress(engine: str, model: str, dtype: str, batch: int, repeat: int, rate
 
 def bench_cell(model: str, dtype: str, cfg: BenchConfig) -> dict:
     model_dir = ensure_checkpoint(model)
-    mcfg = ModelConfig.from_dir(model_dir)
+    mcfg = ModelConfig.from_path(model_dir)
     runs: dict[str, EngineRun] = {}
     load_before = os.getloadavg()[0]
     weight_bytes = weight_bytes_per_decode_step(mcfg, DTYPE_BYTES[dtype])

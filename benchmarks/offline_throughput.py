@@ -283,7 +283,37 @@ def run_hf(model_dir: Path, model: str, dtype: str, vocab: int, cfg: BenchConfig
     return run
 
 
+def dense_copy(gguf_path: Path) -> Path:
+    """A Hugging Face checkpoint directory of a GGUF file's weights, dequantized by transformers (made once):
+    what vLLM's CPU build loads for the real model, the same weights duet and HF dequantize from the file."""
+    target = MODELS_DIR / f"{gguf_path.stem}-dense-v1"
+    if target.is_dir():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    MODELS_DIR.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=MODELS_DIR))
+    try:
+        print(f"bench event=dense_copy model={gguf_path.name} dir={target}", flush=True)
+        kwargs = dict(gguf_file=gguf_path.name)
+        loaded = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32, **kwargs)
+        # transformers refuses to save a model loaded from GGUF: a plain one of the same config takes its weights
+        config = loaded.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        plain.load_state_dict(loaded.state_dict())
+        plain.save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs).save_pretrained(tmp)
+        os.rename(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
 def vllm_command(model_dir: Path, model: str, dtype: str, cfg: BenchConfig, serve: bool) -> list[str]:
+    if model_dir.is_file():  # a GGUF file: vLLM gets the same weights as a dense checkpoint
+        model_dir = dense_copy(model_dir)
     cmd = [str(VLLM_VENV / "bin" / "python"), str(WORKER), "--model", str(model_dir), "--dtype", dtype,
            "--batches", ",".join(map(str, cfg.batches)),
            "--repeats", ",".join(str(cfg.repeats_for(model, b)) for b in cfg.batches),

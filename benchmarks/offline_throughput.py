@@ -153,23 +153,31 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
 
 
 def ensure_checkpoint(name: str) -> Path:
-    """The model's checkpoint: a random one's directory, made on first use (in a temp dir, renamed into place),
-    or a real one's file (`REAL_MODELS`)."""
+    """The model's checkpoint: a random one's directory, made on first use, or a real one's file (`REAL_MODELS`)."""
     if name == "smollm2":
         from engine.default_model import default_model_path
 
         return default_model_path()
     dir_name, kwargs = MODEL_SPECS[name]
-    target = MODELS_DIR / dir_name
+
+    def make(tmp: Path) -> None:
+        from engine.tiny_model import make_tiny_model
+
+        make_tiny_model(tmp, dtype="float32", **kwargs)
+
+    return made_once(MODELS_DIR / dir_name, f"make_checkpoint model={name}", make)
+
+
+def made_once(target: Path, event: str, make) -> Path:
+    """`target`, a directory `make(tmp)` fills, made on first use: in a temp dir renamed into place, so an
+    interrupted run never leaves a half-made one that a later run would take."""
     if target.is_dir():
         return target
-    from engine.tiny_model import make_tiny_model
-
-    MODELS_DIR.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dir_name}.tmp-", dir=MODELS_DIR))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
-        print(f"bench event=make_checkpoint model={name} dir={target}", flush=True)
-        make_tiny_model(tmp, dtype="float32", **kwargs)
+        print(f"bench event={event} dir={target}", flush=True)
+        make(tmp)
         os.rename(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -286,15 +294,10 @@ def run_hf(model_dir: Path, model: str, dtype: str, vocab: int, cfg: BenchConfig
 def dense_copy(gguf_path: Path) -> Path:
     """A Hugging Face checkpoint directory of a GGUF file's weights, dequantized by transformers (made once):
     what vLLM's CPU build loads for the real model, the same weights duet and HF dequantize from the file."""
-    target = MODELS_DIR / f"{gguf_path.stem}-dense-v1"
-    if target.is_dir():
-        return target
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    MODELS_DIR.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=MODELS_DIR))
-    try:
-        print(f"bench event=dense_copy model={gguf_path.name} dir={target}", flush=True)
+    def make(tmp: Path) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
         kwargs = dict(gguf_file=gguf_path.name)
         loaded = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32, **kwargs)
         # transformers refuses to save a model loaded from GGUF: a plain one of the same config takes its weights
@@ -305,10 +308,8 @@ def dense_copy(gguf_path: Path) -> Path:
         plain.load_state_dict(loaded.state_dict())
         plain.save_pretrained(tmp)
         AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs).save_pretrained(tmp)
-        os.rename(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+
+    return made_once(MODELS_DIR / f"{gguf_path.stem}-dense-v1", f"dense_copy model={gguf_path.name}", make)
 
 
 def vllm_command(model_dir: Path, model: str, dtype: str, cfg: BenchConfig, serve: bool) -> list[str]:

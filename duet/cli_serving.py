@@ -66,9 +66,9 @@ def resolve_model(args: argparse.Namespace) -> Path:
     """`--model`, or the embedded default's GGUF file (`ModelLoadError` with the install hint where it is
     missing: `duet` prints it). Resolved here, once, so `duet up` / `duet demo` fail at once instead of in every
     component they start."""
-    from engine.default_model import default_model_path
+    from engine.default_model import model_or_default
 
-    return args.model if args.model is not None else default_model_path()
+    return model_or_default(args.model)
 
 
 def cmd_up(args: argparse.Namespace) -> int:

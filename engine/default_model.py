@@ -36,6 +36,11 @@ def default_model_path() -> Path:
     return path
 
 
+def model_or_default(model: str | Path | None) -> Path:
+    """`model` as given, or the embedded default's file when it is None (ModelLoadError as `default_model_path`)."""
+    return Path(model) if model is not None else default_model_path()
+
+
 def is_default_model(model: str | Path | None) -> bool:
     """Whether `model` names the embedded default (None, or the default GGUF file itself)."""
     if model is None:

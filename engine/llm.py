@@ -7,6 +7,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from engine.config import EngineConfig
+from engine.default_model import model_or_default
 from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine, Prompt
 from engine.outputs import RequestOutput
@@ -24,10 +25,7 @@ class LLM:
         unknown = set(engine_args) - _ENGINE_FIELDS
         if unknown:
             raise TypeError(f"unknown engine arguments {sorted(unknown)}: allowed are {sorted(_ENGINE_FIELDS)}")
-        if model is None:
-            from engine.default_model import default_model_path
-
-            model = default_model_path()
+        model = model_or_default(model)
         self.engine = LLMEngine(model, EngineConfig(**engine_args))
 
     @property

@@ -25,6 +25,7 @@ from cluster.registry import WorkerRegistry
 from duet.v1 import generation_pb2 as pb
 from duet.v1 import generation_pb2_grpc as pb_grpc
 from engine.config import ModelConfig
+from engine.default_model import model_or_default
 from engine.errors import InvalidRequestError
 from engine.tokenizer import Tokenizer
 from router.metrics import RouterMetrics
@@ -64,11 +65,7 @@ class RouterConfig:
 class Router(pb_grpc.GenerationServicer):
     def __init__(self, config: RouterConfig):
         self.config = config
-        model_dir = config.model_dir
-        if model_dir is None:
-            from engine.default_model import default_model_path
-
-            model_dir = default_model_path()
+        model_dir = model_or_default(config.model_dir)
         self.tokenizer = Tokenizer.from_path(model_dir)  # a checkpoint directory or a .gguf file
         model_config = ModelConfig.from_path(model_dir)
         self.model_id = config.model_id or Path(model_dir).resolve().name

@@ -25,6 +25,7 @@ from cluster.prefix_index import PrefixIndex
 from cluster.registry import Heartbeat, WorkerInfo, WorkerLoad, WorkerRegistry
 from duet.internal.v1 import workers_pb2 as wpb
 from engine.config import EngineConfig
+from engine.default_model import model_or_default
 from engine.engine_core import EngineCore
 from engine.runtime import Runtime, build_runtime
 from kvtransfer.layout import KVLayout
@@ -75,11 +76,7 @@ class WorkerProcess:
     def __init__(self, config: WorkerConfig):
         self.config = config
         self.worker_id = f"{config.role}-{uuid.uuid4().hex[:8]}"
-        model_dir = config.model_dir
-        if model_dir is None:
-            from engine.default_model import default_model_path
-
-            model_dir = default_model_path()
+        model_dir = model_or_default(config.model_dir)
         self.advertise_host = config.advertise_host or config.host
         self.tp_size = config.engine.tp_size
         self.tp_store = None  # tensor parallelism: rank 0 hosts the store its follower ranks meet it in

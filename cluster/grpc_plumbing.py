@@ -22,6 +22,13 @@ log = logging.getLogger("duet.grpc")
 PUBLIC_MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # a 32k-token prompt as ids is ~0.3 MB
 INTERNAL_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 _UNAUTHENTICATED_PATHS = ("/grpc.health.v1.Health/", "/grpc.reflection.")  # probes carry no token
+# Trailing metadata on a worker's error that is one request's own (its sampling failed, its deadline passed):
+# the router fails that request and keeps routing to the worker, which is healthy.
+REQUEST_FAULT = ("duet-fault", "request")
+
+
+def is_request_fault(error: grpc.RpcError) -> bool:
+    return REQUEST_FAULT in tuple(error.trailing_metadata() or ())
 
 
 class BearerTokenInterceptor(grpc.ServerInterceptor):

@@ -42,6 +42,7 @@ class DecodeEvent:
     logprobs: TokenLogprobs | None
     finish_reason: str | None
     stop_token_id: int | None = None
+    error: str | None = None  # finish_reason "error": the request failed on its own
 
 
 @dataclass(frozen=True)
@@ -172,6 +173,11 @@ class DecodeLoop:
         now = time.monotonic()
         for new in new_tokens:
             request, sink = self._live[new.request_id]
+            if new.error is not None:  # this request's own sampling failed; the others go on
+                del self._live[new.request_id]
+                self._last_token_s.pop(new.request_id, None)
+                sink.put(DecodeEvent(None, None, new.status.finish_reason, error=new.error))
+                continue
             last = self._last_token_s.get(new.request_id)
             if last is not None and self._on_token_gap is not None:
                 self._on_token_gap(now - last)

@@ -146,12 +146,18 @@ class DecodeWorker(WorkerProcess, wpb_grpc.DecodeWorkerServicer):
                     self.loop.thread.post(self.loop.abort, request_id)
                     abort_with(context, grpc.StatusCode.DEADLINE_EXCEEDED, f"request {request_id}: deadline passed")
                 continue
+            if event.error is not None:
+                abort_with(context, grpc.StatusCode.INTERNAL, f"request {request_id} failed: {event.error}",
+                           request_fault=True)
             reply = wpb.DecodeResponse(finish_reason=event.finish_reason or "")
             events = [event]
             while not event.finish_reason:  # coalesce what is already there into one message
                 try:
                     event = sink.get_nowait()
                 except queue.Empty:
+                    break
+                if event.error is not None:  # sent with the next message
+                    sink.put(event)
                     break
                 events.append(event)
                 reply.finish_reason = event.finish_reason or ""

@@ -7,6 +7,7 @@
       hooks.before_execute(chunks)      ─▶ on_layer_done for this forward, or None
       runner.execute(chunks, on_layer_done) ─▶ tokens per sampled request
                                            (raised: hooks.on_execute_failed: re-raise, or abort them)
+      a request whose own sampling failed ─▶ FINISHED_ERROR, freed; the others go on
       scheduler.update_from_output      ─▶ appended, stopped requests freed
       ─▶ [NewTokens]: per request, the tokens it gained (a list), their logprobs, its status
 
@@ -31,14 +32,16 @@ LayerCallback = Callable[[int], None]  # on_layer_done(i): layer i's K/V for eve
 
 @dataclass(slots=True)
 class NewTokens:
-    """What one request gained in a step. `token_ids` is never empty; a request that finished keeps the
-    tokens up to the one that ended it (the scheduler dropped any after it). Read-only by contract (not
-    frozen: one is made per request per step, and a frozen dataclass is several times slower to make)."""
+    """What one request gained in a step. `token_ids` is never empty, except for a request that failed on
+    its own (status FINISHED_ERROR, `error` says why); a request that finished keeps the tokens up to the
+    one that ended it (the scheduler dropped any after it). Read-only by contract (not frozen: one is made
+    per request per step, and a frozen dataclass is several times slower to make)."""
 
     request_id: str
     token_ids: list[int]
     logprobs: list[TokenLogprobs] | None  # one per token; None where the request asked for none
     status: RequestStatus  # after the last token: finished or still running
+    error: str | None = None  # FINISHED_ERROR only: what failed
 
     @property
     def finished(self) -> bool:
@@ -68,8 +71,10 @@ class EngineCore:
     """A scheduler and a model runner, stepped together.
 
     Contract of `step`: every chunk scheduled is executed once; each sampled request appears once in the
-    result, in schedule order, with the tokens it gained; finished requests have already been freed
-    (their blocks are back in the pool). If the forward raises, `hooks.on_execute_failed` decides.
+    result, in schedule order (those that failed on their own last), with the tokens it gained; finished
+    requests have already been freed (their blocks are back in the pool). If the forward raises,
+    `hooks.on_execute_failed` decides; if one request's sampling raises, that request alone ends with
+    FINISHED_ERROR.
     """
 
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, hooks: StepHooks | None = None):
@@ -145,6 +150,10 @@ class EngineCore:
         except Exception as e:
             self.hooks.on_execute_failed(scheduled.chunks, e)
             return []
+        failed = [NewTokens(request_id, [], None, RequestStatus.FINISHED_ERROR, s.error)
+                  for request_id, s in sampled.items() if s.error is not None]
+        for new in failed:  # freed before the update, which then skips their chunks (no longer running)
+            self.scheduler.finish_request(new.request_id, RequestStatus.FINISHED_ERROR)
         updates = self.scheduler.update_from_output(
             scheduled, {request_id: s.token_ids for request_id, s in sampled.items()}
         )
@@ -154,4 +163,4 @@ class EngineCore:
             if logprobs is not None:
                 logprobs = logprobs[: len(update.token_ids)]  # those of tokens past a stop were dropped too
             results.append(NewTokens(update.request_id, update.token_ids, logprobs, update.status))
-        return results
+        return results + failed

@@ -17,6 +17,11 @@ class InvalidRequestError(ValueError):
         super().__init__(f"{field}={_short(value)} is invalid: {allowed}")
 
 
+class RequestFailed(RuntimeError):
+    """One request failed on its own inside an engine step (e.g. its sampling raised); the step went on for
+    the others. Servers report it as that request's error, never as the worker's."""
+
+
 class ModelLoadError(ValueError):
     """A checkpoint cannot be loaded: unknown architecture, missing or mis-shaped tensors, bad config."""
 

@@ -158,7 +158,7 @@ class LLMEngine:
                 delta += detok.flush()
         num_dropped = len(new.token_ids) - num_kept
         token_ids = request.output_token_ids[: len(request.output_token_ids) - num_dropped]
-        output = self._output(tracked, token_ids, new.token_ids[:num_kept], delta, now)
+        output = self._output(tracked, token_ids, new.token_ids[:num_kept], delta, now, new.error)
         if request.status.finished:
             del self._tracked[request.request_id]
         return output
@@ -173,7 +173,7 @@ class LLMEngine:
             )
 
     def _output(self, tracked: _Tracked, token_ids: list[int], new_token_ids: list[int], new_text: str,
-                now: float) -> RequestOutput:
+                now: float, error: str | None = None) -> RequestOutput:
         request = tracked.request
         return RequestOutput(
             request_id=request.request_id,
@@ -190,6 +190,7 @@ class LLMEngine:
             arrival_time_s=request.arrival_time_s,
             first_token_time_s=tracked.first_token_time_s,
             finished_time_s=now if request.status.finished else None,
+            error=error,
         )
 
     def close(self) -> None:

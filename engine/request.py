@@ -22,6 +22,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"  # eos, a stop token id or a stop string
     FINISHED_LENGTH = "length"  # max_tokens or the model's context
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # the request failed on its own in a step (its sampling raised); the others went on
     FINISHED_HANDED_OFF = "handed_off"  # a prefill worker's part is done: a decode worker continues it
 
     @property

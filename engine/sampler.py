@@ -18,10 +18,16 @@ Each row follows the vLLM / HF pipeline with its own parameters:
 Filters set a dropped token's logit to -inf, so its probability is exactly 0 and it can never be drawn.
 Work that no row in the batch asks for is skipped: no penalty tensors, no top-k/top-p search, no draw
 for an all-greedy batch.
+
+Safe for every value `SamplingParams` accepts: a temperature too small to divide by is greedy, penalties
+are clamped to float32's finite range and scaled logits to finite values (NaN is dropped), the best token
+survives every filter, and every sampled id is checked to lie in [0, V). A row whose sampling still raises
+fails alone (`SampledTokens.error`): the others in the batch get their tokens.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -32,7 +38,9 @@ import torch
 
 from engine.sampling_params import SamplingParams
 
+log = logging.getLogger("duet.sampler")
 _MASK64 = (1 << 64) - 1
+_FLOAT32 = torch.finfo(torch.float32)
 CANDIDATES = (64, 1024)  # top-k/top-p search a row's best logits for the cutoff, widening in steps
 
 
@@ -67,11 +75,12 @@ class SamplerOutput:
 @dataclass(slots=True)
 class SampledTokens:
     """What one row gained in a step: its accepted proposed tokens, then one sampled token (so never
-    empty; today exactly one token, as no proposal is verified yet). Read-only by contract (not frozen:
-    one is made per row per step)."""
+    empty, unless the row failed: then `error` says why and `token_ids` is empty; today exactly one token,
+    as no proposal is verified yet). Read-only by contract (not frozen: one is made per row per step)."""
 
     token_ids: list[int]
     logprobs: list[TokenLogprobs] | None  # one per token in token_ids; None where params.logprobs is None
+    error: str | None = None  # this row's sampling raised; the other rows are unaffected
 
 
 def refuse_proposed_tokens(holder: str, proposed_token_ids: Sequence[int]) -> None:
@@ -107,13 +116,28 @@ class Sampler:
         of its proposals and sample one token after it. Today only plain sampling exists: `logits` holds
         exactly one row per row, each row gains exactly one token (as `__call__` draws it), and a row
         with proposed tokens raises ValueError instead.
+
+        A row whose sampling raises fails alone: the batch is sampled again row by row, and a row that
+        raises by itself gets a `SampledTokens` with `error` set and no token.
         """
         for i, row in enumerate(rows):
             if row.proposed_token_ids:
                 refuse_proposed_tokens(f"sampling row {i}", row.proposed_token_ids)
-        out = self(logits, rows)
+        try:
+            out = self(logits, rows)
+        except Exception as e:  # noqa: BLE001 - find the row(s) at fault, keep the others
+            log.warning("event=batch_sampling_failed rows=%d error=%r: sampling row by row", len(rows), e)
+            return [self._sample_alone(logits[i : i + 1], row) for i, row in enumerate(rows)]
         return [SampledTokens([token_id], None if lp is None else [lp])
                 for token_id, lp in zip(out.token_ids, out.logprobs, strict=True)]
+
+    def _sample_alone(self, logits: torch.Tensor, row: SamplingRow) -> SampledTokens:
+        try:
+            out = self(logits, [row])
+        except Exception as e:  # noqa: BLE001 - this row's own failure: it ends alone
+            return SampledTokens([], None, error=f"sampling failed: {e!r}")
+        lp = out.logprobs[0]
+        return SampledTokens(out.token_ids, None if lp is None else [lp])
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         """Plain sampling, one token per row: the contract in the class docstring."""
@@ -124,6 +148,7 @@ class Sampler:
         if not rows:
             return SamplerOutput([], [])
         token_ids = self._select(apply_penalties(logits, rows), rows)
+        check_token_ids(token_ids, logits.shape[1])
         return SamplerOutput(token_ids.tolist(), compute_logprobs(logits, rows, token_ids))
 
     def _select(self, penalized: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -154,7 +179,7 @@ class Sampler:
             device=penalized.device,
         )
         temperature, top_p, min_p, top_k_t = table.unbind(dim=1)
-        x = penalized / temperature.unsqueeze(1)
+        x = finite_logits(penalized / temperature.unsqueeze(1))
         # every filter is a cutoff value per row: tokens with x >= cutoff stay
         cutoff = torch.full((len(rows),), -math.inf, device=x.device)
         if any(p.top_p < 1.0 for p in params) or any(k < vocab for k in top_k):
@@ -187,6 +212,24 @@ class Sampler:
                 generator.manual_seed(self._seed)
             self._generators[device] = generator
         return generator
+
+
+def check_token_ids(token_ids: torch.Tensor, vocab: int) -> None:
+    """Every sampled id lies in [0, vocab): an id past the vocabulary would fail the next step's embedding
+    lookup for the whole batch, so it is refused here, in the row's own step (one reduction, once per step)."""
+    if token_ids.numel() and not bool(((token_ids >= 0) & (token_ids < vocab)).all()):
+        raise RuntimeError(f"sampled token ids {token_ids.tolist()} are invalid: each must be in [0, {vocab})")
+
+
+def finite_logits(x: torch.Tensor) -> torch.Tensor:
+    """x (a fresh tensor: written in place) with NaN dropped (-inf: never drawn) and +inf at float32's max,
+    so softmax weights stay finite; a row left with nothing finite (all NaN or -inf) becomes uniform rather
+    than undefined."""
+    x = torch.nan_to_num_(x, nan=-math.inf, posinf=_FLOAT32.max, neginf=-math.inf)
+    empty = x.amax(dim=-1) == -math.inf
+    if bool(empty.any()):
+        x[empty] = 0.0
+    return x
 
 
 ARGMAX_CHUNK = 1024  # greedy_argmax's two-level search: tokens per chunk
@@ -248,7 +291,9 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
     if any(p.repetition_penalty != 1.0 for p in params):
         seen_tokens = [chain(rows[i].prompt_token_ids, rows[i].output_token_ids) for i in penalized]
         seen = _token_counts(seen_tokens, vocab, device) > 0
+        # clamped to float32's finite range: 1e-300 would be 0 (x / 0 = inf) and 1e300 inf (0 * inf = NaN)
         penalty = torch.tensor([p.repetition_penalty for p in params], device=device).unsqueeze(1)
+        penalty.clamp_(min=_FLOAT32.tiny, max=_FLOAT32.max)
         sub = torch.where(seen, torch.where(sub > 0, sub / penalty, sub * penalty), sub)
     if any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params):
         counts = _token_counts([rows[i].output_token_ids for i in penalized], vocab, device)
@@ -317,7 +362,9 @@ def _cutoffs_in(
     mass_before = probs.cumsum(dim=-1) - probs
     limit = top_p.masked_fill(top_p >= 1.0, math.inf)  # top_p == 1 keeps all, whatever cumsum's rounding
     stays = (mass_before < limit.unsqueeze(1)) & (kept > -math.inf)
-    num_kept = stays.sum(dim=-1)
+    # the best token always stays: a top_p below float32's smallest value is 0 in the table, and
+    # `mass_before < 0` keeps nothing
+    num_kept = stays.sum(dim=-1).clamp_(min=1)
     cutoff = best.gather(1, (num_kept - 1).unsqueeze(1)).squeeze(1)
     filtered = has_k | (top_p < 1.0)
     found = ~filtered | has_k | (num_kept < num)  # top-p alone: found once some candidate is dropped

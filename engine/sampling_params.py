@@ -13,13 +13,16 @@ from dataclasses import dataclass, field
 from engine.errors import InvalidRequestError
 
 MAX_SEED = 2**64 - 1
+# A temperature below this samples greedily (vLLM's _SAMPLING_EPS): dividing float32 logits by it could
+# overflow to inf, and the distribution it would give is the argmax anyway, to within float32 rounding.
+GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
-    temperature: float = 1.0  # 0 means greedy
-    top_p: float = 1.0  # in (0, 1]; 1 disables
+    temperature: float = 1.0  # 0 (anything below GREEDY_BELOW_TEMPERATURE) means greedy
+    top_p: float = 1.0  # in (0, 1]; 1 disables; the best token always stays, however small top_p is
     top_k: int = -1  # -1 disables, else >= 1
     min_p: float = 0.0  # in [0, 1]; 0 disables
     repetition_penalty: float = 1.0  # > 0; applied to prompt and output tokens (HF/vLLM semantics)
@@ -42,7 +45,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
     def validate(self) -> None:
         _check_int("max_tokens", self.max_tokens)
@@ -50,7 +53,8 @@ class SamplingParams:
             raise InvalidRequestError("max_tokens", self.max_tokens, "must be an integer >= 1")
         _check_number("temperature", self.temperature)
         if self.temperature < 0:
-            raise InvalidRequestError("temperature", self.temperature, "must be >= 0 (0 means greedy)")
+            raise InvalidRequestError("temperature", self.temperature,
+                                      f"must be >= 0 (below {GREEDY_BELOW_TEMPERATURE:g} means greedy)")
         _check_number("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidRequestError("top_p", self.top_p, "must be in (0, 1]")

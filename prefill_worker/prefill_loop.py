@@ -27,6 +27,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from engine.engine_core import EngineCore, LayerCallback, StepHooks
+from engine.errors import RequestFailed
 from engine.kv_cache_manager import cdiv
 from engine.request import Request, RequestStatus
 from engine.runtime import Runtime
@@ -205,6 +206,9 @@ class PrefillLoop(StepHooks):
         now = time.monotonic()
         self._measure(sum(len(c.token_ids) for c in self._step_chunks), now - self._execute_start_s)
         for new in new_tokens:
+            if new.error is not None:  # this request's own sampling failed; the others go on
+                self._abort(new.request_id, RequestFailed(f"request {new.request_id}: {new.error}"))
+                continue
             job = self._jobs.pop(new.request_id)
             request = job.request
             if not new.finished:

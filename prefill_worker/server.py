@@ -18,7 +18,7 @@ from cluster.proto_convert import logprobs_to_proto, sampling_from_proto
 from cluster.registry import WorkerLoad
 from duet.internal.v1 import workers_pb2 as wpb
 from duet.internal.v1 import workers_pb2_grpc as wpb_grpc
-from engine.errors import InvalidRequestError
+from engine.errors import InvalidRequestError, RequestFailed
 from engine.request import Request
 from engine.validation import check_request
 from kvtransfer.errors import (
@@ -126,6 +126,8 @@ class PrefillWorker(WorkerProcess, wpb_grpc.PrefillWorkerServicer):
             abort_with(context, transfer_status(e), f"kv transfer to {target.endpoint}: {e}")
         except ValueError as e:
             abort_with(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except RequestFailed as e:
+            abort_with(context, grpc.StatusCode.INTERNAL, str(e), request_fault=True)
         except Exception as e:  # noqa: BLE001 - a failed step: say what, keep serving
             abort_with(context, grpc.StatusCode.INTERNAL, f"prefill of {request.request_id} failed: {e!r}")
 

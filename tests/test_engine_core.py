@@ -6,6 +6,7 @@ own loop at commit b9bacb1), on the session's seeded tiny model.
 
 import pytest
 import torch
+from test_sampler import FailsForSeed13
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
@@ -168,3 +169,37 @@ def test_a_failed_forward_is_raised_or_handed_to_the_hooks(tiny_llama_dir):
         assert core.abort("a") and core.abort("b") and not core.has_unfinished_requests()
         assert rt.block_pool.num_free_blocks == rt.num_kv_blocks
         core.check_integrity()
+
+
+def test_extreme_requests_leave_their_batch_mates_tokens_unchanged(tiny_llama_dir):
+    """Issue 15: each of these killed a worker or failed its whole batch once; now every one samples valid
+    tokens, and greedy batch-mates give exactly the tokens they give alone."""
+    llm = LLM(tiny_llama_dir, max_model_len=128, max_num_seqs=8)
+    prompts, _ = workload()
+    normal = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    alone = [o.token_ids for o in llm.generate(prompts, normal)]
+    extremes = [SamplingParams(max_tokens=8, ignore_eos=True, **kw) for kw in (
+        dict(temperature=1e-37), dict(temperature=1e-300), dict(top_p=1e-300), dict(repetition_penalty=1e-300),
+        dict(repetition_penalty=1e300, temperature=1e6), dict(min_p=1e-300, top_k=1, seed=5))]
+    outputs = llm.generate(prompts + [prompts[0]] * len(extremes), [normal] * len(prompts) + extremes)
+    assert [o.token_ids for o in outputs[: len(prompts)]] == alone
+    for o in outputs[len(prompts):]:
+        assert o.finish_reason == "length" and len(o.token_ids) == 8 and all(0 <= t < 512 for t in o.token_ids)
+    assert outputs[len(prompts)].token_ids == alone[0]  # temperature 1e-37 is greedy
+    llm.engine.check_integrity()
+
+
+def test_a_request_whose_sampling_fails_ends_alone_with_its_blocks_freed(tiny_llama_dir):
+    llm = LLM(tiny_llama_dir, max_model_len=128, max_num_seqs=8)
+    prompts, _ = workload()
+    normal = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    alone = [o.token_ids for o in llm.generate(prompts, normal)]
+    llm.engine.runner.sampler = FailsForSeed13()
+    failing = SamplingParams(max_tokens=6, seed=13, ignore_eos=True)
+    outputs = llm.generate(prompts + [prompts[1]], [normal] * len(prompts) + [failing])
+    assert [o.token_ids for o in outputs[:-1]] == alone
+    assert outputs[-1].finish_reason == "error" and outputs[-1].token_ids == []
+    assert outputs[-1].error == "sampling failed: RuntimeError('boom')"
+    pool = llm.engine.block_pool
+    assert pool.num_free_blocks == pool.num_blocks and llm.engine.core.num_requests == 0
+    llm.engine.check_integrity()

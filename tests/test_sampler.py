@@ -427,3 +427,108 @@ def test_sampled_token_is_always_allowed_and_seeded_rows_reproduce_alone(batch) 
     tokens = Sampler(seed=2)(logits.repeat_interleave(copies, dim=0), unseeded).token_ids
     for j, token in enumerate(tokens):
         assert token in allowed[j // copies]
+
+
+# --- every accepted value is safe (issue 15) -------------------------------------------------------------
+
+EXTREME = st.sampled_from([5e-324, 1e-300, 1e-45, 1e-38, 1e-37, 1e-6])  # each below float32's or 1e-5
+
+
+@st.composite
+def extreme_batches(draw):
+    """Any parameters validation accepts, edges first, over logits that include huge, -inf and tied values."""
+    vocab = draw(st.integers(2, 40))
+    n_rows = draw(st.integers(1, 4))
+    value = st.one_of(st.floats(-1e4, 1e4), st.sampled_from([-math.inf, 0.0, 3e38, -3e38]))
+    logits, rows = [], []
+    for _ in range(n_rows):
+        row_logits = draw(st.lists(value, min_size=vocab, max_size=vocab))
+        if all(v == -math.inf for v in row_logits):
+            row_logits[0] = 0.0  # a model never gives a row with no finite logit (see the next test for NaN)
+        logits.append(row_logits)
+        params = SamplingParams(
+            temperature=draw(st.one_of(EXTREME, st.floats(0.0, 2.0), st.sampled_from([1e-5, 1e6, 1e300]))),
+            top_k=draw(st.one_of(st.just(-1), st.integers(1, vocab + 2))),
+            top_p=draw(st.one_of(EXTREME, st.floats(0.0, 1.0, exclude_min=True))),
+            min_p=draw(st.one_of(EXTREME, st.floats(0.0, 1.0))),
+            repetition_penalty=draw(st.one_of(EXTREME, st.floats(0.0, 1e300, exclude_min=True))),
+            presence_penalty=draw(st.floats(-2.0, 2.0)),
+            frequency_penalty=draw(st.floats(-2.0, 2.0)),
+            seed=draw(st.one_of(st.none(), st.integers(0, 2**64 - 1))),
+            logprobs=draw(st.one_of(st.none(), st.integers(0, 5))),
+        )
+        token = st.integers(0, vocab - 1)
+        rows.append(row(params, draw(st.lists(token, max_size=6)), draw(st.lists(token, max_size=6))))
+    return torch.tensor(logits, dtype=torch.float32), rows
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@given(extreme_batches())
+def test_every_accepted_value_samples_a_valid_token_for_every_row(batch) -> None:
+    logits, rows = batch
+    sampled = Sampler(seed=0).sample(logits, rows)
+    for s in sampled:
+        assert s.error is None and len(s.token_ids) == 1 and 0 <= s.token_ids[0] < logits.shape[1]
+
+
+@pytest.mark.parametrize("temperature", [5e-324, 1e-300, 1e-37, 9.9e-6])
+def test_a_temperature_too_small_to_divide_by_is_greedy(temperature) -> None:
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 300, generator=gen) * 10
+    params = [SamplingParams(temperature=temperature, seed=s, repetition_penalty=1.3) for s in range(6)]
+    rows = [row(p, [1, 2, 3]) for p in params]
+    greedy = Sampler()(logits, [row(SamplingParams(temperature=0.0, repetition_penalty=1.3), [1, 2, 3])] * 6)
+    assert params[0].greedy and not SamplingParams(temperature=1e-5).greedy
+    assert Sampler()(logits, rows).token_ids == greedy.token_ids
+
+
+def test_top_p_below_float32_keeps_the_best_token_and_nan_logits_are_never_drawn() -> None:
+    logits = torch.tensor([[0.5, 2.0, 1.0, -1.0], [math.nan, 1.0, math.nan, 0.5], [math.nan] * 4])
+    rows = [row(SamplingParams(top_p=1e-300, seed=1)), row(SamplingParams(temperature=1.0, seed=2)),
+            row(SamplingParams(temperature=0.7, seed=3))]
+    for _ in range(20):
+        tokens = Sampler().sample(logits, rows)
+        assert tokens[0].token_ids == [1]
+        assert tokens[1].token_ids[0] in (1, 3)
+        assert 0 <= tokens[2].token_ids[0] < 4  # nothing finite to go by: uniform, still a real token id
+
+
+def test_tiny_and_huge_repetition_penalties_are_the_limits_of_the_formula() -> None:
+    # seen tokens 0 (logit 2) and 2 (logit -1): p -> 0 makes a seen positive logit dominate, p -> inf buries
+    # a seen negative one and sends a seen positive one to 0; an unseen token keeps its logit
+    logits = torch.tensor([[2.0, 1.0, -1.0, 0.0]])
+    tiny = apply_penalties(logits, [row(SamplingParams(repetition_penalty=1e-300), [0, 2])])
+    huge = apply_penalties(logits, [row(SamplingParams(repetition_penalty=1e300), [0, 2, 3])])
+    assert float(tiny[0, 0]) > 1e38 and tiny[0, 1] == 1.0 and -1e-30 < float(tiny[0, 2]) <= 0.0
+    assert float(huge[0, 0]) < 1e-30 and float(huge[0, 2]) < -1e38 and huge[0, 3] == 0.0
+    assert not torch.isnan(tiny).any() and not torch.isnan(huge).any()
+    assert Sampler().sample(logits, [row(SamplingParams(repetition_penalty=1e-300, seed=4), [0, 2])])[0].token_ids \
+        == [0]
+
+
+class FailsForSeed13(Sampler):
+    """Pure-logic seam: sampling raises for any batch holding a row with seed 13, as a bug in one request's
+    processing would; `sample` must then fail that row alone."""
+
+    def __call__(self, logits, rows):
+        if any(r.params.seed == 13 for r in rows):
+            raise RuntimeError("boom")
+        return super().__call__(logits, rows)
+
+
+def test_a_row_whose_sampling_raises_fails_alone() -> None:
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(5))
+    rows = [row(SamplingParams(seed=s, logprobs=1 if s == 2 else None)) for s in (1, 13, 2, 3)]
+    alone = [Sampler().sample(logits[i : i + 1], [r])[0] for i, r in enumerate(rows) if i != 1]
+    out = FailsForSeed13().sample(logits, rows)
+    assert out[1].token_ids == [] and out[1].logprobs is None and "RuntimeError('boom')" in out[1].error
+    assert [(s.token_ids, s.logprobs, s.error) for s in (out[0], out[2], out[3])] == \
+        [(s.token_ids, s.logprobs, None) for s in alone]
+
+
+def test_a_sampled_id_outside_the_vocab_is_refused_in_its_own_step() -> None:
+    from engine.sampler import check_token_ids
+
+    check_token_ids(torch.tensor([0, 7]), 8)
+    with pytest.raises(RuntimeError, match=r"sampled token ids \[0, 8\] are invalid: each must be in \[0, 8\)"):
+        check_token_ids(torch.tensor([0, 8]), 8)

@@ -235,9 +235,13 @@ class WorkerProcess:
         )
 
 
-def abort_with(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> None:
-    """context.abort, logged; never returns."""
+def abort_with(context: grpc.ServicerContext, code: grpc.StatusCode, message: str,
+               request_fault: bool = False) -> None:
+    """context.abort, logged; never returns. `request_fault`: the failure is the request's own, not this
+    worker's (see grpc_plumbing.REQUEST_FAULT), so the router does not avoid the worker for it."""
     log.info("rpc status=%s message=%s", code.name, message)
+    if request_fault:
+        context.set_trailing_metadata((grpc_plumbing.REQUEST_FAULT,))
     context.abort(code, message)
 
 

@@ -116,6 +116,11 @@ class DecodeLoop:
         self._free(reservation)
         return True
 
+    def release_request(self, request_id: str) -> bool:
+        """Release the reservation held for `request_id`, if any (its Reserve reply never reached the router)."""
+        held = [rid for rid, r in self._reserved_requests.items() if r.request_id == request_id]
+        return any([self.release(rid) for rid in held])
+
     def _free(self, reservation: Reservation) -> None:
         # followers first: once they popped it no write lands there, then the blocks may be reused
         self._followers.release(reservation.reservation_id)

@@ -20,7 +20,8 @@ from cluster.registry import WorkerLoad
 from decode_worker.decode_loop import DecodeLoop, ReservedRequest
 from duet.internal.v1 import workers_pb2 as wpb
 from duet.internal.v1 import workers_pb2_grpc as wpb_grpc
-from engine.errors import InvalidRequestError
+from engine.errors import ExceedsContextError, InvalidRequestError
+from engine.kv_cache_manager import cdiv
 from engine.validation import check_request, check_token_ids
 from kvtransfer.errors import ChecksumMismatch, ReservationExpired, TransferError, TransferTimeout
 from kvtransfer.receiver import KVReceiver
@@ -82,17 +83,24 @@ class DecodeWorker(WorkerProcess, wpb_grpc.DecodeWorkerServicer):
             params = sampling_from_proto(request.sampling)
             check_request(prompt, params, vocab_size=self.rt.model_config.vocab_size,
                           max_model_len=self.rt.max_model_len, max_logprobs=self.rt.config.max_logprobs, routed=True)
+        except ExceedsContextError as e:  # the router's limit is above this worker's: another may hold it
+            abort_with(context, grpc.StatusCode.FAILED_PRECONDITION, f"decode worker {self.worker_id}: {e}")
         except InvalidRequestError as e:
             abort_with(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        if n > self.rt.max_model_len - 1:  # the first token must fit too
-            abort_with(context, grpc.StatusCode.INVALID_ARGUMENT,
-                       f"prompt_token_ids holds {n} tokens: must be in [1, {self.rt.max_model_len - 1}]")
         ttl_s = request.ttl_s or DEFAULT_RESERVATION_TTL_S
         if not 0 < ttl_s <= MAX_RESERVATION_TTL_S:
             abort_with(context, grpc.StatusCode.INVALID_ARGUMENT,
                        f"ttl_s={ttl_s} is invalid: must be in (0, {MAX_RESERVATION_TTL_S}]")
+        num_blocks = cdiv(n, self.rt.block_size)
+        if num_blocks > self.rt.block_pool.num_blocks - 1:  # reserve() keeps one block free for the batch
+            abort_with(context, grpc.StatusCode.FAILED_PRECONDITION,
+                       f"prompt of {n} tokens needs {num_blocks} KV blocks: decode worker {self.worker_id} holds "
+                       f"at most {self.rt.block_pool.num_blocks - 1} for one request, even when idle")
         reserved = ReservedRequest(request.request_id, prompt, params, request.cache_salt)
         reservation = self.loop.thread.call(self.loop.reserve, reserved, ttl_s)
+        if reservation is not None and not context.is_active():  # the caller gave up: nobody will use it
+            self.loop.thread.post(self.loop.release, reservation.reservation_id)
+            abort_with(context, grpc.StatusCode.CANCELLED, f"reserve for {request.request_id}: the caller left")
         if reservation is None:
             context.set_trailing_metadata((("grpc-retry-pushback-ms", str(RETRY_PUSHBACK_MS)),))
             abort_with(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -102,7 +110,9 @@ class DecodeWorker(WorkerProcess, wpb_grpc.DecodeWorkerServicer):
                                    kv_addresses=[self.kv_address(), *self.rank_kv_addresses])
 
     def Release(self, request: wpb.ReleaseRequest, context: grpc.ServicerContext) -> wpb.ReleaseResponse:
-        return wpb.ReleaseResponse(found=self.loop.thread.call(self.loop.release, request.reservation_id))
+        if request.reservation_id:
+            return wpb.ReleaseResponse(found=self.loop.thread.call(self.loop.release, request.reservation_id))
+        return wpb.ReleaseResponse(found=self.loop.thread.call(self.loop.release_request, request.request_id))
 
     def Decode(self, request: wpb.DecodeRequest, context: grpc.ServicerContext):
         reservation_id = request.reservation_id

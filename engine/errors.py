@@ -17,6 +17,12 @@ class InvalidRequestError(ValueError):
         super().__init__(f"{field}={_short(value)} is invalid: {allowed}")
 
 
+class ExceedsContextError(InvalidRequestError):
+    """The prompt, or the prompt with max_tokens after it, is longer than an engine's max_model_len. To a
+    client that is bad input; to a worker whose own limit is below the router's it means "not here"
+    (FAILED_PRECONDITION), so the router may try another worker."""
+
+
 class RequestFailed(RuntimeError):
     """One request failed on its own inside an engine step (e.g. its sampling raised); the step went on for
     the others. Servers report it as that request's error, never as the worker's."""

@@ -30,6 +30,7 @@ checkpoints, and `clean_up_tokenization_spaces` for BPE models (transformers 5 i
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable, Sequence
 from datetime import datetime
@@ -191,7 +192,27 @@ class Tokenizer:
         return self._chat_template_source is not None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if len(text) > LONG_TEXT_CHARS:
+            return self._encode_releasing_gil(text, add_special_tokens)
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def _encode_releasing_gil(self, text: str, add_special_tokens: bool) -> list[int]:
+        """Same ids as `encode`: tokenizers' batch entry point releases the GIL while it works (the single one
+        holds it), so a long prompt on one thread does not stop a server's other threads for its duration."""
+        return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """An upper bound on the UTF-8 bytes of text one token stands for: the longest vocabulary entry in
+        UTF-8 (byte-level symbols such as 'Ġ' take 2 bytes for 1, so this is never below the truth).
+        A text longer than `max_text_bytes(n)` therefore encodes to more than n tokens."""
+        return max(len(token.encode()) for token in self._backend.get_vocab(with_added_tokens=True))
+
+    def max_text_bytes(self, num_tokens: int) -> int:
+        """UTF-8 bytes beyond which a text surely encodes to more than `num_tokens` tokens, so a caller can
+        refuse it without encoding it. A normalizer may shorten text before it is split (Unicode composition:
+        up to 3 bytes to 1, e.g. Hangul jamo), hence the factor 4 when there is one."""
+        return num_tokens * self.max_token_bytes * (4 if self._backend.normalizer is not None else 1)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`; an incomplete UTF-8 sequence (at the end or anywhere) comes out as U+FFFD."""
@@ -248,6 +269,9 @@ class Tokenizer:
         missing = [token for token in dict.fromkeys(tokens) if token not in added]
         if missing:
             self._backend.add_tokens([AddedToken(token, special=True) for token in missing])
+
+
+LONG_TEXT_CHARS = 16 * 1024  # from here on `encode` releases the GIL: the batch call's overhead is noise there
 
 
 def _compile_chat_template(source: str) -> jinja2.Template:

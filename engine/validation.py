@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine.errors import InvalidRequestError
+from engine.errors import ExceedsContextError, InvalidRequestError
 from engine.sampling_params import SamplingParams
 
 
@@ -32,7 +32,9 @@ def check_request(
     prompt_field: str = "prompt_token_ids",
     routed: bool = False,
 ) -> None:
-    """The prompt fits the context and the vocabulary; stop ids and logprobs are within the model's limits.
+    """The prompt fits the context and the vocabulary, and so does the prompt with max_tokens after it (as
+    vLLM's API server judges it: no request is admitted that could only end by filling the context); stop
+    ids and logprobs are within the model's limits.
 
     `routed=True` is the guard a worker applies to a request the router already judged: the internal plane is
     trusted (the router validated the public request once, against the model's limits), so a worker only
@@ -45,9 +47,14 @@ def check_request(
         raise InvalidRequestError(prompt_field, list(token_ids), "must hold at least one token id")
     check_ids(prompt_field, token_ids, vocab_size)
     if len(token_ids) > max_model_len:
-        raise InvalidRequestError(
+        raise ExceedsContextError(
             "prompt", f"{len(token_ids)} tokens", f"must be at most max_model_len={max_model_len} tokens"
         )
+    if len(token_ids) + params.max_tokens > max_model_len:
+        raise ExceedsContextError(
+            "max_tokens", params.max_tokens,
+            f"must be at most {max_model_len - len(token_ids)}: this model's maximum context length is "
+            f"{max_model_len} tokens and the prompt holds {len(token_ids)}")
     check_ids("stop_token_ids", params.stop_token_ids, vocab_size)
     if params.logprobs is not None and params.logprobs > max_logprobs:
         raise InvalidRequestError("logprobs", params.logprobs, f"must be in [0, {max_logprobs}]")

@@ -21,7 +21,6 @@ writes, so writes into different reservations run in parallel. Order: table lock
 
 from __future__ import annotations
 
-import itertools
 import secrets
 import threading
 import time
@@ -64,7 +63,6 @@ class ReservationTable:
         self._clock = clock
         self._lock = threading.Lock()
         self._reservations: dict[int, Reservation] = {}
-        self._ids = itertools.count(1 + secrets.randbelow(1 << 51))
 
     def __len__(self) -> int:
         with self._lock:
@@ -87,11 +85,19 @@ class ReservationTable:
         with self._lock:
             if reservation_id in self._reservations:
                 raise ValueError(f"reservation_id={reservation_id} is invalid: already in the table")
-            rid = next(self._ids) if reservation_id is None else reservation_id
+            rid = self._unguessable_id() if reservation_id is None else reservation_id
             reservation = Reservation(rid, request_id, list(block_ids), num_tokens, self._clock() + ttl_s,
                                       self.num_layers)
             self._reservations[reservation.reservation_id] = reservation
         return reservation
+
+    def _unguessable_id(self) -> int:
+        """Under the lock: a random id in [1, 2**62] that no live reservation has. Random, not counted, so
+        nobody can name (write into, attach to, release) a reservation whose id they were not given."""
+        while True:
+            rid = 1 + secrets.randbits(62)
+            if rid not in self._reservations:
+                return rid
 
     def _live(self, reservation_id: int) -> Reservation:
         """Look up under the table lock; raises ReservationExpired if unknown (never added, or popped)."""

@@ -18,7 +18,7 @@ from cluster.proto_convert import logprobs_to_proto, sampling_from_proto
 from cluster.registry import WorkerLoad
 from duet.internal.v1 import workers_pb2 as wpb
 from duet.internal.v1 import workers_pb2_grpc as wpb_grpc
-from engine.errors import InvalidRequestError, RequestFailed
+from engine.errors import ExceedsContextError, InvalidRequestError, RequestFailed
 from engine.request import Request
 from engine.validation import check_request
 from kvtransfer.errors import (
@@ -93,6 +93,8 @@ class PrefillWorker(WorkerProcess, wpb_grpc.PrefillWorkerServicer):
             # validated by the router; guarded only against this worker's own limits (workers.proto: Trust)
             check_request(token_ids, params, vocab_size=self.rt.model_config.vocab_size,
                           max_model_len=self.rt.max_model_len, max_logprobs=self.rt.config.max_logprobs, routed=True)
+        except ExceedsContextError as e:  # the router's limit is above this worker's
+            abort_with(context, grpc.StatusCode.FAILED_PRECONDITION, f"prefill worker {self.worker_id}: {e}")
         except InvalidRequestError as e:
             abort_with(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         target = None

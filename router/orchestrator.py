@@ -12,8 +12,10 @@
 A request keeps one id, `request_id` (the client's, or one the router makes), on the router, on both
 workers and in every log line. Every downstream call gets the client's remaining deadline; a client
 cancel or `Abort` cancels the call in flight and the workers free the request's blocks. A reservation that
-will not be decoded is released at once (it would expire on its own anyway). A worker that fails to
-answer is avoided for a few seconds (router/worker_view.py). Metrics are reported once per stage, through
+will not be decoded is released at once, even one whose Reserve reply was lost to the client's deadline
+(released by request id). A worker that fails to answer is avoided for a few seconds
+(router/worker_view.py), unless the failure was the request's own: its client's deadline or cancel, or a
+worker error marked as the request's fault (grpc_plumbing.REQUEST_FAULT). Metrics are reported once per stage, through
 `RouterMetrics`'s request methods.
 """
 
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from cluster.grpc_plumbing import is_request_fault
 from cluster.registry import LiveWorker, WorkerInfo
 from duet.internal.v1 import workers_pb2 as wpb
 from duet.internal.v1 import workers_pb2_grpc as wpb_grpc
@@ -192,7 +195,8 @@ class RequestOrchestrator:
 
     def reserve(self, request: RoutedRequest, decodes: list[LiveWorker], live: Live) -> Reservation:
         """A reservation on the least loaded decode worker that admits the request (the request goes with it).
-        RESOURCE_EXHAUSTED with a retry hint when every reachable one is full."""
+        RESOURCE_EXHAUSTED with a retry hint when every reachable one is full now; FAILED_PRECONDITION (no
+        hint: retrying cannot help) when none of them could ever hold the prompt."""
         ranked = without(rank_decode(self.view.candidates(decodes)), self.view.active_suspects())
         by_id = {w.worker_id: w.info for w in decodes}
         num_prompt_tokens = len(request.prompt_token_ids)
@@ -200,7 +204,7 @@ class RequestOrchestrator:
             request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
             sampling=request.built.sampling, cache_salt=request.cache_salt, ttl_s=self.reservation_ttl_s,
         )
-        exhausted, pushback_ms = [], 0
+        exhausted, too_small, pushback_ms = [], [], 0
         for worker_id in ranked:
             info = by_id[worker_id]
             stub = wpb_grpc.DecodeWorkerStub(self.view.channel(info.address))
@@ -215,11 +219,16 @@ class RequestOrchestrator:
                         if key == "grpc-retry-pushback-ms":
                             pushback_ms = max(pushback_ms, int(value))
                     continue
+                if code == grpc.StatusCode.FAILED_PRECONDITION:
+                    too_small.append(e.details())
+                    continue
                 if code == grpc.StatusCode.INVALID_ARGUMENT:
                     raise Failed(code, e.details()) from None
+                if not live.is_active() or code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    self.release_by_request(info, request.request_id)  # it may have reserved after we gave up
                 if not live.is_active():
                     raise Failed(grpc.StatusCode.CANCELLED, "request cancelled") from None
-                self.view.on_worker_error(info, e)  # unreachable or slow: try the next one
+                self.blame(info, e, live)  # unreachable or slow: try the next one
         if exhausted:
             pushback_ms = pushback_ms or DEFAULT_PUSHBACK_MS
             raise Failed(
@@ -228,6 +237,9 @@ class RequestOrchestrator:
                 f"retry after {pushback_ms} ms",
                 (("grpc-retry-pushback-ms", str(pushback_ms)),),
             )
+        if too_small:
+            raise Failed(grpc.StatusCode.FAILED_PRECONDITION,
+                         f"no decode worker can ever hold {num_prompt_tokens} prompt tokens: {too_small[0]}")
         raise Failed(grpc.StatusCode.UNAVAILABLE, f"no decode worker for model {self.model_id} answered")
 
     def plan(self, request: RoutedRequest, prefills: list[LiveWorker], reservation: Reservation,
@@ -260,7 +272,7 @@ class RequestOrchestrator:
         except grpc.RpcError as e:
             if live.cancelled or live.aborted:
                 raise Failed(grpc.StatusCode.CANCELLED, "request cancelled") from None
-            self.view.on_worker_error(prefill, e)
+            self.blame(prefill, e, live)
             raise Failed(downstream_code(e), f"prefill worker {prefill.worker_id}: {e.details()}") from None
         finally:
             self.view.track_requests(prefill.worker_id, -1)
@@ -298,7 +310,7 @@ class RequestOrchestrator:
                 return
             if live.cancelled:
                 return
-            self.view.on_worker_error(decode, e)
+            self.blame(decode, e, live)
             raise Failed(downstream_code(e), f"decode worker {decode.worker_id}: {e.details()}") from None
         finally:
             self.view.track_requests(decode.worker_id, -1)
@@ -309,6 +321,23 @@ class RequestOrchestrator:
         return last
 
     # -- helpers ---------------------------------------------------------------------------------
+
+    def blame(self, worker: WorkerInfo, error: grpc.RpcError, live: Live) -> None:
+        """Avoid `worker` for a while if `error` is its own fault (unreachable, or slower than a bound the
+        router set); never for the request's own: its client's deadline or cancel, or an error the worker
+        marked as the request's fault."""
+        if live.is_active() and not is_request_fault(error):
+            self.view.on_worker_error(worker, error)
+
+    def release_by_request(self, decode: WorkerInfo, request_id: str) -> None:
+        """Release what `decode` may hold for `request_id` although its Reserve reply never came. Best effort,
+        like `release`; the worker also drops a reservation whose Reserve call was gone when it was made."""
+        stub = wpb_grpc.DecodeWorkerStub(self.view.channel(decode.address))
+        try:
+            stub.Release(wpb.ReleaseRequest(request_id=request_id), timeout=RELEASE_TIMEOUT_S)
+        except grpc.RpcError as e:
+            log.info("request=%s worker=%s event=release_failed status=%s", request_id, decode.worker_id,
+                     e.code().name)
 
     def release(self, reservation: Reservation) -> None:
         """Best effort: if the decode worker is unreachable, the reservation expires there on its own.

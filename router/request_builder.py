@@ -1,15 +1,22 @@
 """A public `GenerateRequest` to prompt token ids and engine `SamplingParams`, judged once, here, with the
-engine's own checks (same tokenizer, same chat template, `check_request`). Raises `InvalidRequestError`."""
+engine's own checks (same tokenizer, same chat template, `check_request`). Raises `InvalidRequestError`.
+
+Work before admission is bounded: a text (or a chat's messages together) longer than
+`Tokenizer.max_text_bytes(max_model_len)` cannot fit the context whatever it says, so it is refused before
+it is tokenized; what is tokenized is encoded with the GIL released (the router's other threads go on), and
+at most `max_concurrent_long` long prompts are tokenized at once (the rest wait, within their deadline).
+"""
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 from cluster.proto_convert import sampling_from_proto
 from duet.v1 import generation_pb2 as pb
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
+from engine.tokenizer import LONG_TEXT_CHARS, Tokenizer
 from engine.validation import check_request
 
 MAX_REQUEST_ID_CHARS = 256
@@ -33,44 +40,86 @@ class ModelLimits:
     max_logprobs: int = 20
 
 
-def build_request(msg: pb.GenerateRequest, tokenizer: Tokenizer, limits: ModelLimits) -> BuiltRequest:
-    if len(msg.request_id) > MAX_REQUEST_ID_CHARS:
-        raise InvalidRequestError("request_id", f"{len(msg.request_id)} chars", f"must be <= {MAX_REQUEST_ID_CHARS}")
-    kind = msg.WhichOneof("prompt")
-    if kind is None:
-        raise InvalidRequestError("prompt", None, "must be set: one of text, token_ids or chat")
-    if kind == "text":
-        if not msg.text:
-            raise InvalidRequestError("text", "", "must be a non-empty string")
-        token_ids = tokenizer.encode(msg.text)
-        field = "text"
-    elif kind == "token_ids":
-        token_ids = list(msg.token_ids.ids)
-        field = "token_ids.ids"
-    else:
-        token_ids = _chat_token_ids(msg.chat, tokenizer)
-        field = "chat"
-    params = sampling_from_proto(msg.sampling)
-    if not token_ids:
-        raise InvalidRequestError(field, [], "must encode to at least one token")
-    check_request(
-        token_ids, params, vocab_size=limits.vocab_size, max_model_len=limits.max_model_len,
-        max_logprobs=limits.max_logprobs, prompt_field=field,
-    )
-    return BuiltRequest(token_ids, params, msg.sampling)
+class TokenizeTimeout(Exception):
+    """The request's deadline passed while it waited for a tokenizing slot."""
 
 
-def _chat_token_ids(chat: pb.ChatMessages, tokenizer: Tokenizer) -> list[int]:
-    if not chat.messages:
-        raise InvalidRequestError("chat.messages", [], "must hold at least one message")
-    if not tokenizer.has_chat_template:
-        raise InvalidRequestError("chat", "messages", "the model has no chat template: send text or token_ids")
-    messages = []
-    for i, m in enumerate(chat.messages):
-        if m.role not in ("system", "user", "assistant", "tool"):
-            raise InvalidRequestError(f"chat.messages[{i}].role", m.role, "must be system, user, assistant or tool")
-        messages.append({"role": m.role, "content": m.content})
-    add_generation_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+class RequestBuilder:
+    """Judges public requests (`build`); one per router, shared by its threads."""
+
+    def __init__(self, tokenizer: Tokenizer, limits: ModelLimits, max_concurrent_long: int = 2):
+        self.tokenizer, self.limits = tokenizer, limits
+        self.max_prompt_bytes = tokenizer.max_text_bytes(limits.max_model_len)
+        self._long_slots = threading.BoundedSemaphore(max_concurrent_long)
+
+    def build(self, msg: pb.GenerateRequest, timeout_s: float | None = None) -> BuiltRequest:
+        """The request judged valid, or `InvalidRequestError`; `TokenizeTimeout` if its prompt waited longer
+        than `timeout_s` (the client's remaining deadline) to be tokenized."""
+        if len(msg.request_id) > MAX_REQUEST_ID_CHARS:
+            raise InvalidRequestError("request_id", f"{len(msg.request_id)} chars",
+                                      f"must be <= {MAX_REQUEST_ID_CHARS}")
+        kind = msg.WhichOneof("prompt")
+        if kind is None:
+            raise InvalidRequestError("prompt", None, "must be set: one of text, token_ids or chat")
+        params = sampling_from_proto(msg.sampling)  # cheap checks first: a bad field costs no tokenizing
+        if kind == "text":
+            if not msg.text:
+                raise InvalidRequestError("text", "", "must be a non-empty string")
+            self._check_text_bytes("text", len(msg.text.encode()))
+            token_ids = self._tokenize(lambda: self.tokenizer.encode(msg.text), len(msg.text), timeout_s)
+            field = "text"
+        elif kind == "token_ids":
+            token_ids = list(msg.token_ids.ids)
+            field = "token_ids.ids"
+        else:
+            messages, add_generation_prompt = self._chat_messages(msg.chat)
+            token_ids = self._tokenize(
+                lambda: _render_chat(self.tokenizer, messages, add_generation_prompt),
+                sum(len(m["content"]) for m in messages), timeout_s)
+            field = "chat"
+        if not token_ids:
+            raise InvalidRequestError(field, [], "must encode to at least one token")
+        limits = self.limits
+        check_request(token_ids, params, vocab_size=limits.vocab_size, max_model_len=limits.max_model_len,
+                      max_logprobs=limits.max_logprobs, prompt_field=field)
+        return BuiltRequest(token_ids, params, msg.sampling)
+
+    def _check_text_bytes(self, field: str, num_bytes: int) -> None:
+        if num_bytes > self.max_prompt_bytes:
+            raise InvalidRequestError(
+                field, f"{num_bytes} bytes",
+                f"must be at most {self.max_prompt_bytes} bytes: a longer text cannot fit max_model_len="
+                f"{self.limits.max_model_len} tokens (no token of this model stands for more than "
+                f"{self.tokenizer.max_token_bytes} bytes)")
+
+    def _tokenize(self, encode, num_chars: int, timeout_s: float | None) -> list[int]:
+        if num_chars <= LONG_TEXT_CHARS:
+            return encode()
+        wait_s = None if timeout_s is None else min(max(timeout_s, 0.0), threading.TIMEOUT_MAX)
+        if not self._long_slots.acquire(timeout=wait_s):
+            raise TokenizeTimeout(f"the deadline passed while {num_chars} characters waited to be tokenized")
+        try:
+            return encode()
+        finally:
+            self._long_slots.release()
+
+    def _chat_messages(self, chat: pb.ChatMessages) -> tuple[list[dict], bool]:
+        if not chat.messages:
+            raise InvalidRequestError("chat.messages", [], "must hold at least one message")
+        if not self.tokenizer.has_chat_template:
+            raise InvalidRequestError("chat", "messages", "the model has no chat template: send text or token_ids")
+        messages = []
+        for i, m in enumerate(chat.messages):
+            if m.role not in ("system", "user", "assistant", "tool"):
+                raise InvalidRequestError(f"chat.messages[{i}].role", m.role,
+                                          "must be system, user, assistant or tool")
+            messages.append({"role": m.role, "content": m.content})
+        self._check_text_bytes("chat.messages", sum(len(m["content"].encode()) for m in messages))
+        add_generation_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+        return messages, add_generation_prompt
+
+
+def _render_chat(tokenizer: Tokenizer, messages: list[dict], add_generation_prompt: bool) -> list[int]:
     try:
         return tokenizer.apply_chat_template_ids(messages, add_generation_prompt=add_generation_prompt)
     except Exception as e:  # a template's raise_exception(), e.g. roles out of order

@@ -117,6 +117,6 @@ def downstream_code(error: grpc.RpcError) -> grpc.StatusCode:
     """A worker's status as the client should see it: a worker's own failure is UNAVAILABLE to the client."""
     code = error.code()
     if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
-                grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DATA_LOSS):
+                grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DATA_LOSS, grpc.StatusCode.FAILED_PRECONDITION):
         return code
     return grpc.StatusCode.UNAVAILABLE

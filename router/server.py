@@ -32,7 +32,7 @@ from router.metrics import RouterMetrics
 from router.orchestrator import RequestOrchestrator, RoutedRequest
 from router.prefill_chooser import PrefillChooser
 from router.prefix_policy import PolicyConfig
-from router.request_builder import ModelLimits, build_request
+from router.request_builder import ModelLimits, RequestBuilder, TokenizeTimeout
 from router.request_stream import Failed, Live
 from router.speculative_writer import SpeculativeWriter
 from router.worker_view import WorkerView
@@ -74,6 +74,7 @@ class Router(pb_grpc.GenerationServicer):
             max_model_len=config.max_model_len or model_config.max_position_embeddings,
             max_logprobs=config.max_logprobs,
         )
+        self.builder = RequestBuilder(self.tokenizer, self.limits)
         self.registry = WorkerRegistry.from_url(config.redis_url)
         self.metrics = RouterMetrics()
         self.index = PrefixIndex(self.registry.client, self.model_id)
@@ -94,9 +95,11 @@ class Router(pb_grpc.GenerationServicer):
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
         received_s = time.monotonic()
         try:
-            built = build_request(request, self.tokenizer, self.limits)
+            built = self.builder.build(request, context.time_remaining())
         except InvalidRequestError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except TokenizeTimeout as e:
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
         request_id = request.request_id or f"req-{uuid.uuid4().hex}"
         remaining_s = context.time_remaining()  # None, or a huge number, when the client set no deadline
         live = Live(request_id, None if remaining_s is None else received_s + remaining_s)
@@ -126,10 +129,12 @@ class Router(pb_grpc.GenerationServicer):
 
     def ExplainRoute(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> pb.RouteExplanation:
         try:
-            built = build_request(request, self.tokenizer, self.limits)
+            built = self.builder.build(request, context.time_remaining())
             preview = self.orchestrator.preview(built, request.cache_salt)
         except InvalidRequestError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except TokenizeTimeout as e:
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
         except Failed as f:
             context.abort(f.code, f.message)
         choice = preview.choice

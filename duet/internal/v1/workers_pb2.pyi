@@ -120,10 +120,12 @@ class ReserveResponse(_message.Message):
     def __init__(self, reservation_id: _Optional[int] = ..., kv_address: _Optional[str] = ..., num_blocks: _Optional[int] = ..., kv_addresses: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("reservation_id",)
+    __slots__ = ("reservation_id", "request_id")
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     reservation_id: int
-    def __init__(self, reservation_id: _Optional[int] = ...) -> None: ...
+    request_id: str
+    def __init__(self, reservation_id: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ("found",)

@@ -1,0 +1,148 @@
+"""Issue 15's findings, each against a real cluster (redis-server, router and workers as processes, gRPC on
+loopback): no request can break a worker or its batch-mates, bad input gets a clear status, deadlines and
+cancels release what they held at once, and the router's work before admission is bounded."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+from pathlib import Path
+
+import grpc
+import pytest
+from cluster_helpers import rpc_error, wait_idle, worker_components
+
+from deploy.local_cluster import ClusterConfig, LocalCluster
+from duet.client import Client, stream_to_record
+from duet.v1 import generation_pb2 as pb
+from engine import LLM, SamplingParams
+
+# decode KV for 64 blocks of 16 tokens under a 2048-token context: a 1100-token prompt fits the model, never
+# the decode worker
+WORKER_ARGS = ["--max-model-len", "2048", "--max-num-batched-tokens", "64"]
+DECODE_BLOCKS = 64
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_llama_dir):
+    config = ClusterConfig(model_dir=str(tiny_llama_dir), worker_args=WORKER_ARGS,
+                           prefill_args=["--num-kv-blocks", "160"], decode_args=["--num-kv-blocks", str(DECODE_BLOCKS)],
+                           router_args=["--max-model-len", "2048"])
+    with LocalCluster(config).start() as c:
+        c.worker_pids = {w.name: w.pid for w in worker_components(c)}
+        yield c
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    with Client(cluster.router_address) as c:
+        yield c
+
+
+@pytest.fixture(autouse=True)
+def idle_after(cluster):
+    yield
+    wait_idle(cluster)  # every block back in its pool, integrity checked on each worker
+    assert {w.name: w.pid for w in worker_components(cluster)} == cluster.worker_pids  # nobody died
+    assert cluster.poll() is None
+
+
+def router_log(cluster) -> str:
+    return Path(next(c for c in cluster.components if c.name == "router").log_path).read_text()
+
+
+def run(client, prompt, params, **kw):
+    return stream_to_record(client.generate(prompt, params, timeout_s=60, **kw))
+
+
+EXTREME = [dict(temperature=1e-37), dict(temperature=1e-300), dict(top_p=1e-300), dict(repetition_penalty=1e-300),
+           dict(repetition_penalty=1e300, temperature=5.0), dict(min_p=1e-300, top_k=1)]
+
+
+def test_extreme_sampling_values_next_to_batch_mates(client, tiny_llama_dir):
+    """Each of these once killed the decode worker (temperature 1e-37: NaN weights, a sampled id == vocab
+    size) or failed its whole prefill batch (top_p 1e-300): now each samples valid tokens, and its batch-mates
+    get exactly the tokens they get alone."""
+    prompts = [[3 + i, 40 + i, 7, 99, 12 + i] for i in range(6)]
+    normal = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    alone = [o.token_ids for o in LLM(tiny_llama_dir, max_model_len=2048).generate(prompts, normal)]
+    with cf.ThreadPoolExecutor(len(prompts) + len(EXTREME)) as pool:
+        mates = [pool.submit(run, client, p, normal) for p in prompts]
+        extremes = [pool.submit(run, client, prompts[0], SamplingParams(max_tokens=12, ignore_eos=True, **kw))
+                    for kw in EXTREME]
+        assert [m.result()["token_ids"] for m in mates] == alone
+        for e in extremes:
+            record = e.result()
+            assert record["finish_reason"] == "length" and all(0 <= t < 512 for t in record["token_ids"])
+    assert extremes[0].result()["token_ids"] == alone[0]  # a temperature below 1e-5 is greedy
+
+
+def test_max_tokens_past_the_context_is_invalid_argument(client):
+    err = rpc_error(lambda: run(client, [1, 2, 3], SamplingParams(max_tokens=10**9)))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.details() == ("max_tokens=1000000000 is invalid: must be at most 2045: this model's maximum context "
+                             "length is 2048 tokens and the prompt holds 3")
+    assert run(client, [1, 2, 3], SamplingParams(max_tokens=20, temperature=0))["finish_reason"] in ("stop", "length")
+
+
+def test_a_prompt_no_decode_worker_can_hold_is_failed_precondition_without_a_retry_hint(cluster, client):
+    prompt = [5 + i % 400 for i in range(1100)]  # fits the router's 2048-token context, not the 64 blocks
+    err = rpc_error(lambda: run(client, prompt, SamplingParams(max_tokens=4)))
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert err.details().startswith("no decode worker can ever hold 1100 prompt tokens: decode worker decode-")
+    assert err.details().endswith("prompt='1100 tokens' is invalid: must be at most max_model_len=1024 tokens")
+    assert "grpc-retry-pushback-ms" not in dict(err.trailing_metadata() or ())
+
+
+def test_a_huge_prompt_is_refused_before_tokenizing_and_a_canary_goes_through(cluster, client):
+    """A 3.9 MiB text was once tokenized in full (2M tokens) before its length was checked: seconds of
+    router time while other requests waited, and gigabytes of router memory."""
+    router_pid = next(c.pid for c in cluster.components if c.name == "router")
+    rss_before_kb = _rss_kb(router_pid)
+    huge = "word " * (39 * 1024 * 1024 // 50)
+    with cf.ThreadPoolExecutor(2) as pool:
+        refused = pool.submit(lambda: rpc_error(lambda: run(client, huge, SamplingParams(max_tokens=1))))
+        canary = pool.submit(run, client, "Hi", SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+        err, record = refused.result(), canary.result()
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.details().startswith(f"text='{len(huge)} bytes' is invalid: must be at most 34816 bytes")
+    assert record["finish_reason"] == "length" and len(record["token_ids"]) == 4
+    assert _rss_kb(router_pid) - rss_before_kb < 100 * 1024  # the message itself, not a 2M-token list
+
+
+def _rss_kb(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line for line in status.splitlines() if line.startswith("VmRSS:")).split()[1])
+
+
+def test_short_deadlines_release_their_reservations_at_once_and_blame_no_worker(cluster, client):
+    """20 ms deadlines once left reservations holding decode blocks until their TTL (60 s), and marked the
+    healthy workers suspect."""
+    suspects_before = router_log(cluster).count("event=suspect")
+    codes = []
+    for i in range(30):
+        try:
+            list(client.generate([7, 8, 9 + i], SamplingParams(max_tokens=200, ignore_eos=True), timeout_s=0.02))
+            codes.append("OK")
+        except grpc.RpcError as e:
+            codes.append(e.code().name)
+    assert set(codes) <= {"DEADLINE_EXCEEDED", "OK"} and "DEADLINE_EXCEEDED" in codes
+    wait_idle(cluster, timeout_s=3.0)  # released at once: far under the 60 s reservation TTL
+    assert router_log(cluster).count("event=suspect") == suspects_before
+
+
+def test_invalid_utf8_is_invalid_argument_and_the_router_keeps_serving(cluster, client):
+    generate = client.channel.unary_stream("/duet.v1.Generation/Generate", request_serializer=None,
+                                           response_deserializer=pb.GenerateResponse.FromString)
+    raw = pb.GenerateRequest(text="x").SerializeToString()[:-1] + b"\xff"  # text = "\xff"
+    err = rpc_error(lambda: list(generate(raw, timeout=10)))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "does not decode" in err.details() and "UTF-8" in err.details()
+    for w in worker_components(cluster):  # the internal services answer the same
+        with grpc.insecure_channel(w.address) as ch:
+            service = "PrefillWorker" if w.name.startswith("prefill") else "DecodeWorker"
+            stats = ch.unary_unary(f"/duet.internal.v1.{service}/Stats", request_serializer=None,
+                                   response_deserializer=None)
+            truncated = b"\x0a\x05"  # field 1, 5 bytes long, then nothing
+            assert rpc_error(lambda s=stats, b=truncated: s(b, timeout=10)).code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert run(client, [1, 2, 3], SamplingParams(max_tokens=2, temperature=0))["finish_reason"] == "length"
+

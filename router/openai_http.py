@@ -1,238 +1,333 @@
 """OpenAI-compatible HTTP on the router: /v1/completions, /v1/chat/completions (JSON or SSE streaming),
 /v1/models, /health and /metrics. Each request becomes one call of the router's own gRPC Generate, so both
-APIs share validation, routing, deadlines and cancellation (a client that disconnects mid-stream cancels it).
+APIs share validation, routing, deadlines and cancellation: a client that disconnects, streaming or not,
+cancels the call at once, and the router aborts the request on every worker.
+
+The stack is FastAPI on uvicorn (h11), as vLLM's API server: one event loop, no thread per connection, the
+router reached through grpc.aio. Request bodies are pydantic models (`openai_schema.py`): types and the wire's
+integer ranges are judged there, value ranges once, by the engine's `SamplingParams` behind Generate.
 
 Errors follow OpenAI's shape: {"error": {"message", "type", "param", "code"}} with HTTP 400 for bad input
-(naming the field), 401 without the bearer token when one is required, 429 with Retry-After when no decode
-worker can admit the request, 503 when no worker is up. Request bodies are bounded (PUBLIC_MAX_MESSAGE_BYTES).
+(naming the field and the value), 401 without the bearer token when one is required, 404/405 for an unknown
+route or method, 408 when a body does not arrive within the read timeout, 413 for a body over the limit
+(refused from its Content-Length, before it is read), 429 with Retry-After when no decode worker can admit
+the request, 503 when no worker is up, 504 past the request's timeout. A malformed request line or header
+(e.g. Content-Length "abc" or negative) is answered 400 by h11 itself.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
+import logging
+import socket
 import threading
 import time
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import grpc
+import pydantic
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster import grpc_plumbing
 from duet.v1 import generation_pb2 as pb
 from duet.v1 import generation_pb2_grpc as pb_grpc
+from router.openai_schema import ChatCompletionRequest, CompletionRequest, to_generate_request
+
+log = logging.getLogger("duet.http")
 
 _HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
     grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
 }
-_SAMPLING = {"max_tokens": int, "temperature": float, "top_p": float, "top_k": int, "min_p": float,
-             "repetition_penalty": float, "presence_penalty": float, "frequency_penalty": float, "seed": int}
+READ_TIMEOUT_S = 30.0  # a request body that stalls this long between chunks gets 408 and the connection closes
+KEEP_ALIVE_S = 5.0  # an idle keep-alive connection is closed after this
+MAX_CONNECTIONS = 1024  # in-flight requests beyond it get 503 from uvicorn at once
+MAX_HEADER_BYTES = 64 * 1024  # h11's bound on an incomplete request head (request line + headers)
 
 
-class BadRequest(Exception):
-    def __init__(self, param: str, message: str):
-        super().__init__(message)
-        self.param = param
+def error_response(status: int, kind: str, param: str | None, message: str,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status,
+                        headers=headers)
 
 
-def to_generate_request(body: dict, chat: bool) -> pb.GenerateRequest:
-    """The OpenAI request body as a public GenerateRequest (types checked here; ranges by the router)."""
-    msg = pb.GenerateRequest(request_id=str(body.get("request_id") or ""))
-    if chat:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise BadRequest("messages", "messages must be a non-empty list of {role, content}")
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("content"), str):
-                raise BadRequest(f"messages[{i}]", f"messages[{i}] must be an object with a string 'content'")
-            msg.chat.messages.add(role=str(m.get("role", "")), content=m["content"])
-    else:
-        prompt = body.get("prompt")
-        if isinstance(prompt, str):
-            msg.text = prompt
-        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            msg.token_ids.ids.extend(prompt)
-        else:
-            raise BadRequest("prompt", "prompt must be a string or a list of token ids (one prompt per request)")
-    for name, kind in _SAMPLING.items():
-        if body.get(name) is not None:
-            value = body[name]
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
-                allowed = "an integer" if kind is int else "a number"
-                raise BadRequest(name, f"{name}={value!r} is invalid: must be {allowed}")
-            setattr(msg.sampling, name, kind(value))
-    stop = body.get("stop")
-    if stop is not None:
-        stops = [stop] if isinstance(stop, str) else stop
-        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-            raise BadRequest("stop", "stop must be a string or a list of strings")
-        msg.sampling.stop.extend(stops)
-    if body.get("ignore_eos"):
-        msg.sampling.ignore_eos = True
-    return msg
+def rpc_error_response(e: grpc.aio.AioRpcError) -> JSONResponse:
+    status, kind = _HTTP_STATUS.get(e.code(), (500, "internal_error"))
+    headers = {}
+    for key, value in e.trailing_metadata() or ():
+        if key == "grpc-retry-pushback-ms":
+            headers["Retry-After"] = str(max(1, round(int(value) / 1000)))
+    return error_response(status, kind, None, e.details() or e.code().name, headers)
+
+
+class BodyLimits:
+    """ASGI middleware: the request body is read here, whole, before the app sees it: refused with 413 once it
+    passes `max_body_bytes` (at once when its Content-Length says so, without reading it) and with 408 when a
+    chunk takes longer than `read_timeout_s` to arrive, so a slow or lying client never holds a request open
+    indefinitely. Bodies are at most a public message (4 MiB), so holding one whole costs little."""
+
+    def __init__(self, app, max_body_bytes: int, read_timeout_s: float):
+        self.app, self.max_body_bytes, self.read_timeout_s = app, max_body_bytes, read_timeout_s
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            return await self._refuse(send, 413, f"body of {int(declared)} bytes exceeds the limit of "
+                                                 f"{self.max_body_bytes}")
+        body = bytearray()
+        while True:
+            try:
+                message = await asyncio.wait_for(receive(), self.read_timeout_s)
+            except asyncio.TimeoutError:
+                return await self._refuse(send, 408, f"the request body did not arrive within "
+                                                     f"{self.read_timeout_s:g} s")
+            if message["type"] == "http.disconnect":
+                return  # the client left before it finished sending
+            body += message.get("body", b"")
+            if len(body) > self.max_body_bytes:
+                return await self._refuse(send, 413, f"body exceeds the limit of {self.max_body_bytes} bytes")
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:  # after the body: waits for a disconnect, as long as the response takes
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": bytes(body), "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    @staticmethod
+    async def _refuse(send, status: int, message: str) -> None:
+        body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                     "code": status}}).encode()
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})
 
 
 class OpenAIHTTPServer:
-    def __init__(self, grpc_address: str, model_id: str, registry, host: str, port: int,
-                 auth_token: str | None = None, max_body_bytes: int = grpc_plumbing.PUBLIC_MAX_MESSAGE_BYTES):
-        self.model_id, self.registry = model_id, registry
-        self._channel = grpc_plumbing.channel(grpc_address, grpc_plumbing.PUBLIC_MAX_MESSAGE_BYTES)
-        self._stub = pb_grpc.GenerationStub(self._channel)
-        self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
-        self._expected = f"Bearer {auth_token}" if auth_token else None
-        self.max_body_bytes = max_body_bytes
-        self._httpd = ThreadingHTTPServer((host, port), self._handler())
-        self._httpd.daemon_threads = True
-        self.port = self._httpd.server_address[1]
-        self._thread = threading.Thread(target=self._httpd.serve_forever, name="openai-http", daemon=True)
+    """The HTTP API in its own thread and event loop, inside the router process. `port` is bound when the
+    object is made (port 0 picks a free one); `start` returns once it serves; `stop` shuts it down."""
 
-    def start(self) -> None:
+    def __init__(self, grpc_address: str, model_id: str, registry, host: str, port: int,
+                 auth_token: str | None = None, max_body_bytes: int = grpc_plumbing.PUBLIC_MAX_MESSAGE_BYTES,
+                 read_timeout_s: float = READ_TIMEOUT_S):
+        self.model_id, self.registry = model_id, registry
+        self._grpc_address = grpc_address
+        self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
+        self._expected = f"Bearer {auth_token}".encode() if auth_token else None
+        self.app = BodyLimits(self._build_app(), max_body_bytes, read_timeout_s)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._socket = socket.socket(family, socket.SOCK_STREAM)
+        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._socket.bind((host, port))
+        self.port = self._socket.getsockname()[1]
+        self._server = uvicorn.Server(uvicorn.Config(
+            self.app, log_level="warning", access_log=False, lifespan="on", timeout_keep_alive=int(KEEP_ALIVE_S),
+            limit_concurrency=MAX_CONNECTIONS, h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+            timeout_graceful_shutdown=2, http="h11", loop="asyncio"))
+        self._server.install_signal_handlers = lambda: None  # the router process owns its signals
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]},
+                                        name="openai-http", daemon=True)
+
+    def start(self, timeout_s: float = 10.0) -> None:
         self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the OpenAI HTTP server did not start on port {self.port}")
+            time.sleep(0.01)
 
     def stop(self) -> None:
-        self._httpd.shutdown()
-        self._httpd.server_close()
-        self._channel.close()
+        self._server.should_exit = True
+        self._thread.join(timeout=10)
+        self._socket.close()
 
-    def _handler(self):
+    # -- the app ---------------------------------------------------------------------------------
+
+    def _build_app(self) -> FastAPI:
         server = self
+        stub: dict[str, pb_grpc.GenerationStub] = {}
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
+        @asynccontextmanager
+        async def lifespan(app):
+            channel = grpc.aio.insecure_channel(server._grpc_address, options=[
+                ("grpc.max_receive_message_length", grpc_plumbing.PUBLIC_MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", grpc_plumbing.PUBLIC_MAX_MESSAGE_BYTES)])
+            stub["generate"] = pb_grpc.GenerationStub(channel)
+            yield
+            await channel.close()
 
-            def log_message(self, *args) -> None:  # structured logs are the gRPC side's job
-                pass
+        app = FastAPI(lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None)
 
-            def do_GET(self) -> None:
-                if self.path == "/health":
-                    return self._json(200, {"status": "ok"})
-                if self.path == "/metrics":
-                    data = generate_latest(server.registry)
-                    return self._raw(200, data, CONTENT_TYPE_LATEST)
-                if self.path == "/v1/models":
-                    return self._json(200, {"object": "list", "data": [
-                        {"id": server.model_id, "object": "model", "owned_by": "duet", "created": 0}]})
-                self._error(404, "not_found", None, f"no route {self.path}")
+        @app.exception_handler(StarletteHTTPException)
+        async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+            kind = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code, "invalid_request_error")
+            return error_response(e.status_code, kind, None, f"{request.method} {request.url.path}: {e.detail}")
 
-            def do_POST(self) -> None:
-                if self.path not in ("/v1/completions", "/v1/chat/completions"):
-                    return self._error(404, "not_found", None, f"no route {self.path}")
-                if server._expected and not hmac.compare_digest(self.headers.get("Authorization", ""),
-                                                                 server._expected):
-                    return self._error(401, "authentication_error", None, "missing or wrong bearer token")
-                length = int(self.headers.get("Content-Length") or 0)
-                if length > server.max_body_bytes:
-                    return self._error(413, "invalid_request_error", None,
-                                       f"body of {length} bytes exceeds the limit of {server.max_body_bytes}")
-                try:
-                    body = json.loads(self.rfile.read(length) or b"{}")
-                    if not isinstance(body, dict):
-                        raise BadRequest("", "the body must be a JSON object")
-                    chat = self.path == "/v1/chat/completions"
-                    request = to_generate_request(body, chat)
-                except json.JSONDecodeError as e:
-                    return self._error(400, "invalid_request_error", None, f"body is not JSON: {e}")
-                except BadRequest as e:
-                    return self._error(400, "invalid_request_error", e.param, str(e))
-                # one id: the response's "id" is the request_id the router and the workers log
-                request.request_id = request.request_id or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-                timeout = body.get("timeout")
-                call = server._stub.Generate(request, timeout=float(timeout) if timeout else None,
-                                             metadata=server._metadata)
-                if body.get("stream"):
-                    self._stream(call, request.request_id, chat)
-                else:
-                    self._complete(call, request.request_id, chat)
+        @app.get("/health")
+        async def health() -> JSONResponse:
+            return JSONResponse({"status": "ok"})
 
-            def _complete(self, call, request_id: str, chat: bool) -> None:
-                text, finish, usage = [], None, None
-                try:
-                    for msg in call:
-                        text.append(msg.text)
-                        if msg.finish_reason:
-                            finish, usage = msg.finish_reason, msg.usage
-                except grpc.RpcError as e:
-                    return self._rpc_error(e)
-                choice = {"index": 0, "finish_reason": finish}
-                if chat:
-                    choice["message"] = {"role": "assistant", "content": "".join(text)}
-                else:
-                    choice["text"] = "".join(text)
-                self._json(200, {"id": request_id, "object": "chat.completion" if chat else "text_completion",
-                                 "created": int(time.time()), "model": server.model_id, "choices": [choice],
-                                 "usage": {"prompt_tokens": usage.prompt_tokens,
-                                           "completion_tokens": usage.completion_tokens,
-                                           "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-                                           "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}})
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            return Response(generate_latest(server.registry), media_type=CONTENT_TYPE_LATEST)
 
-            def _stream(self, call, request_id: str, chat: bool) -> None:
-                try:
-                    first = next(call)
-                except grpc.RpcError as e:
-                    return self._rpc_error(e)
-                except StopIteration:
-                    first = None
-                self.send_response(200)
-                self.send_header("Content-Type", "text/event-stream")
-                self.send_header("Cache-Control", "no-cache")
-                self.send_header("Connection", "close")
-                self.end_headers()
-                kind = "chat.completion.chunk" if chat else "text_completion"
-                try:
-                    for msg in self._messages(first, call):
-                        delta = {"content": msg.text} if chat else None
-                        choice = {"index": 0, "finish_reason": msg.finish_reason or None}
-                        if chat:
-                            choice["delta"] = delta
-                        else:
-                            choice["text"] = msg.text
-                        self._event({"id": request_id, "object": kind, "created": int(time.time()),
-                                     "model": server.model_id, "choices": [choice]})
-                    self.wfile.write(b"data: [DONE]\n\n")
-                    self.wfile.flush()
-                except (BrokenPipeError, ConnectionResetError):
-                    call.cancel()  # the client left: the request is aborted on every worker
-                except grpc.RpcError as e:
-                    self._event({"error": {"message": e.details(), "type": _HTTP_STATUS.get(
-                        e.code(), (500, "internal_error"))[1], "param": None, "code": e.code().name}})
-                self.close_connection = True
+        @app.get("/v1/models")
+        async def models(request: Request) -> JSONResponse:
+            if not server._authorized(request):
+                return _unauthorized()
+            return JSONResponse({"object": "list", "data": [
+                {"id": server.model_id, "object": "model", "owned_by": "duet", "created": 0}]})
 
-            def _messages(self, first, call):
-                if first is not None:
-                    yield first
-                yield from call  # lazily: each message goes out as it arrives
+        @app.post("/v1/completions")
+        async def completions(request: Request) -> Response:
+            return await server._generate(request, stub["generate"], chat=False)
 
-            def _event(self, obj: dict) -> None:
-                self.wfile.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
-                self.wfile.flush()
+        @app.post("/v1/chat/completions")
+        async def chat_completions(request: Request) -> Response:
+            return await server._generate(request, stub["generate"], chat=True)
 
-            def _rpc_error(self, e: grpc.RpcError) -> None:
-                status, kind = _HTTP_STATUS.get(e.code(), (500, "internal_error"))
-                headers = {}
-                for key, value in e.trailing_metadata() or ():
-                    if key == "grpc-retry-pushback-ms":
-                        headers["Retry-After"] = str(max(1, round(int(value) / 1000)))
-                self._error(status, kind, None, e.details(), headers)
+        return app
 
-            def _error(self, status: int, kind: str, param: str | None, message: str, headers=None) -> None:
-                self._json(status, {"error": {"message": message, "type": kind, "param": param, "code": status}},
-                           headers)
+    def _authorized(self, request: Request) -> bool:
+        if self._expected is None:
+            return True
+        given = dict(request.scope["headers"]).get(b"authorization", b"")  # raw bytes: any octets compare
+        return hmac.compare_digest(given, self._expected)
 
-            def _json(self, status: int, obj: dict, headers=None) -> None:
-                self._raw(status, json.dumps(obj).encode(), "application/json", headers)
+    async def _generate(self, request: Request, stub: pb_grpc.GenerationStub, chat: bool) -> Response:
+        if not self._authorized(request):
+            return _unauthorized()
+        raw = await request.body()
+        try:
+            body = json.loads(raw or b"{}")
+        except UnicodeDecodeError as e:
+            return error_response(400, "invalid_request_error", None, f"body is not UTF-8: {e}")
+        except json.JSONDecodeError as e:
+            return error_response(400, "invalid_request_error", None, f"body is not JSON: {e}")
+        if not isinstance(body, dict):
+            return error_response(400, "invalid_request_error", None,
+                                  f"body is invalid: must be a JSON object, not {type(body).__name__}")
+        model = ChatCompletionRequest if chat else CompletionRequest
+        try:
+            parsed = model.model_validate(body)
+        except pydantic.ValidationError as e:
+            return _validation_error(e)
+        msg = to_generate_request(parsed)
+        # one id: the response's "id" is the request_id the router and the workers log
+        msg.request_id = msg.request_id or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        call = stub.Generate(msg, timeout=parsed.timeout, metadata=self._metadata)
+        if parsed.stream:
+            return await self._stream(request, call, msg.request_id, chat)
+        return await self._complete(request, call, msg.request_id, chat)
 
-            def _raw(self, status: int, data: bytes, content_type: str, headers=None) -> None:
-                self.send_response(status)
-                self.send_header("Content-Type", content_type)
-                self.send_header("Content-Length", str(len(data)))
-                for key, value in (headers or {}).items():
-                    self.send_header(key, value)
-                self.end_headers()
-                self.wfile.write(data)
+    async def _complete(self, request: Request, call, request_id: str, chat: bool) -> Response:
+        """Collect the answer; a client that disconnects first cancels the call at once."""
+        collect = asyncio.ensure_future(_collect(call))
+        while not collect.done():
+            await asyncio.wait({collect}, timeout=0.25)
+            if not collect.done() and await request.is_disconnected():
+                call.cancel()  # the router aborts the request on every worker
+                collect.cancel()
+                return Response(status_code=499)  # nobody reads it: the connection is gone
+        try:
+            text, finish, usage = collect.result()
+        except grpc.aio.AioRpcError as e:
+            return rpc_error_response(e)
+        choice: dict = {"index": 0, "finish_reason": finish}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        return JSONResponse({
+            "id": request_id, "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()), "model": self.model_id, "choices": [choice],
+            "usage": {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+                      "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+                      "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}})
 
-        return Handler
+    async def _stream(self, request: Request, call, request_id: str, chat: bool) -> Response:
+        """SSE: the first message decides the status (an error before any token is a plain error response);
+        after it, an error is an `error` event. A disconnect cancels the call (Starlette cancels the body)."""
+        messages = call.__aiter__()
+        try:
+            first = await messages.__anext__()
+        except grpc.aio.AioRpcError as e:
+            return rpc_error_response(e)
+        except StopAsyncIteration:
+            first = None
+        kind = "chat.completion.chunk" if chat else "text_completion"
+
+        async def events() -> AsyncIterator[bytes]:
+            try:
+                msg = first
+                while msg is not None:
+                    choice = {"index": 0, "finish_reason": msg.finish_reason or None}
+                    if chat:
+                        choice["delta"] = {"content": msg.text}
+                    else:
+                        choice["text"] = msg.text
+                    yield _event({"id": request_id, "object": kind, "created": int(time.time()),
+                                  "model": self.model_id, "choices": [choice]})
+                    msg = await anext(messages, None)
+                yield b"data: [DONE]\n\n"
+            except grpc.aio.AioRpcError as e:
+                yield _event({"error": {"message": e.details(), "type": _HTTP_STATUS.get(
+                    e.code(), (500, "internal_error"))[1], "param": None, "code": e.code().name}})
+            finally:
+                call.cancel()  # no-op once it ended; a disconnect lands here, and the router aborts the request
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+async def _collect(call) -> tuple[str, str, pb.Usage]:
+    text, finish, usage = [], None, pb.Usage()
+    async for msg in call:
+        text.append(msg.text)
+        if msg.finish_reason:
+            finish, usage = msg.finish_reason, msg.usage
+    return "".join(text), finish, usage
+
+
+def _event(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+def _unauthorized() -> JSONResponse:
+    return error_response(401, "authentication_error", None, "missing or wrong bearer token in 'Authorization'")
+
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+
+
+def _validation_error(e: pydantic.ValidationError) -> JSONResponse:
+    """One problem, named as OpenAI's `param` (e.g. `messages[0].content`) with the value given."""
+    # the deepest location: for a union (prompt: str | list[int]) it is the member the value was meant for
+    first = max(e.errors(include_url=False), key=lambda error: len(error["loc"]))
+    # pydantic's location also names the union member it tried (e.g. 'list[int]'): not a field, dropped
+    loc = [p for p in first["loc"] if isinstance(p, int) or p.isidentifier() and p not in _TYPE_TAGS]
+    param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
+    value = json.dumps(first.get("input"), default=str)
+    if len(value) > 80:
+        value = value[:77] + "..."
+    return error_response(400, "invalid_request_error", param or None,
+                          f"{param or 'body'}={value} is invalid: {first['msg']}")

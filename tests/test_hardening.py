@@ -5,11 +5,13 @@ cancels release what they held at once, and the router's work before admission i
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
+import time
 from pathlib import Path
 
 import grpc
 import pytest
-from cluster_helpers import rpc_error, wait_idle, worker_components
+from cluster_helpers import rpc_error, wait_idle, worker_components, worker_stats
 
 from deploy.local_cluster import ClusterConfig, LocalCluster
 from duet.client import Client, stream_to_record
@@ -146,3 +148,141 @@ def test_invalid_utf8_is_invalid_argument_and_the_router_keeps_serving(cluster, 
             assert rpc_error(lambda s=stats, b=truncated: s(b, timeout=10)).code() == grpc.StatusCode.INVALID_ARGUMENT
     assert run(client, [1, 2, 3], SamplingParams(max_tokens=2, temperature=0))["finish_reason"] == "length"
 
+
+
+# --- the OpenAI HTTP API -----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def http(cluster, tiny_llama_dir):
+    """A router with the HTTP API, in this process, over the module's workers; a 2 s body read timeout."""
+    from router import openai_http
+    from router.server import RouterConfig, RouterServer
+
+    server = RouterServer(RouterConfig(redis_url=cluster.redis_url, model_dir=tiny_llama_dir, port=0, http_port=0,
+                                       max_model_len=2048))
+    server.http.app.read_timeout_s = 2.0
+    server.start()
+    server.base = f"http://127.0.0.1:{server.http.port}"
+    assert openai_http.READ_TIMEOUT_S > 2.0
+    yield server
+    server.stop()
+
+
+def raw_http(port: int, head: bytes, body: bytes = b"", timeout_s: float = 10.0) -> tuple[int | None, bytes]:
+    """Send bytes as they are (so they can be malformed); (status, response body), status None if the server
+    closed the connection without an answer."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as s:
+        s.sendall(head + body)
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    if not data:
+        return None, b""
+    status_line, _, rest = data.partition(b"\r\n")
+    return int(status_line.split()[1]), rest.partition(b"\r\n\r\n")[2]
+
+
+def post_head(path: str, body: bytes, **headers: str) -> bytes:
+    fields = {"Host": "x", "Content-Type": "application/json", "Content-Length": str(len(body)),
+              "Connection": "close", **headers}
+    return (f"POST {path} HTTP/1.1\r\n".encode() + b"".join(f"{k}: {v}\r\n".encode() for k, v in fields.items())
+            + b"\r\n")
+
+
+MALFORMED = [  # (name, body, extra headers, status, the error's param)
+    ("invalid UTF-8 body", b'{"prompt": "\xff\xfe", "max_tokens": 2}', {}, 400, None),
+    ("a JSON array", b"[1, 2]", {}, 400, None),
+    ("prompt [2**70]", json.dumps({"prompt": [2**70]}).encode(), {}, 400, "prompt[0]"),
+    ("max_tokens 1e20", b'{"prompt": "x", "max_tokens": 1e20}', {}, 400, "max_tokens"),
+    ("max_tokens 2**70", json.dumps({"prompt": "x", "max_tokens": 2**70}).encode(), {}, 400, "max_tokens"),
+    ("seed -1", b'{"prompt": "x", "seed": -1}', {}, 400, "seed"),
+    ('timeout "abc"', b'{"prompt": "x", "timeout": "abc"}', {}, 400, "timeout"),
+    ("timeout -1", b'{"prompt": "x", "timeout": -1}', {}, 400, "timeout"),
+    ("messages[0] without content", b'{"messages": [{"role": "user"}]}', {}, 400, "messages[0].content"),
+]
+
+
+@pytest.mark.parametrize("name, body, headers, status, param", MALFORMED, ids=[m[0] for m in MALFORMED])
+def test_malformed_http_bodies_get_a_400_naming_the_field(http, name, body, headers, status, param):
+    path = "/v1/chat/completions" if b"messages" in body else "/v1/completions"
+    got, answer = raw_http(http.http.port, post_head(path, body, **headers), body)
+    assert got == status, answer
+    error = json.loads(answer)["error"]
+    assert error["param"] == param and error["code"] == status and error["type"] == "invalid_request_error"
+    if param is not None:
+        assert error["message"].startswith(f"{param}=")
+
+
+@pytest.mark.parametrize("content_length", ["abc", "-5", "1.5"])
+def test_a_malformed_content_length_is_a_400_from_the_http_stack(http, content_length):
+    got, _ = raw_http(http.http.port, post_head("/v1/completions", b'{"prompt": "x"}', **{
+        "Content-Length": content_length}), b'{"prompt": "x"}')
+    assert got == 400
+
+
+def test_oversized_declared_body_is_413_without_reading_it_and_a_stalled_body_is_408(http):
+    got, answer = raw_http(http.http.port, post_head("/v1/completions", b"", **{"Content-Length": str(10**9)}))
+    assert got == 413 and b"exceeds the limit of 4194304" in answer
+    got, answer = raw_http(http.http.port, post_head("/v1/completions", b"", **{"Content-Length": "100"}),
+                           b'{"prompt":')  # 90 bytes never come
+    assert got == 408 and b"did not arrive within 2 s" in answer
+
+
+def test_auth_wrong_method_and_unknown_route(cluster, tiny_llama_dir):
+    from router.server import RouterConfig, RouterServer
+
+    server = RouterServer(RouterConfig(redis_url=cluster.redis_url, model_dir=tiny_llama_dir, port=0, http_port=0,
+                                       max_model_len=2048, auth_token="s3cret"))
+    server.start()
+    try:
+        port, body = server.http.port, b'{"prompt": "x", "max_tokens": 1}'
+        assert raw_http(port, post_head("/v1/completions", body, Authorization="Bearer \u00e9t\u00e9"), body)[0] == 401
+        assert raw_http(port, post_head("/v1/completions", body), body)[0] == 401
+        assert raw_http(port, post_head("/v1/completions", body, Authorization="Bearer s3cret"), body)[0] == 200
+        assert raw_http(port, b"GET /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")[0] == 405
+        assert raw_http(port, post_head("/nope", body), body)[0] == 404
+        assert raw_http(port, b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")[0] == 200  # probes
+    finally:
+        server.stop()
+
+
+def test_50_stalled_connections_do_not_stop_a_normal_request(http):
+    import socket
+
+    import openai
+
+    stalled = []
+    for _ in range(50):
+        s = socket.create_connection(("127.0.0.1", http.http.port))
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{")
+        stalled.append(s)
+    try:
+        client = openai.OpenAI(base_url=http.base + "/v1", api_key="none", max_retries=0, timeout=30)
+        answer = client.completions.create(model="tiny", prompt="Hello", max_tokens=3, temperature=0,
+                                           extra_body={"ignore_eos": True})
+        assert answer.choices[0].finish_reason == "length" and answer.usage.completion_tokens == 3
+    finally:
+        for s in stalled:
+            s.close()
+
+
+def test_a_non_streaming_client_that_disconnects_aborts_its_request_at_once(cluster, http):
+    import socket
+
+    def ended(status: str) -> float:
+        return http.router.metrics.registry.get_sample_value("duet_router_requests_total", {"status": status}) or 0
+
+    cancelled, completed = ended("CANCELLED"), ended("OK")
+    body = json.dumps({"prompt": [3, 4, 5], "max_tokens": 1000, "ignore_eos": True}).encode()
+    s = socket.create_connection(("127.0.0.1", http.http.port))
+    s.sendall(post_head("/v1/completions", body) + body)
+    decode = next(w for w in worker_components(cluster) if w.name.startswith("decode"))
+    deadline = time.monotonic() + 10
+    while worker_stats(decode.address, "decode").num_running == 0:  # it is generating
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    s.close()
+    wait_idle(cluster, timeout_s=5.0)
+    assert (ended("CANCELLED"), ended("OK")) == (cancelled + 1, completed)  # aborted, not run to its end

@@ -109,8 +109,10 @@ def generate_requests(draw) -> pb.GenerateRequest:
     if draw(st.integers(0, 3)) == 0:  # one field out of range or of any value the wire carries
         name = draw(st.sampled_from(sorted(WILD_SAMPLING)))
         setattr(msg.sampling, name, draw(WILD_SAMPLING[name]))
-    msg.sampling.stop.extend(draw(st.lists(texts, max_size=3)))
-    msg.sampling.stop_token_ids.extend(draw(st.lists(st.one_of(st.integers(0, 511), int64), max_size=2)))
+    msg.sampling.stop.extend(draw(st.lists(st.one_of(texts.filter(bool), texts), max_size=2)))
+    msg.sampling.stop_token_ids.extend(draw(st.lists(st.integers(0, 511), max_size=2)))
+    if draw(st.integers(0, 5)) == 0:
+        msg.sampling.stop_token_ids.append(draw(int64))
     msg.sampling.ignore_eos = draw(st.booleans())
     return msg
 
@@ -148,25 +150,34 @@ def test_any_bytes_on_the_wire_get_an_answer(cluster, stub, outcomes, raw):
 json_values = st.recursive(
     st.one_of(st.none(), st.booleans(), int64, st.integers(), st.floats(allow_nan=False), texts),
     lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(texts, inner, max_size=4)), max_leaves=12)
-BODY_FIELDS = {
-    **{name: st.one_of(VALID_SAMPLING[name], VALID_SAMPLING[name], WILD_SAMPLING.get(name, int64).filter(
-        lambda v: v == v and abs(v) != float("inf")), json_values) for name in SAMPLING_FIELDS},
-    "prompt": st.one_of(texts, st.lists(st.one_of(st.integers(0, 600), st.integers()), max_size=16), json_values),
-    "messages": st.one_of(st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "bot"]),
-                                                          "content": st.one_of(texts, json_values)}), max_size=3),
-                          json_values),
-    "stop": st.one_of(texts, st.lists(texts, max_size=3), json_values),
-    "stream": st.one_of(st.booleans(), json_values),
-    "timeout": st.one_of(st.floats(0.001, 60), json_values),
-    "ignore_eos": st.one_of(st.booleans(), json_values),
-    "request_id": st.one_of(texts, json_values),
+VALID_BODY = {
+    **VALID_SAMPLING,
+    "stop": st.one_of(texts.filter(bool), st.lists(texts.filter(bool), max_size=3)),
+    "stream": st.booleans(),
+    "timeout": st.floats(0.5, 60),
+    "ignore_eos": st.booleans(),
+    "request_id": texts,
 }
+PROMPTS = {"/v1/completions": ("prompt", st.one_of(texts.filter(bool), st.lists(st.integers(0, 511), min_size=1,
+                                                                                  max_size=16))),
+           "/v1/chat/completions": ("messages", st.lists(st.fixed_dictionaries(
+               {"role": st.sampled_from(["user", "system", "assistant"]), "content": texts}), min_size=1, max_size=3))}
 
 
 @st.composite
-def http_bodies(draw) -> dict:
-    chosen = draw(st.lists(st.sampled_from(sorted(BODY_FIELDS)), unique=True, max_size=len(BODY_FIELDS)))
-    return {name: draw(BODY_FIELDS[name]) for name in chosen}
+def http_bodies(draw, path: str) -> dict:
+    """A valid body, then (often) one field replaced by any JSON value or dropped."""
+    prompt_field, prompt = PROMPTS[path]
+    body = {prompt_field: draw(prompt)}
+    for name in draw(st.lists(st.sampled_from(sorted(VALID_BODY)), unique=True)):
+        body[name] = draw(VALID_BODY[name])
+    if draw(st.integers(0, 2)) == 0:
+        name = draw(st.sampled_from(sorted([*VALID_BODY, prompt_field])))
+        if draw(st.booleans()):
+            body[name] = draw(json_values)
+        else:
+            body.pop(name, None)
+    return body
 
 
 def _http_outcome(base: str, path: str, content: bytes, headers: dict) -> int:
@@ -178,9 +189,10 @@ def _http_outcome(base: str, path: str, content: bytes, headers: dict) -> int:
             return response.status_code
 
 
-@given(path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]), body=http_bodies())
+@given(data=st.data(), path=st.sampled_from(sorted(PROMPTS)))
 @CI
-def test_any_http_body_gets_a_4xx_or_an_answer(cluster, outcomes, path, body):
+def test_any_http_body_gets_a_4xx_or_an_answer(cluster, outcomes, data, path):
+    body = data.draw(http_bodies(path))
     status = _http_outcome(cluster.http_base, path, json.dumps(body).encode(), {"Content-Type": "application/json"})
     outcomes["http"][status] += 1
     assert status in HTTP_ANSWERS, f"{status} for {path} {body}"
@@ -190,7 +202,7 @@ def test_any_http_body_gets_a_4xx_or_an_answer(cluster, outcomes, path, body):
        raw=st.binary(max_size=300), content_type=st.sampled_from(["application/json", "text/plain", "\u00e9"]))
 @CI
 def test_any_http_bytes_get_a_4xx(cluster, outcomes, path, raw, content_type):
-    status = _http_outcome(cluster.http_base, path, raw, {"Content-Type": content_type})
+    status = _http_outcome(cluster.http_base, path, raw, {"Content-Type": content_type.encode()})
     outcomes["http-bytes"][status] += 1
     assert status in HTTP_ANSWERS, f"{status} for {path} {raw!r}"
 

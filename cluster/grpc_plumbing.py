@@ -17,6 +17,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from cluster import cluster_secret as cluster_secret_module
+
 log = logging.getLogger("duet.grpc")
 
 PUBLIC_MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # a 32k-token prompt as ids is ~0.3 MB
@@ -140,8 +142,26 @@ def set_serving(servicer: health.HealthServicer, service_names: Iterable[str], s
         servicer.set(name, status)
 
 
-def channel(address: str, max_message_bytes: int = INTERNAL_MAX_MESSAGE_BYTES) -> grpc.Channel:
-    return grpc.insecure_channel(
+class _MetadataInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Adds fixed metadata (the internal bearer token) to every call on a channel."""
+
+    def __init__(self, metadata: tuple[tuple[str, str], ...]):
+        self._metadata = metadata
+
+    def _details(self, details):
+        return details._replace(metadata=(*(details.metadata or ()), *self._metadata))
+
+    def intercept_unary_unary(self, continuation, client_call_details, request):
+        return continuation(self._details(client_call_details), request)
+
+    def intercept_unary_stream(self, continuation, client_call_details, request):
+        return continuation(self._details(client_call_details), request)
+
+
+def channel(address: str, max_message_bytes: int = INTERNAL_MAX_MESSAGE_BYTES,
+            cluster_secret: bytes | None = None) -> grpc.Channel:
+    """A channel to a peer; with `cluster_secret`, every call carries the internal bearer token."""
+    ch = grpc.insecure_channel(
         address,
         options=[
             ("grpc.max_receive_message_length", max_message_bytes),
@@ -149,6 +169,10 @@ def channel(address: str, max_message_bytes: int = INTERNAL_MAX_MESSAGE_BYTES) -
             ("grpc.enable_retries", 0),  # the router decides what to retry
         ],
     )
+    if cluster_secret is None:
+        return ch
+    token = (("authorization", f"Bearer {cluster_secret_module.grpc_token(cluster_secret)}"),)
+    return grpc.intercept_channel(ch, _MetadataInterceptor(token))
 
 
 def health_check(address: str, timeout_s: float = 1.0) -> bool:

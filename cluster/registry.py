@@ -36,6 +36,8 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
+from cluster.cluster_secret import mac, verify
+
 log = logging.getLogger(__name__)
 
 ROLES = ("prefill", "decode")
@@ -132,18 +134,26 @@ class WorkerRegistry:
     Give the client socket timeouts (from_url does), or a hung Redis can block a heartbeat forever.
     """
 
-    def __init__(self, client: redis.Redis, ttl_s: float = 6.0):
+    def __init__(self, client: redis.Redis, ttl_s: float = 6.0, cluster_secret: bytes | None = None):
+        """With `cluster_secret`, entries are written signed and read only if their signature verifies (a
+        Redis client without the secret cannot make the router send it traffic)."""
         if ttl_s <= 0:
             raise ValueError(f"ttl_s={ttl_s} is invalid: must be > 0")
         self.client = client
         self.ttl_s = ttl_s
+        self.cluster_secret = cluster_secret
+        self._refused: set[str] = set()  # entries already logged as unverifiable
 
     @classmethod
-    def from_url(cls, url: str, ttl_s: float = 6.0, timeout_s: float = 2.0) -> WorkerRegistry:
+    def from_url(cls, url: str, ttl_s: float = 6.0, timeout_s: float = 2.0,
+                 cluster_secret: bytes | None = None) -> WorkerRegistry:
         """A registry on a fresh client with socket timeouts and a short retry (so an outage fails fast)."""
         client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
                                       retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), 2))
-        return cls(client, ttl_s=ttl_s)
+        return cls(client, ttl_s=ttl_s, cluster_secret=cluster_secret)
+
+    def _signature(self, key: str, info_json: str, load_json: str, ttl_ms: str) -> str:
+        return mac(self.cluster_secret, "registry", key, info_json, load_json, ttl_ms)
 
     # --------------------------------------------------------------------------------------------- writers
 
@@ -161,8 +171,10 @@ class WorkerRegistry:
         key = worker_key(info.model_id, info.worker_id)
         # One MULTI: the hash never exists without its TTL, and the index never lags a new hash.
         pipe = self.client.pipeline(transaction=True)
-        pipe.hset(key, mapping={"info": _to_json(info), "load": _to_json(load), "ttl_ms": str(ttl_ms),
-                                "reported_at": repr(now)})
+        fields = {"info": _to_json(info), "load": _to_json(load), "ttl_ms": str(ttl_ms), "reported_at": repr(now)}
+        if self.cluster_secret is not None:
+            fields["sig"] = self._signature(key, fields["info"], fields["load"], fields["ttl_ms"])
+        pipe.hset(key, mapping=fields)
         pipe.pexpire(key, ttl_ms)
         pipe.zadd(workers_key(info.model_id), {info.worker_id: now + self.ttl_s})
         pipe.sadd(MODELS_KEY, info.model_id)
@@ -193,14 +205,22 @@ class WorkerRegistry:
         pipe = self.client.pipeline(transaction=False)
         for worker_id in worker_ids:
             key = worker_key(model_id, worker_id)
-            pipe.hmget(key, ["info", "load", "ttl_ms"])
+            pipe.hmget(key, ["info", "load", "ttl_ms", "sig"])
             pipe.pttl(key)
         replies = pipe.execute()
         workers = []
         for worker_id, (fields, pttl_ms) in zip(worker_ids, zip(replies[0::2], replies[1::2])):
-            info_json, load_json, ttl_ms = (_text(v) for v in fields)
+            info_json, load_json, ttl_ms, sig = (_text(v) for v in fields)
             if info_json is None or load_json is None or pttl_ms == -2:
                 continue  # expired or deregistered; the index member is pruned later
+            key = worker_key(model_id, worker_id)
+            if self.cluster_secret is not None and not verify(
+                    self.cluster_secret, "registry", sig, key, info_json, load_json, ttl_ms or ""):
+                if key not in self._refused:
+                    self._refused.add(key)
+                    log.warning("registry: ignoring %s: its signature does not verify with the cluster secret "
+                                "(written without it, or forged)", key)
+                continue
             try:
                 info = _from_json(WorkerInfo, info_json)
                 load = _from_json(WorkerLoad, load_json)

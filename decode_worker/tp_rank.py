@@ -24,6 +24,7 @@ from collections.abc import Mapping
 
 from torch.distributed import TCPStore
 
+from cluster.cluster_secret import kv_handshake_key, load_cluster_secret
 from decode_worker.tp_ops import CommitReservation, ReleaseReservation, ReserveBlocks
 from engine.follower_ops import FollowerHooks, OpHandler
 from kvtransfer.layout import KVLayout
@@ -48,9 +49,11 @@ class DecodeRankHooks(FollowerHooks):
         store.set(kv_address_key(rank), f"{host}:{receiver.port}")
 
     @classmethod
-    def build(cls, rank: int, layout, kv_caches, store, host: str, advertise_host: str) -> DecodeRankHooks:
+    def build(cls, rank: int, layout, kv_caches, store, host: str, advertise_host: str,
+              handshake_key: bytes | None = None) -> DecodeRankHooks:
         table = ReservationTable(layout.num_layers, complete_grace_s=30.0 + FOLLOWER_TTL_MARGIN_S)
-        return cls(rank, KVReceiver(layout, kv_caches, table, host=host), store, advertise_host)
+        return cls(rank, KVReceiver(layout, kv_caches, table, host=host, handshake_key=handshake_key), store,
+                   advertise_host)
 
     def handlers(self) -> Mapping[type, OpHandler]:
         return {ReserveBlocks: self.reserve, ReleaseReservation: self.release, CommitReservation: self.commit}
@@ -79,7 +82,9 @@ class DecodeRankHooks(FollowerHooks):
 
 def make_hooks(args: argparse.Namespace, store: TCPStore, layout: KVLayout, kv_caches: list) -> DecodeRankHooks:
     """This rank's share of a decode worker's KV transfer (worker/tp_rank.py's `run_follower` calls it)."""
-    return DecodeRankHooks.build(args.rank, layout, kv_caches, store, args.host, args.advertise_host)
+    secret = load_cluster_secret(args.cluster_secret_file)
+    return DecodeRankHooks.build(args.rank, layout, kv_caches, store, args.host, args.advertise_host,
+                                 kv_handshake_key(secret) if secret is not None else None)
 
 
 if __name__ == "__main__":  # a follower rank of a tensor-parallel decode worker

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -36,6 +37,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from cluster.cluster_secret import ENV_VAR, generate_cluster_secret
 from deploy.redis_server import RedisServer, tail_file
 from engine.child_process import parent_death_preexec
 
@@ -62,7 +64,7 @@ class ClusterConfig:
     num_decode: int = 1
     host: str = "127.0.0.1"  # the router's bind host; workers always bind 127.0.0.1
     port: int = 0  # router port, 0 = pick a free one
-    redis_password: str | None = None
+    redis_password: str | None = None  # None: a generated one (the private redis-server always requires one)
     worker_args: list[str] = field(default_factory=list)  # extra args for prefill+decode
     prefill_args: list[str] = field(default_factory=list)  # extra args for prefill workers only (after worker_args)
     decode_args: list[str] = field(default_factory=list)  # ... decode workers only
@@ -185,6 +187,9 @@ class LocalCluster:
         self._router_port: int | None = None
         self._started = False
         self._stopped = False
+        # the internal plane's secret, handed to every component in its environment (never on a command line);
+        # $DUET_CLUSTER_SECRET, when set, is the documented override
+        self.cluster_secret = os.environ.get(ENV_VAR) or generate_cluster_secret()
         self._stop_signal: int | None = None  # set by request_stop(); plain int so a signal handler may set it
 
     # ------------------------------------------------------------------------------------------------ start
@@ -203,7 +208,8 @@ class LocalCluster:
             self._tmp_dir = Path(tempfile.mkdtemp(prefix="duet-cluster-"))
             log_dir = Path(cfg.log_dir) if cfg.log_dir is not None else self._tmp_dir / "logs"
             log_dir.mkdir(parents=True, exist_ok=True)
-            self._redis = RedisServer(password=cfg.redis_password).start()
+            password = cfg.redis_password if cfg.redis_password is not None else secrets.token_urlsafe(24)
+            self._redis = RedisServer(password=password).start()
             self._redis_info = ComponentInfo("redis", self._redis.pid, f"{self._redis.host}:{self._redis.port}",
                                              str(self._redis.log_path))
             roles = ["prefill"] * cfg.num_prefill + ["decode"] * cfg.num_decode
@@ -234,7 +240,7 @@ class LocalCluster:
     def _launch(self, name: str, role: str, host: str, port: int, log_dir: Path) -> _Process:
         log_path = log_dir / f"{name}.log"
         cmd = self.component_command(role, host, port, self.redis_url)
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **{ENV_VAR: self.cluster_secret})
         with open(log_path, "ab") as log_file:
             popen = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
                                      env=env, start_new_session=True, preexec_fn=parent_death_preexec())

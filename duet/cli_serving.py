@@ -23,6 +23,15 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--advertise-host", default=None,
                    help="host other components reach this worker at (default: --host; in Kubernetes: the pod IP)")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
+    p.add_argument("--metrics-host", default=None,
+                   help="address /metrics binds (default: --host), e.g. 127.0.0.1 or the pod IP")
+    add_cluster_secret_arg(p)
+
+
+def add_cluster_secret_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cluster-secret-file", type=Path, default=None,
+                   help="file holding the cluster secret that authenticates internal gRPC calls, KV handshakes and "
+                        "registry entries ($DUET_CLUSTER_SECRET overrides it; `duet up` generates one)")
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
@@ -32,7 +41,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
         role=args.command, redis_url=args.redis_url, model_dir=args.model, host=args.host, port=args.port,
         engine=engine_config(args, model_id=args.model_id), kv_transport=args.kv_transport,
         kv_checksum=args.kv_checksum, layer_group_size=args.layer_group_size, heartbeat_ttl_s=args.heartbeat_ttl,
-        advertise_host=args.advertise_host, metrics_port=args.metrics_port,
+        advertise_host=args.advertise_host, metrics_port=args.metrics_port, metrics_host=args.metrics_host,
+        cluster_secret_file=args.cluster_secret_file,
     )
     if args.command == "prefill":
         from prefill_worker.server import PrefillWorker as Worker
@@ -50,7 +60,7 @@ def cmd_router(args: argparse.Namespace) -> int:
     server = RouterServer(RouterConfig(
         redis_url=args.redis_url, model_dir=args.model, model_id=args.model_id, host=args.host, port=args.port,
         max_model_len=args.max_model_len, auth_token=args.auth_token, tls_cert=args.tls_cert, tls_key=args.tls_key,
-        metrics_port=args.metrics_port, http_port=args.http_port,
+        metrics_port=args.metrics_port, http_port=args.http_port, cluster_secret_file=args.cluster_secret_file,
     ))
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -155,6 +165,7 @@ def add_serving_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
     p.add_argument("--http-port", type=int, default=None,
                    help="serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions) on this port")
+    add_cluster_secret_arg(p)
     p.set_defaults(func=cmd_router)
 
     p = sub.add_parser("route-explain", help="show how the router would route a prompt, and why")

@@ -31,6 +31,10 @@ class PeerGone(TransferError):
     """The connection was lost or closed by the peer (or by our own `close()`)."""
 
 
+class Unauthenticated(TransferError):
+    """The handshake did not prove knowledge of the cluster secret (none, a wrong one, stale, or replayed)."""
+
+
 class ProtocolError(TransferError):
     """A frame was malformed, oversized or unexpected; the connection that carried it is closed."""
 
@@ -38,7 +42,7 @@ class ProtocolError(TransferError):
 _BY_NAME: dict[str, type[TransferError]] = {
     cls.__name__: cls
     for cls in (TransferError, LayoutMismatch, ReservationExpired, ChecksumMismatch, TransferTimeout, PeerGone,
-                ProtocolError)
+                ProtocolError, Unauthenticated)
 }
 
 

@@ -30,7 +30,8 @@ import torch
 
 from kvtransfer import messages as m
 from kvtransfer import process_group as pgs
-from kvtransfer.errors import LayoutMismatch, ProtocolError, TransferError
+from kvtransfer.errors import LayoutMismatch, ProtocolError, TransferError, Unauthenticated
+from kvtransfer.handshake_auth import HandshakeVerifier
 from kvtransfer.layout import KVLayout
 from kvtransfer.reservation import ReservationTable
 from kvtransfer.write_stream import WriteStream, error_ack
@@ -45,7 +46,8 @@ class KVReceiver:
     def __init__(self, layout: KVLayout, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  reservations: ReservationTable, host: str = "127.0.0.1", port: int = 0,
                  max_payload_bytes: int = m.DEFAULT_MAX_PAYLOAD_BYTES, *, handshake_timeout_s: float = 10.0,
-                 recv_timeout_s: float = 30.0):
+                 recv_timeout_s: float = 30.0, handshake_key: bytes | None = None):
+        """With `handshake_key`, only senders that prove they hold it are served (kvtransfer/handshake_auth)."""
         if problem := KVLayout.for_caches(layout.model_id, kv_caches, layout.tp_size, layout.tp_rank).mismatch(
                 layout, "caches", "layout"):
             raise ValueError(f"kv_caches do not match the layout: {problem}")
@@ -60,6 +62,7 @@ class KVReceiver:
         self.max_payload_bytes = max_payload_bytes
         self.handshake_timeout_s = handshake_timeout_s
         self.recv_timeout_s = recv_timeout_s
+        self._verifier = HandshakeVerifier(handshake_key) if handshake_key is not None else None
         self._device = kv_caches[0][0].device
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -180,6 +183,9 @@ class KVReceiver:
                 raise ValueError("its fingerprint does not match its fields (a different canonical encoding?)")
         except (TypeError, ValueError) as e:
             return {"ok": False, "error": ProtocolError.__name__, "message": f"HELLO layout is invalid: {e}"}
+        if self._verifier is not None and (problem := self._verifier.check(hello.get("auth"),
+                                                                           sender_layout.fingerprint())):
+            return {"ok": False, "error": Unauthenticated.__name__, "message": problem}
         if problem := sender_layout.mismatch(self.layout):
             return {"ok": False, "error": LayoutMismatch.__name__, "message": f"KV layout mismatch: {problem}"}
         transport = hello.get("transport")

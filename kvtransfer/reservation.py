@@ -92,10 +92,11 @@ class ReservationTable:
         return reservation
 
     def _unguessable_id(self) -> int:
-        """Under the lock: a random id in [1, 2**62] that no live reservation has. Random, not counted, so
-        nobody can name (write into, attach to, release) a reservation whose id they were not given."""
+        """Under the lock: a random id in [1, 2**53) that no live reservation has (53 bits: exact in any JSON
+        reader). Random, not counted, so nobody can name (write into, attach to, release) a reservation whose
+        id they were not given."""
         while True:
-            rid = 1 + secrets.randbits(62)
+            rid = 1 + secrets.randbelow(2**53 - 1)
             if rid not in self._reservations:
                 return rid
 

@@ -26,7 +26,7 @@ from concurrent.futures import Future
 
 import torch
 
-from kvtransfer import block_copy
+from kvtransfer import block_copy, handshake_auth
 from kvtransfer import messages as m
 from kvtransfer import process_group as pgs
 from kvtransfer.channel import Channel, Message, fail_future
@@ -41,7 +41,7 @@ class KVSender:
 
     def __init__(self, layout: KVLayout, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], transport: str = "tcp",
                  checksum: bool = False, connect_timeout_s: float = 5.0, send_timeout_s: float = 30.0, *,
-                 max_staging_bytes: int = 512 << 20):
+                 max_staging_bytes: int = 512 << 20, handshake_key: bytes | None = None):
         if problem := KVLayout.for_caches(layout.model_id, kv_caches, layout.tp_size, layout.tp_rank).mismatch(
                 layout, "caches", "layout"):
             raise ValueError(f"kv_caches do not match the layout: {problem}")
@@ -49,6 +49,7 @@ class KVSender:
             raise ValueError(f"transport={transport!r} is invalid: must be 'tcp' or 'torch'")
         self.layout = layout
         self.kv_caches = kv_caches
+        self.handshake_key = handshake_key  # proves this sender to receivers in its HELLO (handshake_auth)
         self.transport = transport
         self.checksum = checksum
         self.connect_timeout_s = connect_timeout_s
@@ -154,6 +155,8 @@ class KVSender:
             m.open_socket(sock)
             hello = {"layout": self.layout.to_dict(), "fingerprint": self.layout.fingerprint(),
                      "transport": self.transport}
+            if self.handshake_key is not None:
+                hello["auth"] = handshake_auth.prove(self.handshake_key, hello["fingerprint"])
             m.send_all(sock, m.encode_frame_header(m.HELLO, hello), deadline)
             reply = m.recv_frame_header(sock, deadline, max_payload_bytes=0, body_timeout_s=self.connect_timeout_s)
             if reply.kind != m.HELLO_REPLY:

@@ -56,7 +56,7 @@ class PrefillWorker(WorkerProcess, wpb_grpc.PrefillWorkerServicer):
     def __init__(self, config: WorkerConfig):
         super().__init__(config)
         self.sender = KVSender(self.layout, self.rt.kv_caches, transport=config.kv_transport,
-                               checksum=config.kv_checksum)
+                               checksum=config.kv_checksum, handshake_key=self.kv_handshake_key)
         self.acks = FollowerAcks(self.tp_store, list(range(1, self.tp_size))) if self.tp_store is not None else None
         self.loop = PrefillLoop(self.rt, self.sender.send, 2 * self.layout.block_bytes(), config.layer_group_size,
                                 self.acks)

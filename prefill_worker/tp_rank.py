@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from torch.distributed import TCPStore
 
+from cluster.cluster_secret import kv_handshake_key, load_cluster_secret
 from engine.follower_ops import FollowerHooks, OpHandler
 from kvtransfer.layout import KVLayout
 from kvtransfer.sender import KVSender
@@ -136,7 +137,9 @@ class PrefillRankHooks(FollowerHooks):
 
 def make_hooks(args: argparse.Namespace, store: TCPStore, layout: KVLayout, kv_caches: list) -> PrefillRankHooks:
     """This rank's share of a prefill worker's KV transfer (worker/tp_rank.py's `run_follower` calls it)."""
-    sender = KVSender(layout, kv_caches, transport=args.kv_transport, checksum=args.kv_checksum)
+    secret = load_cluster_secret(args.cluster_secret_file)
+    sender = KVSender(layout, kv_caches, transport=args.kv_transport, checksum=args.kv_checksum,
+                      handshake_key=kv_handshake_key(secret) if secret is not None else None)
     return PrefillRankHooks(args.rank, sender, AckReporter(store, args.rank), args.layer_group_size)
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import grpc
 
 from cluster import grpc_plumbing
+from cluster.cluster_secret import ENV_VAR, load_cluster_secret
 from cluster.prefix_index import PrefixIndex
 from cluster.registry import WorkerRegistry
 from duet.v1 import generation_pb2 as pb
@@ -60,6 +61,7 @@ class RouterConfig:
     policy: PolicyConfig | None = None
     tls_cert: Path | None = None
     tls_key: Path | None = None
+    cluster_secret_file: Path | None = None  # the internal plane's secret (cluster/cluster_secret.py)
 
 
 class Router(pb_grpc.GenerationServicer):
@@ -75,12 +77,16 @@ class Router(pb_grpc.GenerationServicer):
             max_logprobs=config.max_logprobs,
         )
         self.builder = RequestBuilder(self.tokenizer, self.limits)
-        self.registry = WorkerRegistry.from_url(config.redis_url)
+        self.cluster_secret = load_cluster_secret(config.cluster_secret_file)
+        if self.cluster_secret is None:
+            log.warning("router event=internal_plane_open: no cluster secret (--cluster-secret-file or %s): "
+                        "calls to workers are unauthenticated and any registry entry is trusted", ENV_VAR)
+        self.registry = WorkerRegistry.from_url(config.redis_url, cluster_secret=self.cluster_secret)
         self.metrics = RouterMetrics()
         self.index = PrefixIndex(self.registry.client, self.model_id)
         self.speculative = SpeculativeWriter(self.index, on_drop=self.metrics.speculative_dropped.inc)
         self.chooser = PrefillChooser(self.index, self.model_id, self.metrics, self.speculative, config.policy)
-        self.view = WorkerView(self.registry, self.index, self.model_id, self.metrics)
+        self.view = WorkerView(self.registry, self.index, self.model_id, self.metrics, self.cluster_secret)
         self.orchestrator = RequestOrchestrator(self.view, self.chooser, self.metrics, self.tokenizer,
                                                 self.model_id, config.reservation_ttl_s)
         self._live: dict[str, Live] = {}

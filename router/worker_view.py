@@ -33,8 +33,10 @@ class NoWorkers(Exception):
 
 
 class WorkerView:
-    def __init__(self, registry: WorkerRegistry, index: PrefixIndex, model_id: str, metrics: RouterMetrics):
+    def __init__(self, registry: WorkerRegistry, index: PrefixIndex, model_id: str, metrics: RouterMetrics,
+                 cluster_secret: bytes | None = None):
         self.registry, self.index, self.model_id, self.metrics = registry, index, model_id, metrics
+        self._cluster_secret = cluster_secret  # every call to a worker carries its token
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
         self._suspects: dict[str, float] = {}  # worker_id -> avoid until (monotonic)
@@ -124,5 +126,5 @@ class WorkerView:
         with self._lock:
             ch = self._channels.get(address)
             if ch is None:
-                ch = self._channels[address] = grpc_plumbing.channel(address)
+                ch = self._channels[address] = grpc_plumbing.channel(address, cluster_secret=self._cluster_secret)
             return ch

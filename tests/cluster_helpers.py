@@ -8,12 +8,18 @@ from pathlib import Path
 import grpc
 
 from cluster import grpc_plumbing
+from cluster.cluster_secret import load_cluster_secret
 from duet.internal.v1 import workers_pb2 as wpb
 from duet.internal.v1 import workers_pb2_grpc as wpb_grpc
 
 
+def internal_channel(address: str) -> grpc.Channel:
+    """A channel to a worker that carries the session's cluster secret (tests/conftest.py)."""
+    return grpc_plumbing.channel(address, cluster_secret=load_cluster_secret())
+
+
 def worker_stats(address: str, role: str, check: bool = True) -> wpb.WorkerStats:
-    with grpc_plumbing.channel(address) as ch:
+    with internal_channel(address) as ch:
         stub = wpb_grpc.PrefillWorkerStub(ch) if role == "prefill" else wpb_grpc.DecodeWorkerStub(ch)
         return stub.Stats(wpb.StatsRequest(check_integrity=check), timeout=10)
 

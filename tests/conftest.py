@@ -5,6 +5,10 @@ import os
 # child before exec (grpc/grpc#43055). Off before grpc is imported; it is only needed to keep grpc usable
 # in a forked child that does not exec, which we never do.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+# One cluster secret for the session (cluster/cluster_secret.py: $DUET_CLUSTER_SECRET is its documented
+# override): every cluster the tests start, and every in-process router or worker, runs the authenticated
+# internal plane, and tests reach workers with it (cluster_helpers.internal_channel).
+os.environ.setdefault("DUET_CLUSTER_SECRET", "tests-" + os.urandom(16).hex())
 
 from pathlib import Path
 

@@ -9,7 +9,7 @@ import threading
 import grpc
 import pytest
 import redis
-from cluster_helpers import rpc_error, wait_idle, worker_components
+from cluster_helpers import internal_channel, rpc_error, wait_idle, worker_components
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from test_engine_vs_hf import assert_matches_hf, hf_model, prompts_for
@@ -232,7 +232,6 @@ def test_no_room_on_the_decode_worker_is_resource_exhausted_with_retry_hint(clus
 def test_reserve_carries_the_request_and_decode_attaches_by_ticket(cluster, offline):
     """The internal hand-off without the router: the prompt goes to the decode worker once, in Reserve;
     Decode names only the ticket and the first token; the tokens are the offline engine's."""
-    from cluster import grpc_plumbing
     from cluster.proto_convert import sampling_to_proto
     from duet.internal.v1 import workers_pb2 as wpb
     from duet.internal.v1 import workers_pb2_grpc as wpb_grpc
@@ -242,7 +241,7 @@ def test_reserve_carries_the_request_and_decode_attaches_by_ticket(cluster, offl
     prompt = prompts_for(offline.engine.model_config.vocab_size, [37], seed=5)[0]
     params = SamplingParams(max_tokens=9, temperature=0, ignore_eos=True)
     sampling = sampling_to_proto(params)
-    with grpc_plumbing.channel(decode.address) as dch, grpc_plumbing.channel(prefill.address) as pch:
+    with internal_channel(decode.address) as dch, internal_channel(prefill.address) as pch:
         d, p = wpb_grpc.DecodeWorkerStub(dch), wpb_grpc.PrefillWorkerStub(pch)
         reserved = d.Reserve(wpb.ReserveRequest(request_id="direct-1", prompt_token_ids=prompt, sampling=sampling),
                              timeout=10)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from cluster_helpers import rpc_error, wait_idle, worker_components, worker_stats
+from cluster_helpers import internal_channel, rpc_error, wait_idle, worker_components, worker_stats
 
 from deploy.local_cluster import ClusterConfig, LocalCluster
 from duet.client import Client, stream_to_record
@@ -140,7 +140,7 @@ def test_invalid_utf8_is_invalid_argument_and_the_router_keeps_serving(cluster, 
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "does not decode" in err.details() and "UTF-8" in err.details()
     for w in worker_components(cluster):  # the internal services answer the same
-        with grpc.insecure_channel(w.address) as ch:
+        with internal_channel(w.address) as ch:
             service = "PrefillWorker" if w.name.startswith("prefill") else "DecodeWorker"
             stats = ch.unary_unary(f"/duet.internal.v1.{service}/Stats", request_serializer=None,
                                    response_deserializer=None)

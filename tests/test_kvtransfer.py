@@ -127,6 +127,8 @@ def test_reservation_ids_ranges_completion_and_pop():
     table = ReservationTable(2, clock=FakeClock())
     ids = [table.add(f"r{i}", [i], 4, 10.0).reservation_id for i in range(100)]
     assert len(set(ids)) == 100 and all(0 < i < 2**53 for i in ids)
+    # unguessable: no id follows from another (a counter would give 99 differences of 1)
+    assert not any(abs(a - b) < 2**20 for a, b in zip(ids, ids[1:]))
     for i in ids:
         table.pop(i)
     assert table.add("again", [0], 4, 10.0).reservation_id not in ids

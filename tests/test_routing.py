@@ -86,7 +86,7 @@ def test_shared_prefix_goes_to_the_worker_that_holds_it(cluster, router):
 
 def test_a_routed_prefix_is_speculatively_held_at_once(router):
     with Client(router.address) as client:
-        stream = client.generate(prefix(40) + [1], SamplingParams(max_tokens=2000, temperature=0, ignore_eos=True),
+        stream = client.generate(prefix(40) + [1], SamplingParams(max_tokens=1700, temperature=0, ignore_eos=True),
                                  timeout_s=60)
         first = next(stream)
         ex = client.explain_route(prefix(40) + [2])  # before or after the worker's event: it counts either way

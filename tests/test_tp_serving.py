@@ -11,10 +11,9 @@ import time
 
 import grpc
 import pytest
-from cluster_helpers import alive, children, rpc_error, wait_idle, worker_components
+from cluster_helpers import alive, children, internal_channel, rpc_error, wait_idle, worker_components
 from test_engine_vs_hf import assert_matches_hf, hf_model, prompts_for
 
-from cluster import grpc_plumbing
 from deploy.local_cluster import ClusterConfig, LocalCluster
 from duet.client import Client, stream_to_record
 from duet.internal.v1 import workers_pb2 as wpb
@@ -81,7 +80,7 @@ def test_tp_mismatch_is_refused_with_a_message(mixed_cluster):
     # straight to the workers, past the router's check: the prefill worker refuses the 2-rank target
     prefill, decode = (next(c for c in worker_components(mixed_cluster) if c.name.startswith(r))
                        for r in ("prefill", "decode"))
-    with grpc_plumbing.channel(decode.address) as dch, grpc_plumbing.channel(prefill.address) as pch:
+    with internal_channel(decode.address) as dch, internal_channel(prefill.address) as pch:
         reserved = wpb_grpc.DecodeWorkerStub(dch).Reserve(
             wpb.ReserveRequest(request_id="x", prompt_token_ids=[1, 2, 3]), timeout=10)
         assert len(reserved.kv_addresses) == 2 and reserved.kv_addresses[0] == reserved.kv_address

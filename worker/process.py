@@ -20,6 +20,7 @@ from typing import Protocol
 import grpc
 
 from cluster import grpc_plumbing
+from cluster.cluster_secret import ENV_VAR, grpc_token, kv_handshake_key, load_cluster_secret
 from cluster.kv_event_publisher import KVEventPublisher
 from cluster.prefix_index import PrefixIndex
 from cluster.registry import Heartbeat, WorkerInfo, WorkerLoad, WorkerRegistry
@@ -54,6 +55,8 @@ class WorkerConfig:
     max_concurrent_rpcs: int = 256
     advertise_host: str | None = None  # the host others reach this worker at (default: host); e.g. the pod IP
     metrics_port: int | None = None  # Prometheus /metrics over HTTP; None: off
+    metrics_host: str | None = None  # where /metrics listens (default: host); e.g. the pod IP, or 127.0.0.1
+    cluster_secret_file: Path | None = None  # the internal plane's secret (cluster/cluster_secret.py)
 
 
 class EngineLoop(Protocol):
@@ -78,6 +81,11 @@ class WorkerProcess:
         self.worker_id = f"{config.role}-{uuid.uuid4().hex[:8]}"
         model_dir = model_or_default(config.model_dir)
         self.advertise_host = config.advertise_host or config.host
+        self.cluster_secret = load_cluster_secret(config.cluster_secret_file)
+        self.kv_handshake_key = kv_handshake_key(self.cluster_secret) if self.cluster_secret is not None else None
+        if self.cluster_secret is None:
+            log.warning("worker=%s event=internal_plane_open: no cluster secret (--cluster-secret-file or %s): "
+                        "anyone who reaches this worker's ports can call it", self.worker_id, ENV_VAR)
         self.tp_size = config.engine.tp_size
         self.tp_store = None  # tensor parallelism: rank 0 hosts the store its follower ranks meet it in
         follower_argv: list[str] = []
@@ -92,10 +100,12 @@ class WorkerProcess:
             follower_argv = make_follower_argv(
                 self.tp_store.port, model_id=config.engine.model_id or Path(model_dir).resolve().name,
                 host=config.host, advertise_host=self.advertise_host, kv_transport=config.kv_transport,
-                kv_checksum=config.kv_checksum, layer_group_size=config.layer_group_size)
+                kv_checksum=config.kv_checksum, layer_group_size=config.layer_group_size,
+                cluster_secret_file=config.cluster_secret_file)
         self.rt: Runtime = build_runtime(model_dir, config.engine, tp_module, follower_argv)
         self.layout = KVLayout.for_caches(self.rt.model_id, self.rt.kv_caches, self.tp_size, 0)
-        self.registry = WorkerRegistry.from_url(config.redis_url, ttl_s=config.heartbeat_ttl_s)
+        self.registry = WorkerRegistry.from_url(config.redis_url, ttl_s=config.heartbeat_ttl_s,
+                                                cluster_secret=self.cluster_secret)
         self.redis = self.registry.client
         index = snapshot = None
         if config.role == "prefill":  # the router routes prefills by prefix; decode caches are not indexed
@@ -104,7 +114,9 @@ class WorkerProcess:
         self.publisher = KVEventPublisher(self.redis, self.rt.model_id, self.worker_id, index=index,
                                           snapshot=snapshot)
         self.rt.block_pool.subscribe(self.publisher.on_event)
-        self.server = grpc_plumbing.make_server(config.max_concurrent_rpcs, grpc_plumbing.INTERNAL_MAX_MESSAGE_BYTES)
+        self.server = grpc_plumbing.make_server(
+            config.max_concurrent_rpcs, grpc_plumbing.INTERNAL_MAX_MESSAGE_BYTES,
+            grpc_token(self.cluster_secret) if self.cluster_secret is not None else None)
         self.add_services(self.server)
         self.health = grpc_plumbing.add_health_and_reflection(self.server, self.service_names)
         self.port = grpc_plumbing.bind(self.server, config.host, config.port)
@@ -163,7 +175,8 @@ class WorkerProcess:
 
     def start(self) -> None:
         if self.config.metrics_port is not None:
-            self.metrics_port = self.metrics.serve(self.config.metrics_port, self.config.host)
+            self.metrics_port = self.metrics.serve(self.config.metrics_port,
+                                                   self.config.metrics_host or self.config.host)
         self.start_engine()
         self.server.start()
         self.heartbeat = Heartbeat(self.registry, self.info(), self.load)

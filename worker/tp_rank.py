@@ -13,6 +13,7 @@ import argparse
 import os
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 
 import torch.distributed as dist
 
@@ -34,11 +35,14 @@ def follower_module(role: str) -> str:
 
 
 def follower_argv(store_port: int, *, model_id: str, host: str, advertise_host: str, kv_transport: str,
-                  kv_checksum: bool, layer_group_size: int) -> list[str]:
-    """The flags rank 0 adds to each follower's command line (`run_follower` parses them)."""
+                  kv_checksum: bool, layer_group_size: int, cluster_secret_file: Path | None = None) -> list[str]:
+    """The flags rank 0 adds to each follower's command line (`run_follower` parses them). A follower also
+    inherits rank 0's environment, so $DUET_CLUSTER_SECRET reaches it as it reached rank 0."""
     argv = ["--store-port", str(store_port), "--model-id", model_id, "--host", host,
             "--advertise-host", advertise_host, "--kv-transport", kv_transport,
             "--layer-group-size", str(layer_group_size)]
+    if cluster_secret_file is not None:
+        argv += ["--cluster-secret-file", str(cluster_secret_file)]
     return argv + (["--kv-checksum"] if kv_checksum else [])
 
 
@@ -53,6 +57,7 @@ def run_follower(argv: list[str] | None, make_hooks: MakeRankHooks) -> int:
     p.add_argument("--kv-transport", choices=["tcp", "torch"], default="tcp")
     p.add_argument("--kv-checksum", action="store_true")
     p.add_argument("--layer-group-size", type=int, default=4)
+    p.add_argument("--cluster-secret-file", type=Path, default=None)
 
     def hooks(args, model, kv_caches, dtype) -> FollowerHooks:
         store = dist.TCPStore("127.0.0.1", args.store_port, is_master=False, timeout=timedelta(seconds=60))

@@ -286,3 +286,81 @@ def test_a_non_streaming_client_that_disconnects_aborts_its_request_at_once(clus
     s.close()
     wait_idle(cluster, timeout_s=5.0)
     assert (ended("CANCELLED"), ended("OK")) == (cancelled + 1, completed)  # aborted, not run to its end
+
+
+# --- the internal plane ------------------------------------------------------------------------------------
+
+def test_internal_calls_without_the_cluster_secret_are_refused_and_take_nothing(cluster):
+    from cluster import grpc_plumbing
+    from duet.internal.v1 import workers_pb2 as wpb
+    from duet.internal.v1 import workers_pb2_grpc as wpb_grpc
+
+    prefill, decode = (next(w for w in worker_components(cluster) if w.name.startswith(role))
+                       for role in ("prefill", "decode"))
+    before = worker_stats(decode.address, "decode")
+
+    def calls(d: wpb_grpc.DecodeWorkerStub, p: wpb_grpc.PrefillWorkerStub):
+        return [lambda: d.Reserve(wpb.ReserveRequest(request_id="x", prompt_token_ids=[1, 2, 3]), timeout=10),
+                lambda: d.Release(wpb.ReleaseRequest(request_id="x"), timeout=10),
+                lambda: list(d.Decode(wpb.DecodeRequest(reservation_id=1, first_token_id=1), timeout=10)),
+                lambda: d.Stats(wpb.StatsRequest(), timeout=10),
+                lambda: p.Prefill(wpb.PrefillRequest(request_id="x", prompt_token_ids=[1, 2, 3]), timeout=10)]
+
+    for secret in (None, b"not-the-cluster-secret"):
+        with grpc_plumbing.channel(decode.address, cluster_secret=secret) as dch, \
+                grpc_plumbing.channel(prefill.address, cluster_secret=secret) as pch:
+            for call in calls(wpb_grpc.DecodeWorkerStub(dch), wpb_grpc.PrefillWorkerStub(pch)):
+                err = rpc_error(call)
+                assert err.code() == grpc.StatusCode.UNAUTHENTICATED, err.details()
+    after = worker_stats(decode.address, "decode")
+    assert (after.num_free_blocks, after.num_reservations) == (before.num_free_blocks, 0) == (DECODE_BLOCKS, 0)
+    assert all(grpc_plumbing.health_check(w.address) for w in (prefill, decode))  # probes stay open
+
+
+def test_a_registry_entry_written_without_the_secret_gets_no_traffic(cluster, client):
+    import dataclasses
+
+    import redis
+
+    from cluster.cluster_secret import load_cluster_secret
+    from cluster.registry import WorkerRegistry
+
+    signed = WorkerRegistry.from_url(cluster.redis_url, cluster_secret=load_cluster_secret())
+    (model_id,) = signed.list_models()
+    real = signed.list_workers(model_id, "prefill")[0]
+    forger = WorkerRegistry(redis.Redis.from_url(cluster.redis_url))  # Redis access, but not the cluster secret
+    forged = dataclasses.replace(real.info, worker_id="prefill-forged", address="127.0.0.1:9")
+    forger.register(forged, dataclasses.replace(real.load, num_waiting=0, num_running=0))
+    try:
+        assert "prefill-forged" in [w.worker_id for w in forger.list_workers(model_id, "prefill")]
+        assert [w.worker_id for w in signed.list_workers(model_id, "prefill")] == [real.worker_id]
+        prompt = [9, 8, 7, 6] * 20
+        for _ in range(4):
+            assert [e.worker_id for e in client.explain_route(prompt).prefill] == [real.worker_id]
+            record = run(client, prompt, SamplingParams(max_tokens=2, temperature=0))
+            assert record["finish_reason"] == "length"
+        assert "ignoring duet:" in router_log(cluster) and "prefill-forged: its signature does not verify" in \
+            router_log(cluster)
+    finally:
+        forger.deregister(forged)
+
+
+def test_the_clusters_redis_requires_a_password_and_takes_an_acl_user(cluster):
+    from urllib.parse import urlsplit
+
+    import redis
+
+    from cluster.cluster_secret import load_cluster_secret
+    from cluster.registry import WorkerRegistry
+
+    url = urlsplit(cluster.redis_url)
+    assert url.password and url.hostname == "127.0.0.1"
+    with pytest.raises(redis.AuthenticationError):
+        redis.Redis(host=url.hostname, port=url.port).ping()
+    admin = redis.Redis.from_url(cluster.redis_url)
+    admin.acl_setuser("duet-reader", enabled=True, passwords=["+reader-pw"], keys=["duet*", "{duet*"],
+                      commands=["+@read", "+@write", "+@connection"])
+    user_url = f"redis://duet-reader:reader-pw@{url.hostname}:{url.port}/0"
+    as_user = WorkerRegistry.from_url(user_url, cluster_secret=load_cluster_secret())
+    (model_id,) = as_user.list_models()
+    assert sorted(w.info.role for w in as_user.list_workers(model_id)) == ["decode", "prefill"]

@@ -590,3 +590,41 @@ def test_sender_process_killed_mid_payload(make_receiver, make_sender, transport
     r = table.add("req", DST, 16, 30.0)
     send_prompt(sender, receiver.address, table, r.reservation_id)
     assert_transferred(recv_caches, before, send_caches)
+
+
+# -- handshake authentication (cluster secret) ------------------------------------------------------------
+
+
+def test_only_a_sender_with_the_key_gets_through_the_handshake(make_receiver, make_sender):
+    from kvtransfer.errors import Unauthenticated
+    from kvtransfer.handshake_auth import HandshakeVerifier, prove
+
+    receiver, recv_caches, table = make_receiver(handshake_key=b"k" * 32)
+    r = table.add("req-1", DST, 4 * BS - 1, ttl_s=30.0)
+    before = snapshot(recv_caches)
+    for kwargs, problem in (({}, "HELLO carries no proof of the cluster secret"),
+                            ({"handshake_key": b"x" * 32}, "does not verify: a different cluster secret")):
+        stranger, _ = make_sender(**kwargs)
+        with pytest.raises(Unauthenticated, match=problem):
+            stranger.send(receiver.address, r.reservation_id, 0, 2, 0, SRC).result(10)
+    assert r.num_received == 0 and all(torch.equal(a[i], b[i]) for a, b in zip(snapshot(recv_caches), before)
+                                       for i in (0, 1))
+    sender, send_caches = make_sender(handshake_key=b"k" * 32)
+    send_prompt(sender, receiver.address, table, r.reservation_id)
+    assert_transferred(recv_caches, before, send_caches)
+
+
+def test_a_handshake_proof_is_bound_to_its_fingerprint_fresh_and_used_once():
+    import time
+
+    from kvtransfer.handshake_auth import HandshakeVerifier, prove
+
+    proof = prove(b"k" * 32, "fingerprint")
+    assert HandshakeVerifier(b"k" * 32).check(proof, "another fingerprint") == (
+        "HELLO's proof does not verify: a different cluster secret")
+    verifier = HandshakeVerifier(b"k" * 32)
+    assert verifier.check(proof, "fingerprint") is None
+    assert verifier.check(proof, "fingerprint") == "HELLO's proof was used before (a replay)"
+    later = HandshakeVerifier(b"k" * 32, clock=lambda: time.time() + 120)
+    assert later.check(prove(b"k" * 32, "fingerprint"), "fingerprint").endswith("off this receiver's clock (at most 60)")
+    assert HandshakeVerifier(b"k" * 32).check({"nonce": 1}, "fingerprint") == "HELLO's proof is malformed"

@@ -133,11 +133,14 @@ def generated_password_set(case: str) -> bool:
 
 
 def golden_text(case: str) -> str:
-    """The rendered case as checked in; a generated Redis password (random per render) is masked."""
+    """The rendered case as checked in; a generated Redis password or cluster secret (random per render) is
+    masked."""
     parts = []
     for path, doc in rendered_case(case):
         if generated_password_set(case) and path.endswith("/redis.yaml"):
             doc = re.sub(r'^(  password: )"[A-Za-z0-9+/=]+"$', r'\1"<generated>"', doc, flags=re.M)
+        if path.endswith("/cluster-secret.yaml"):
+            doc = re.sub(r'^(  secret: )"[A-Za-z0-9+/=]+"$', r'\1"<generated>"', doc, flags=re.M)
         parts.append(f"---\n# Source: {path}\n{doc}\n")
     return "".join(parts)
 
@@ -160,13 +163,36 @@ def test_render_matches_golden(case):
                     + diff[:6000], pytrace=False)
 
 
-def test_generated_redis_password_is_random_and_url_safe():
-    (secret,) = find(objects("default"), "Secret")
-    password = base64.b64decode(secret["data"]["password"]).decode()
-    assert re.fullmatch(r"[A-Za-z0-9]{32}", password)
-    again = base64.b64decode(find([yaml.safe_load(d) for _, d in documents(render(None))], "Secret")[0]["data"]
-                             ["password"]).decode()
-    assert again != password  # offline there is nothing to look up; in a cluster, lookup keeps the first one
+def test_generated_redis_password_and_cluster_secret_are_random():
+    def generated(objs):
+        secrets = {s["metadata"]["name"]: s["data"] for s in find(objs, "Secret")}
+        assert set(secrets) == {f"{RELEASE}-duet-redis", f"{RELEASE}-duet-cluster"}
+        return (base64.b64decode(secrets[f"{RELEASE}-duet-redis"]["password"]).decode(),
+                base64.b64decode(secrets[f"{RELEASE}-duet-cluster"]["secret"]).decode())
+
+    password, cluster_secret = generated(objects("default"))
+    assert re.fullmatch(r"[A-Za-z0-9]{32}", password) and re.fullmatch(r"[A-Za-z0-9]{64}", cluster_secret)
+    # offline there is nothing to look up; in a cluster, lookup keeps the first ones
+    again = generated([yaml.safe_load(d) for _, d in documents(render(None))])
+    assert again[0] != password and again[1] != cluster_secret
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_container_holds_the_cluster_secret_and_the_internal_plane_is_fenced(case):
+    objs = objects(case)
+    for role in ROLES:
+        env = {e["name"]: e for e in container(deployment(objs, role))["env"]}
+        assert env["DUET_CLUSTER_SECRET"]["valueFrom"]["secretKeyRef"] == {"name": f"{RELEASE}-duet-cluster",
+                                                                            "key": "secret"}
+    policies = {p["metadata"]["name"]: p["spec"] for p in find(objs, "NetworkPolicy")}
+    internal = merged_values(case)["redis"]["internal"]["enabled"]
+    assert set(policies) == {f"{RELEASE}-duet-{c}" for c in ("prefill", "decode", *(["redis"] if internal else []))}
+    for spec in policies.values():
+        peers = spec["ingress"][0]["from"][0]["podSelector"]["matchLabels"]
+        assert peers == {"app.kubernetes.io/name": "duet", "app.kubernetes.io/instance": RELEASE}
+        for role in ROLES:  # each of the release's pods is a peer
+            pod_labels = deployment(objs, role)["spec"]["template"]["metadata"]["labels"]
+            assert _matches(peers, pod_labels)
 
 
 # -- schemas --------------------------------------------------------------------------------------------------

@@ -100,9 +100,13 @@ def test_launcher_serves_offline_engines_greedy_tokens(launcher, tiny_llama_dir)
     assert launcher.pool_sizes() == {"prefill": 1, "decode": 1}
     pgs = [c.pg for role in ("prefill", "decode") for c in launcher.pools[role]]
     assert all(pg.bundle_count == 1 for pg in pgs)  # tp=1: one bundle per rank, STRICT_PACK
-    registry = WorkerRegistry.from_url(launcher.redis_url)
+    # every component got the launcher's cluster secret (its runtime env): their entries verify with it
+    registry = WorkerRegistry.from_url(launcher.redis_url, cluster_secret=launcher.cluster_secret.encode())
     roles = sorted(w.info.role for w in registry.list_workers(Path(tiny_llama_dir).name))
     assert roles == ["decode", "prefill"]
+    wrong = WorkerRegistry.from_url(launcher.redis_url, cluster_secret=b"another cluster's secret")
+    assert wrong.list_workers(Path(tiny_llama_dir).name) == []
+    assert "@" in launcher.redis_url  # its private redis-server requires a password
 
     prompts = [_prompt(40, 1), _prompt(5, 2)]
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import secrets
 import signal
 import threading
 import time
@@ -37,6 +39,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from cluster.cluster_secret import ENV_VAR, generate_cluster_secret
 from cluster.registry import WorkerRegistry
 from deploy.autoscaler import PoolState, decide
 from deploy.ray.component_actor import ComponentActor, RankHolder
@@ -77,6 +80,10 @@ class RayLauncher:
         self._stop_event = threading.Event()
         self._loop: threading.Thread | None = None
         self._registry: WorkerRegistry | None = None
+        # the internal plane's secret ($DUET_CLUSTER_SECRET overrides): every component actor gets it in its
+        # runtime env, and its process inherits it (cluster/cluster_secret.py)
+        self.cluster_secret = os.environ.get(ENV_VAR) or generate_cluster_secret()
+        self._runtime_env = {"env_vars": {ENV_VAR: self.cluster_secret}}
 
     # ------------------------------------------------------------------------------------------------ start
 
@@ -86,9 +93,9 @@ class RayLauncher:
         cfg = self.config
         try:
             if self.redis_url is None:
-                self.redis = RedisServer().start()
+                self.redis = RedisServer(password=secrets.token_urlsafe(24)).start()
                 self.redis_url = self.redis.url
-            self._registry = WorkerRegistry.from_url(self.redis_url)
+            self._registry = WorkerRegistry.from_url(self.redis_url, cluster_secret=self.cluster_secret.encode())
             pending = [self._launch_worker(role) for role in ROLES for _ in range(cfg.pool(role).min_replicas)]
             for comp in self._finish_launches(pending):
                 self.pools[comp.role].append(comp)
@@ -120,6 +127,7 @@ class RayLauncher:
         cfg = self.config
         # The head node offers node:__internal_head__; the router and the driver's redis live there.
         actor = ComponentActor.options(num_cpus=0, resources={"node:__internal_head__": 0.001},
+                                       runtime_env=self._runtime_env,
                                        name=None).remote("router")
         advertise = "127.0.0.1" if cfg.router_host in ("127.0.0.1", "localhost") else None
         ref = actor.start.remote("router", self._model_args() + cfg.router_args, cfg.router_host, advertise,
@@ -152,6 +160,7 @@ class RayLauncher:
             num_cpus=cfg.num_cpus_per_rank, num_gpus=cfg.num_gpus_per_rank,
             resources={f"duet_{role}": 1} if cfg.custom_resources else {},
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
+            runtime_env=self._runtime_env,
         ).remote(name)
         extra_gpus = [g for ids in ray.get([h.gpu_ids.remote() for h in holders]) for g in ids] if holders else []
         args = self._model_args() + (["--tp", str(cfg.tp)] if cfg.tp > 1 else []) + cfg.worker_args

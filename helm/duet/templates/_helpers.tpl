@@ -93,7 +93,7 @@ app.kubernetes.io/managed-by: {{ $root.Release.Service }}
 {{- printf "redis://:$(REDIS_PASSWORD)@%s:6379/%v" (include "duet.componentName" (list . "redis")) (int $r.internal.db) -}}
 {{- else if $r.external.existingSecret -}}
 {{- $u := urlParse $r.external.url -}}
-{{- printf "%s://:$(REDIS_PASSWORD)@%s%s" $u.scheme $u.host $u.path -}}
+{{- printf "%s://%s:$(REDIS_PASSWORD)@%s%s" $u.scheme $r.external.username $u.host $u.path -}}
 {{- if $u.query }}?{{ $u.query }}{{ end -}}
 {{- else -}}
 {{- $r.external.url -}}
@@ -111,6 +111,11 @@ app.kubernetes.io/managed-by: {{ $root.Release.Service }}
       name: {{ include "duet.redisSecretName" . }}
       key: {{ include "duet.redisSecretKey" . }}
 {{- end }}
+- name: DUET_CLUSTER_SECRET  # authenticates the internal plane (templates/cluster-secret.yaml)
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.clusterSecret.existingSecret | default (include "duet.componentName" (list . "cluster")) }}
+      key: {{ .Values.clusterSecret.existingSecretKey }}
 {{- end -}}
 
 {{- define "duet.podSecurityContext" -}}

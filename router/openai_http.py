@@ -35,6 +35,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from cluster import grpc_plumbing
 from duet.v1 import generation_pb2 as pb
@@ -55,6 +56,7 @@ READ_TIMEOUT_S = 30.0  # a request body that stalls this long between chunks get
 KEEP_ALIVE_S = 5.0  # an idle keep-alive connection is closed after this
 MAX_CONNECTIONS = 1024  # in-flight requests beyond it get 503 from uvicorn at once
 MAX_HEADER_BYTES = 64 * 1024  # h11's bound on an incomplete request head (request line + headers)
+HEAD_TIMEOUT_S = 10.0  # a connection that has not sent a whole request head this long after it opened is closed
 
 
 def error_response(status: int, kind: str, param: str | None, message: str,
@@ -70,6 +72,34 @@ def rpc_error_response(e: grpc.aio.AioRpcError) -> JSONResponse:
         if key == "grpc-retry-pushback-ms":
             headers["Retry-After"] = str(max(1, round(int(value) / 1000)))
     return error_response(status, kind, None, e.details() or e.code().name, headers)
+
+
+class HeadTimeoutH11(H11Protocol):
+    """uvicorn's h11 protocol with a deadline on the request head: a connection that has not sent a complete
+    request line and headers within HEAD_TIMEOUT_S of opening (or of its previous response) is closed.
+    uvicorn itself waits there forever (its keep-alive timer stops at the first byte), so a slow or idle
+    client could hold a connection for as long as it liked."""
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._arm_head_timer()
+
+    def _arm_head_timer(self) -> None:
+        self._head_cycle = self.cycle  # a new request head makes a new cycle
+        self._head_timer = self.loop.call_later(HEAD_TIMEOUT_S, self._head_timed_out)
+
+    def _head_timed_out(self) -> None:
+        if self.cycle is self._head_cycle and not self.transport.is_closing():
+            self.transport.close()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._head_timer.cancel()
+        self._arm_head_timer()
+
+    def connection_lost(self, exc) -> None:
+        self._head_timer.cancel()
+        super().connection_lost(exc)
 
 
 class BodyLimits:
@@ -143,7 +173,7 @@ class OpenAIHTTPServer:
         self._server = uvicorn.Server(uvicorn.Config(
             self.app, log_level="warning", access_log=False, lifespan="on", timeout_keep_alive=int(KEEP_ALIVE_S),
             limit_concurrency=MAX_CONNECTIONS, h11_max_incomplete_event_size=MAX_HEADER_BYTES,
-            timeout_graceful_shutdown=2, http="h11", loop="asyncio"))
+            timeout_graceful_shutdown=2, http=HeadTimeoutH11, loop="asyncio"))
         self._server.install_signal_handlers = lambda: None  # the router process owns its signals
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]},
                                         name="openai-http", daemon=True)

@@ -154,10 +154,11 @@ def test_invalid_utf8_is_invalid_argument_and_the_router_keeps_serving(cluster, 
 
 @pytest.fixture(scope="module")
 def http(cluster, tiny_llama_dir):
-    """A router with the HTTP API, in this process, over the module's workers; a 2 s body read timeout."""
+    """A router with the HTTP API, in this process, over the module's workers; 2 s head and body timeouts."""
     from router import openai_http
     from router.server import RouterConfig, RouterServer
 
+    head_timeout_s, openai_http.HEAD_TIMEOUT_S = openai_http.HEAD_TIMEOUT_S, 2.0
     server = RouterServer(RouterConfig(redis_url=cluster.redis_url, model_dir=tiny_llama_dir, port=0, http_port=0,
                                        max_model_len=2048))
     server.http.app.read_timeout_s = 2.0
@@ -166,6 +167,7 @@ def http(cluster, tiny_llama_dir):
     assert openai_http.READ_TIMEOUT_S > 2.0
     yield server
     server.stop()
+    openai_http.HEAD_TIMEOUT_S = head_timeout_s
 
 
 def raw_http(port: int, head: bytes, body: bytes = b"", timeout_s: float = 10.0) -> tuple[int | None, bytes]:
@@ -228,6 +230,15 @@ def test_oversized_declared_body_is_413_without_reading_it_and_a_stalled_body_is
     got, answer = raw_http(http.http.port, post_head("/v1/completions", b"", **{"Content-Length": "100"}),
                            b'{"prompt":')  # 90 bytes never come
     assert got == 408 and b"did not arrive within 2 s" in answer
+
+
+def test_a_connection_that_never_finishes_its_head_is_closed(http):
+    import socket
+
+    for sent in (b"", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"):  # idle, and headers that never end
+        with socket.create_connection(("127.0.0.1", http.http.port), timeout=10) as s:
+            s.sendall(sent)
+            assert s.recv(100) == b""  # closed by the server after 2 s (not answered; a 10 s timeout raises)
 
 
 def test_auth_wrong_method_and_unknown_route(cluster, tiny_llama_dir):

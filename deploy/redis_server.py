@@ -192,6 +192,10 @@ class RedisServer:
     # ----------------------------------------------------------------------------------------------- accessors
 
     @property
+    def password(self) -> str | None:
+        return self._password
+
+    @property
     def url(self) -> str:
         """redis://[:password@]127.0.0.1:port/0"""
         auth = f":{quote(self._password, safe='')}@" if self._password is not None else ""

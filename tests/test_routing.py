@@ -122,7 +122,8 @@ def test_redis_restart_falls_back_to_load_only_and_recovers(cluster, router):
             ex = client.explain_route(prefix(50) + [3])
             assert not ex.index_available and ex.branch == "load_only"
         finally:
-            cluster._redis = RedisServer(port=port).start()  # a fresh, empty Redis on the same port
+            # a fresh, empty Redis on the same port, with the same password
+            cluster._redis = RedisServer(port=port, password=redis_server.password).start()
         # workers re-register on their next heartbeat; their next KV event resyncs the index
         wait_for(lambda: client.explain_route(prefix(51)).index_available, what="the index to be back")
         first = stream_to_record(client.generate(prefix(52) + [1], PARAMS, timeout_s=60))

@@ -34,7 +34,7 @@ def rss_mb(pid: int) -> float:
     return float("nan")
 
 
-def request(text: str = "Tell me a story.", **sampling) -> pb.GenerateRequest:
+def request(text: str = "Tell me a long story about a dragon and a knight.", **sampling) -> pb.GenerateRequest:
     return pb.GenerateRequest(text=text, sampling=pb.SamplingParams(**sampling))
 
 
@@ -69,7 +69,7 @@ class Probe:
 
     def decode_stats(self) -> wpb.WorkerStats:
         decode = next(c for name, c in self.workers.items() if name.startswith("decode"))
-        with grpc_plumbing.channel(decode.address) as ch:
+        with grpc_plumbing.channel(decode.address, cluster_secret=self.cluster.cluster_secret.encode()) as ch:
             return wpb_grpc.DecodeWorkerStub(ch).Stats(wpb.StatsRequest(), timeout=10)
 
     def workers_alive(self) -> bool:
@@ -93,13 +93,13 @@ class Probe:
     def huge_prompt(self) -> None:
         router = next(c for c in self.cluster.components if c.name == "router")
         rss_before = rss_mb(router.pid)
-        text = "word " * (4 * 1024 * 1024 // 5)  # ~4 MiB
+        text = "word " * (39 * 1024 * 1024 // 50)  # 3.9 MiB: under the 4 MiB message bound, as in the issue
         with cf.ThreadPoolExecutor(2) as pool:
             huge = pool.submit(outcome, self.stub, request(text, max_tokens=1))
             time.sleep(0.05)
             canary = pool.submit(outcome, self.stub, request("Hi", max_tokens=4, temperature=0))
             h, c = huge.result(), canary.result()
-        self.row("4 MiB text prompt + a concurrent 4-token canary",
+        self.row("3.9 MiB text prompt + a concurrent 4-token canary",
                  "6-24 s to refuse, canary waited 23.6 s, router 277 MB -> 3.1 GB",
                  f"{h[0]} in {h[1]:.2f} s; canary {c[0]} in {c[1]:.2f} s; router RSS {rss_before:.0f} -> "
                  f"{rss_mb(router.pid):.0f} MB")

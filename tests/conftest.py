@@ -13,8 +13,14 @@ os.environ.setdefault("DUET_CLUSTER_SECRET", "tests-" + os.urandom(16).hex())
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 from engine.tiny_model import make_tiny_model
+
+# `pytest tests/test_fuzz.py -s --hypothesis-profile=fuzz-soak`: the long random fuzz run (registered here, as
+# the option is read before test modules are imported)
+settings.register_profile("fuzz-soak", max_examples=1500, deadline=None, derandomize=False, database=None,
+                          suppress_health_check=list(HealthCheck))
 
 
 @pytest.fixture(scope="session")

@@ -23,10 +23,10 @@ from deploy.local_cluster import ClusterConfig, LocalCluster, _pick_free_ports
 from duet.v1 import generation_pb2 as pb
 from duet.v1 import generation_pb2_grpc as pb_grpc
 
-settings.register_profile("fuzz-soak", max_examples=1500, deadline=None, derandomize=False,
-                          suppress_health_check=list(HealthCheck))
-CI = settings(max_examples=60, deadline=None, derandomize=True, database=None,
-              suppress_health_check=list(HealthCheck))
+# 60 derandomized inputs per schema in CI; the fuzz-soak profile's (tests/conftest.py) when it is loaded
+SOAK = settings.get_profile("fuzz-soak")
+CI = SOAK if settings.default.max_examples == SOAK.max_examples else settings(
+    max_examples=60, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
 CALL_TIMEOUT_S = 30.0  # a bound, not a target: a tiny-model request answers in well under a second
 MESSAGES_READ = 4  # then the stream is cancelled: cancellation is part of what is fuzzed
 

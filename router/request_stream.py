@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from cluster.grpc_plumbing import is_request_fault
 from duet.v1 import generation_pb2 as pb
 from engine.detokenizer import IncrementalDetokenizer
 
@@ -114,7 +115,10 @@ class ClientStream:
 
 
 def downstream_code(error: grpc.RpcError) -> grpc.StatusCode:
-    """A worker's status as the client should see it: a worker's own failure is UNAVAILABLE to the client."""
+    """A worker's status as the client should see it: a worker's own failure is UNAVAILABLE to the client (it
+    may retry; another worker will serve it); a failure the worker marked as the request's own is INTERNAL."""
+    if is_request_fault(error):
+        return grpc.StatusCode.INTERNAL
     code = error.code()
     if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
                 grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DATA_LOSS, grpc.StatusCode.FAILED_PRECONDITION):

@@ -378,3 +378,34 @@ def test_the_clusters_redis_requires_a_password_and_takes_an_acl_user(cluster):
     as_user = WorkerRegistry.from_url(user_url, cluster_secret=load_cluster_secret())
     (model_id,) = as_user.list_models()
     assert sorted(w.info.role for w in as_user.list_workers(model_id)) == ["decode", "prefill"]
+
+
+def test_a_worker_error_marked_as_the_requests_own_is_internal_and_blames_no_worker():
+    """A real gRPC server on loopback answers the way a worker does when one request's sampling failed
+    (worker/process.abort_with(..., request_fault=True)); the router's mapping reads the real error."""
+    from concurrent import futures
+
+    from cluster import grpc_plumbing
+    from router.request_stream import downstream_code
+    from worker.process import abort_with
+
+    def handler(request, context):
+        abort_with(context, grpc.StatusCode.INTERNAL, "request r1 failed: sampling failed", request_fault=True)
+
+    def plain(request, context):
+        context.abort(grpc.StatusCode.INTERNAL, "the engine thread died")
+
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("t.T", {
+        "Fault": grpc.unary_unary_rpc_method_handler(handler), "Plain": grpc.unary_unary_rpc_method_handler(plain)})])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            fault = rpc_error(lambda: ch.unary_unary("/t.T/Fault")(b"", timeout=10))
+            plain_error = rpc_error(lambda: ch.unary_unary("/t.T/Plain")(b"", timeout=10))
+    finally:
+        server.stop(0)
+    assert grpc_plumbing.is_request_fault(fault) and not grpc_plumbing.is_request_fault(plain_error)
+    assert downstream_code(fault) == grpc.StatusCode.INTERNAL  # the request's own: retrying will not help
+    assert downstream_code(plain_error) == grpc.StatusCode.UNAVAILABLE  # the worker's: another may serve it

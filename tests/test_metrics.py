@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -33,8 +34,11 @@ ROUTER_METRICS = {
 }
 
 
-def scrape(port: int) -> dict:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+METRICS_HOST = {"prefill": "127.0.0.2", "decode": "127.0.0.1"}  # prefill's /metrics bound apart (--metrics-host)
+
+
+def scrape(port: int, host: str = "127.0.0.1") -> dict:
+    text = urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=5).read().decode()
     return {f.name: f for f in text_string_to_metric_families(text)}
 
 
@@ -46,7 +50,8 @@ def workers(tiny_llama_dir):
             grpc_port, metrics_port = pick_free_port(), pick_free_port()
             procs[role] = subprocess.Popen(
                 [sys.executable, "-m", "duet", role, "--port", str(grpc_port), "--redis-url", redis_server.url,
-                 "--model", str(tiny_llama_dir), "--num-kv-blocks", "64", "--metrics-port", str(metrics_port)],
+                 "--model", str(tiny_llama_dir), "--num-kv-blocks", "64", "--metrics-port", str(metrics_port),
+                 "--metrics-host", METRICS_HOST[role]],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             ports[role] = (grpc_port, metrics_port)
         try:
@@ -73,14 +78,16 @@ def test_worker_and_router_metrics(workers, tiny_llama_dir):
                                                                                            ignore_eos=True)))
         assert len(record["token_ids"]) == 5
         for role, (_, metrics_port) in ports.items():
-            families = scrape(metrics_port)
+            families = scrape(metrics_port, METRICS_HOST[role])
             for name, kind in WORKER_METRICS.items():
                 assert name in families and families[name].type == kind, (role, name)
                 assert all(s.labels.get("role") == role for s in families[name].samples), (role, name)
         decode = scrape(ports["decode"][1])
         count = next(s.value for s in decode["duet_inter_token_latency_seconds"].samples if s.name.endswith("_count"))
         assert count == 4  # tokens 2..5 each came some time after the previous one
-        prefill = scrape(ports["prefill"][1])
+        prefill = scrape(ports["prefill"][1], "127.0.0.2")
+        with pytest.raises(urllib.error.URLError):  # bound to 127.0.0.2 only, apart from its gRPC port's host
+            scrape(ports["prefill"][1], "127.0.0.1")
         sent = next(s.value for s in prefill["duet_kv_transfer_bytes"].samples if s.name.endswith("_total"))
         assert sent > 0
         families = scrape(router.metrics_port)

@@ -11,6 +11,9 @@ SERVING. Stop order: router, then workers (which can still deregister from Redis
 that ignores SIGTERM for timeout_s is SIGKILLed together with its whole process group, so nothing it spawned
 (e.g. tensor-parallel ranks) is left behind.
 
+Supervision: wait() restarts a worker or the router that dies, on its port, after a backoff that grows with
+its recent restarts; the others keep serving. Only a signal (or redis dying) ends it.
+
 Signals: run_up() and wait() turn SIGINT/SIGTERM into an orderly stop while they run. A program that drives
 LocalCluster itself should stop it in a `with` block or `finally`; PR_SET_PDEATHSIG covers a launcher that
 dies outright (Linux, when started from the main thread).
@@ -44,6 +47,9 @@ from engine.child_process import parent_death_preexec
 log = logging.getLogger(__name__)
 
 _POLL_INTERVAL_S = 0.2
+RESTART_BACKOFF_S = 1.0  # a dead worker or router is started again after this, doubling with each recent restart
+RESTART_WINDOW_S = 300.0  # restarts longer ago than this no longer lengthen the backoff
+MAX_RESTART_BACKOFF_S = 30.0
 _HEALTH_RPC_TIMEOUT_S = 0.5
 # Retry a refused connection quickly: gRPC's default backoff grows to minutes while a model loads.
 _PROBE_CHANNEL_OPTIONS = [
@@ -309,7 +315,7 @@ class LocalCluster:
 
     def poll(self) -> str | None:
         """The name of a component that has died, else None."""
-        if self._redis is not None and self._redis.data_dir is not None and self._redis.returncode() is not None:
+        if self._redis_died():
             return "redis"
         for proc in self._grpc_processes():
             if proc.exited():
@@ -340,19 +346,52 @@ class LocalCluster:
                 signal.signal(sig, handler)
 
     def wait(self, print_fn: Callable[[str], None] = print) -> int:
-        """Block until SIGINT/SIGTERM (or request_stop()) or until a component dies. 0 for a signal; 1 when a
-        component died, after printing which, how, and its log tail. Does not stop the cluster."""
+        """Supervise until SIGINT/SIGTERM (or request_stop()): a worker or the router that dies is restarted on
+        its port after a backoff (RESTART_BACKOFF_S, doubling with each restart of that component within
+        RESTART_WINDOW_S, up to MAX_RESTART_BACKOFF_S), with a line saying which, how it died and when it comes
+        back; the rest keep serving meanwhile. Returns 0 for a signal; 1 when redis dies (printing how, and its
+        log tail), as the cluster's registry and index live there. Does not stop the cluster."""
+        restarts: dict[str, list[float]] = {}  # name -> when it was restarted (monotonic)
+        due: dict[str, float] = {}  # name -> when to start it again
         with self.handle_stop_signals():
             try:
                 while self._stop_signal is None:
-                    dead = self.poll()
-                    if dead is not None:
-                        print_fn(self._death_report(dead))
+                    now = time.monotonic()
+                    if self._redis_died():
+                        print_fn(self._death_report("redis"))
                         return 1
+                    for proc in self._grpc_processes():
+                        if proc.name not in due and proc.exited():
+                            recent = [t for t in restarts.get(proc.name, []) if now - t < RESTART_WINDOW_S]
+                            delay_s = min(MAX_RESTART_BACKOFF_S, RESTART_BACKOFF_S * 2 ** len(recent))
+                            due[proc.name] = now + delay_s
+                            print_fn(f"{self._death_report(proc.name)}\nduet: restarting {proc.name} in {delay_s:g} s "
+                                     f"(restart {len(recent) + 1} within {RESTART_WINDOW_S:g} s)")
+                            proc.kill_group_and_reap()  # what it spawned (TP ranks) goes with it
+                    for name in [n for n, t in due.items() if t <= now]:
+                        del due[name]
+                        restarts.setdefault(name, []).append(now)
+                        proc = self._restart(name)
+                        print_fn(f"duet: {name} restarted (pid {proc.pid})")
                     time.sleep(_POLL_INTERVAL_S)
             except KeyboardInterrupt:  # handlers could not be installed (not the main thread)
                 self._stop_signal = signal.SIGINT
         return 0
+
+    def _restart(self, name: str) -> _Process:
+        """Start a dead worker or router again, on the same host and port (it registers again itself)."""
+        old = next(p for p in self._grpc_processes() if p.name == name)
+        host, port = old.address.rsplit(":", 1)
+        role = "router" if name == "router" else name.split("-")[0]
+        proc = self._launch(name, role, host, int(port), old.log_path.parent)
+        if name == "router":
+            self._router = proc
+        else:
+            self._workers[self._workers.index(old)] = proc
+        return proc
+
+    def _redis_died(self) -> bool:
+        return self._redis is not None and self._redis.data_dir is not None and self._redis.returncode() is not None
 
     def _death_report(self, name: str) -> str:
         if name == "redis":
@@ -400,9 +439,9 @@ def _terminate_stage(procs: list[_Process], timeout_s: float) -> None:
 
 
 def run_up(config: ClusterConfig, print_fn: Callable[[str], None] = print) -> int:
-    """`duet up`: start the cluster, print one line containing `ready` and the router address, run until
-    SIGINT/SIGTERM or a component dies, stop everything. Returns the exit code (0 after a signal, 1 if a
-    component failed to start or died)."""
+    """`duet up`: start the cluster, print one line containing `ready` and the router address, supervise it
+    (dead workers and router restarted, see `LocalCluster.wait`) until SIGINT/SIGTERM or redis dies, stop
+    everything. Returns the exit code (0 after a signal, 1 if a component failed to start or redis died)."""
     cluster = LocalCluster(config)
     with cluster.handle_stop_signals():
         try:

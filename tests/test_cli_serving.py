@@ -81,17 +81,38 @@ def test_up_then_client_then_sigterm_leaves_nothing_behind(tiny_llama_dir, tmp_p
     assert not list(tmp_path.glob("duet-*")), "temporary dirs left behind"
 
 
-def test_up_stops_everything_when_a_component_dies(tiny_llama_dir, tmp_path):
-    up, _ = start_up(tiny_llama_dir, tmp_path)
+def test_up_restarts_a_killed_worker_and_keeps_serving(tiny_llama_dir, tmp_path):
+    """issue 16 (part): `duet up` supervises. A SIGKILLed decode worker is started again on its port, registers
+    again and serves; only SIGTERM stops the cluster."""
+    up, address = start_up(tiny_llama_dir, tmp_path)
     kids = children_of(up.pid)
     try:
-        worker = next(k for k in kids if "prefill" in Path(f"/proc/{k}/cmdline").read_text())
+        worker = next(k for k in kids if "decode" in Path(f"/proc/{k}/cmdline").read_text())
         os.kill(worker, signal.SIGKILL)
-        assert up.wait(timeout=30) == 1
-        rest = up.stdout.read()
-        assert "prefill" in rest
+        lines = []
+        while not any("decode-0 restarted" in line for line in lines):
+            line = up.stdout.readline()
+            assert line, f"duet up ended: {''.join(lines)}"
+            lines.append(line)
+        said = "".join(lines)
+        assert "duet: component decode-0 was killed by SIGKILL" in said and "restarting decode-0 in 1 s" in said
+        ref = LLM(tiny_llama_dir, num_kv_blocks=128).generate(
+            [[5, 6, 7, 8]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
+        deadline = time.monotonic() + 120
+        while True:  # UNAVAILABLE until the new worker has loaded and registered
+            out = subprocess.run(
+                [sys.executable, "-m", "duet", "client", "--addr", address, "--prompt-ids", "5,6,7,8", "--max-tokens",
+                 "6", "--ignore-eos", "--json"], capture_output=True, text=True, timeout=60)
+            if out.returncode == 0:
+                break
+            assert time.monotonic() < deadline, out.stdout + out.stderr
+            time.sleep(0.5)
+        assert json.loads(out.stdout)["token_ids"] == ref.token_ids
+        assert up.poll() is None
+        kids = children_of(up.pid)  # the restarted worker among them
+        assert len(kids) == 4 and worker not in kids
     finally:
-        if up.poll() is None:
-            up.kill()
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(timeout=30) == 0
     assert not [k for k in kids if alive(k)]
     assert not list(tmp_path.glob("duet-*"))

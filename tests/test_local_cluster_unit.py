@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from cluster import grpc_plumbing
 from deploy.local_cluster import ClusterConfig, LocalCluster, run_up
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -155,19 +156,34 @@ def test_component_never_serving_times_out(fake_path):
     _wait_dead([c.pid for c in cluster.components])
 
 
-def test_wait_reports_a_dead_component_and_stop_kills_one_ignoring_sigterm(fake_path):
+def test_wait_restarts_a_dead_worker_on_its_port_and_stop_kills_one_ignoring_sigterm(fake_path):
     config = ClusterConfig(num_prefill=1, num_decode=1, worker_args=["--ignore-sigterm"], ready_timeout_s=30)
     with FakeCluster(config) as cluster:
         pids = [c.pid for c in cluster.components]
-        os.kill(cluster.components[2].pid, signal.SIGKILL)
+        decode = next(c for c in cluster.components if c.name == "decode-0")
+        os.kill(decode.pid, signal.SIGKILL)
         printed = []
-        assert cluster.wait(print_fn=printed.append) == 1
-        assert cluster.poll() == "decode-0"
+        waiting = threading.Thread(target=lambda: printed.append(cluster.wait(print_fn=printed.append)))
+        waiting.start()
+        deadline = time.monotonic() + 20
+        while not any(str(line).startswith("duet: decode-0 restarted") for line in printed):
+            assert time.monotonic() < deadline, printed
+            time.sleep(0.05)
+        again = next(c for c in cluster.components if c.name == "decode-0")
+        assert again.pid != decode.pid and again.address == decode.address
+        while not grpc_plumbing.health_check(again.address):  # serving again, on the same port
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert cluster.poll() is None
+        cluster.request_stop()
+        waiting.join(10)
+        assert printed[-1] == 0
         t0 = time.monotonic()
         cluster.stop(timeout_s=0.5)  # prefill-0 ignores SIGTERM
         assert time.monotonic() - t0 < 5.0
     assert printed[0].startswith("duet: component decode-0 was killed by SIGKILL; decode-0 log tail:")
-    _wait_dead(pids)
+    assert printed[0].endswith("duet: restarting decode-0 in 1 s (restart 1 within 300 s)")
+    _wait_dead(pids + [again.pid])
 
 
 def test_run_up_prints_one_ready_line_and_stops_on_sigterm(fake_path, monkeypatch):

@@ -53,13 +53,20 @@ class ReservedRequest:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     cache_salt: str = ""
+    output_token_ids: tuple[int, ...] = ()  # a migrated request's tokens before the last one sent
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens whose KV the reservation holds: the prompt, and a migrated request's earlier output."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     def with_first_token(self, first_token_id: int, eos_token_ids: frozenset[int]) -> Request:
-        """The engine request: prompt computed (its KV arrived), the prefill worker's token as output 0."""
+        """The engine request: its KV computed (it arrived), `first_token_id` as its latest output token (the
+        prefill worker's first token, or the last one a migrated request sent before its worker was lost)."""
         return Request(
             request_id=self.request_id, prompt_token_ids=self.prompt_token_ids,
             sampling_params=self.sampling_params, eos_token_ids=eos_token_ids, cache_salt=self.cache_salt,
-            output_token_ids=[first_token_id], num_computed_tokens=len(self.prompt_token_ids),
+            output_token_ids=[*self.output_token_ids, first_token_id], num_computed_tokens=self.num_tokens,
         )
 
 
@@ -90,20 +97,19 @@ class DecodeLoop:
     def reserve(self, request: ReservedRequest, ttl_s: float) -> Reservation | None:
         """Blocks for the request's prompt KV, or None when admitting it would crowd out running requests.
         The request waits with the reservation until `start_request` (or release / expiry drops it)."""
-        request_id, num_prompt_tokens = request.request_id, len(request.prompt_token_ids)
+        request_id, num_tokens = request.request_id, request.num_tokens
         core, pool = self.core, self.rt.block_pool
-        num_blocks = cdiv(num_prompt_tokens, self.rt.block_size)
+        num_blocks = cdiv(num_tokens, self.rt.block_size)
         if core.num_requests + len(self.reservations) >= core.max_num_seqs:
             return None
         # keep one free block per running request so the batch can grow without preempting at once
         if pool.num_free_blocks - num_blocks < core.num_running + 1:
             return None
         block_ids = pool.allocate(num_blocks)
-        reservation = self.reservations.add(request_id, block_ids, num_prompt_tokens, ttl_s)
+        reservation = self.reservations.add(request_id, block_ids, num_tokens, ttl_s)
         self._reserved[reservation.reservation_id] = block_ids
         self._reserved_requests[reservation.reservation_id] = request
-        mirrored = self._followers.reserve(reservation.reservation_id, request_id, block_ids, num_prompt_tokens,
-                                           ttl_s)
+        mirrored = self._followers.reserve(reservation.reservation_id, request_id, block_ids, num_tokens, ttl_s)
         if not mirrored:  # a follower rank refused: undo everywhere
             self.release(reservation.reservation_id)
             raise RuntimeError(f"reservation {reservation.reservation_id}: a tensor-parallel rank refused it")

@@ -22,7 +22,7 @@ from duet.internal.v1 import workers_pb2 as wpb
 from duet.internal.v1 import workers_pb2_grpc as wpb_grpc
 from engine.errors import ExceedsContextError, InvalidRequestError
 from engine.kv_cache_manager import cdiv
-from engine.validation import check_request, check_token_ids
+from engine.validation import check_request, check_token_ids, check_token_ids_fast
 from kvtransfer.errors import ChecksumMismatch, ReservationExpired, TransferError, TransferTimeout
 from kvtransfer.receiver import KVReceiver
 from kvtransfer.reservation import ReservationTable
@@ -78,12 +78,13 @@ class DecodeWorker(WorkerProcess, wpb_grpc.DecodeWorkerServicer):
     # -- RPCs ------------------------------------------------------------------------------------
 
     def Reserve(self, request: wpb.ReserveRequest, context: grpc.ServicerContext) -> wpb.ReserveResponse:
-        prompt = list(request.prompt_token_ids)
-        n = len(prompt)
+        prompt, history = list(request.prompt_token_ids), tuple(request.output_token_ids)
+        n = len(prompt) + len(history)
         try:
             params = sampling_from_proto(request.sampling)
             check_request(prompt, params, vocab_size=self.rt.model_config.vocab_size,
                           max_model_len=self.rt.max_model_len, max_logprobs=self.rt.config.max_logprobs, routed=True)
+            check_token_ids_fast("output_token_ids", history, self.rt.model_config.vocab_size)
         except ExceedsContextError as e:  # the router's limit is above this worker's: another may hold it
             abort_with(context, grpc.StatusCode.FAILED_PRECONDITION, f"decode worker {self.worker_id}: {e}")
         except InvalidRequestError as e:
@@ -95,9 +96,9 @@ class DecodeWorker(WorkerProcess, wpb_grpc.DecodeWorkerServicer):
         num_blocks = cdiv(n, self.rt.block_size)
         if num_blocks > self.rt.block_pool.num_blocks - 1:  # reserve() keeps one block free for the batch
             abort_with(context, grpc.StatusCode.FAILED_PRECONDITION,
-                       f"prompt of {n} tokens needs {num_blocks} KV blocks: decode worker {self.worker_id} holds "
+                       f"{n} tokens need {num_blocks} KV blocks: decode worker {self.worker_id} holds "
                        f"at most {self.rt.block_pool.num_blocks - 1} for one request, even when idle")
-        reserved = ReservedRequest(request.request_id, prompt, params, request.cache_salt)
+        reserved = ReservedRequest(request.request_id, prompt, params, request.cache_salt, history)
         reservation = self.loop.thread.call(self.loop.reserve, reserved, ttl_s)
         if reservation is not None and not context.is_active():  # the caller gave up: nobody will use it
             self.loop.thread.post(self.loop.release, reservation.reservation_id)

@@ -174,9 +174,10 @@ class PrefillLoop(StepHooks):
             if job.target is None:
                 continue
             end = chunk.start_position + len(chunk.token_ids)
-            end_blocks = cdiv(request.num_prompt_tokens, bs) if end >= request.num_prompt_tokens else end // bs
+            # KV for every token it computes: the prompt, and a migrated request's earlier output
+            end_blocks = cdiv(request.num_tokens, bs) if end >= request.num_tokens else end // bs
             if end_blocks > job.num_sent_blocks:
-                last = end >= request.num_prompt_tokens
+                last = end >= request.num_tokens
                 sends.append(_Send(job, job.num_sent_blocks, chunk.block_ids[job.num_sent_blocks : end_blocks], last))
                 job.num_sent_blocks = end_blocks
         self._execute_start_s = time.monotonic()

@@ -20,7 +20,7 @@ from duet.internal.v1 import workers_pb2 as wpb
 from duet.internal.v1 import workers_pb2_grpc as wpb_grpc
 from engine.errors import ExceedsContextError, InvalidRequestError, RequestFailed
 from engine.request import Request
-from engine.validation import check_request
+from engine.validation import check_request, check_token_ids_fast
 from kvtransfer.errors import (
     ChecksumMismatch,
     LayoutMismatch,
@@ -93,6 +93,8 @@ class PrefillWorker(WorkerProcess, wpb_grpc.PrefillWorkerServicer):
             # validated by the router; guarded only against this worker's own limits (workers.proto: Trust)
             check_request(token_ids, params, vocab_size=self.rt.model_config.vocab_size,
                           max_model_len=self.rt.max_model_len, max_logprobs=self.rt.config.max_logprobs, routed=True)
+            history = list(request.output_token_ids)  # a migrated request's earlier output
+            check_token_ids_fast("output_token_ids", history, self.rt.model_config.vocab_size)
         except ExceedsContextError as e:  # the router's limit is above this worker's
             abort_with(context, grpc.StatusCode.FAILED_PRECONDITION, f"prefill worker {self.worker_id}: {e}")
         except InvalidRequestError as e:
@@ -112,7 +114,7 @@ class PrefillWorker(WorkerProcess, wpb_grpc.PrefillWorkerServicer):
                 abort_with(context, transfer_status(e), f"kv connect to {target.endpoint}: {e}")
         engine_request = Request(
             request_id=request.request_id, prompt_token_ids=token_ids, sampling_params=params,
-            eos_token_ids=self.rt.tokenizer.eos_token_ids, cache_salt=request.cache_salt,
+            eos_token_ids=self.rt.tokenizer.eos_token_ids, cache_salt=request.cache_salt, output_token_ids=history,
         )
         future = self.loop.submit(engine_request, target)
         if not context.add_callback(lambda: future.done() or self.loop.abort(request.request_id)):

@@ -25,6 +25,8 @@ class RouterMetrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
         self.requests = Counter("duet_router_requests", "Generate calls by final status", ["status"], registry=r)
+        self.migrations = Counter("duet_router_migrations", "Requests continued on another worker, by reason",
+                                  ["reason"], registry=r)
         self.decisions = Counter("duet_router_routing_decisions", "Prefill choices by branch", ["branch"],
                                  registry=r)
         self.lookup_s = Histogram("duet_router_prefix_lookup_seconds", "Prefix index lookup (one round trip)",
@@ -63,6 +65,9 @@ class RouterMetrics:
     def request_completed(self, e2e_s: float) -> None:
         """The last token went out (a finish reason or a stop string; not an abort or a failure)."""
         self.e2e_s.observe(e2e_s)
+
+    def request_migrated(self, reason: str) -> None:
+        self.migrations.labels(reason).inc()
 
     def request_ended(self, status: str) -> None:
         """Every Generate call that reached the orchestrator, once, by final gRPC status name."""

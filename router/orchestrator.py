@@ -8,6 +8,10 @@
              blocks and samples the first token, which goes to the client at once
     decode   D.Decode(ticket, first token): the reserved request joins D's batch; its tokens stream to the
              client (detokenized and stop strings cut here, router/request_stream.py)
+    migrate  D is lost mid-stream: reserve on another decode worker for the prompt plus every token sent but
+             the last, have a prefill worker compute that KV (sampling state continued: the seeded step and
+             penalties see the tokens), and Decode there with the last token sent: the client's stream goes on
+             with exactly the tokens an undisturbed run gives (greedy and seeded), at most MAX_MIGRATIONS times
 
 A request keeps one id, `request_id` (the client's, or one the router makes), on the router, on both
 workers and in every log line. Every downstream call gets the client's remaining deadline; a client
@@ -23,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -46,6 +50,11 @@ log = logging.getLogger("duet.router")
 RESERVE_TIMEOUT_S = 5.0
 RELEASE_TIMEOUT_S = 2.0
 DEFAULT_PUSHBACK_MS = 200  # retry hint when a full decode worker gave none
+MAX_MIGRATIONS = 3  # per request; past it, UNAVAILABLE saying what failed
+
+
+class DecodeWorkerLost(Exception):
+    """The decode worker failed mid-stream through no fault of the request: the request may migrate."""
 
 
 @dataclass(frozen=True)
@@ -160,6 +169,7 @@ class RequestOrchestrator:
         reserve_start_s = time.monotonic()
         reservation = self.reserve(request, decodes, live)
         held = _HeldReservation(self, reservation)
+        helds = [held]  # one per reservation this request makes (migrations add theirs)
         try:
             plan = self.plan(request, prefills, reservation, time.monotonic() - reserve_start_s)
             params = request.built.params
@@ -187,13 +197,15 @@ class RequestOrchestrator:
                 yield self._finish(client, message)
                 return
             yield message
-            yield from self.decode(plan, first, live, client, held, first_sent_s)
+            yield from self.decode_migrating(request, plan, first.token_id, live, client, helds, first_sent_s)
         finally:
-            held.release()
+            for h in helds:
+                h.release()
 
     # -- the stages ------------------------------------------------------------------------------
 
-    def reserve(self, request: RoutedRequest, decodes: list[LiveWorker], live: Live) -> Reservation:
+    def reserve(self, request: RoutedRequest, decodes: list[LiveWorker], live: Live,
+                history: Sequence[int] = ()) -> Reservation:
         """A reservation on the least loaded decode worker that admits the request (the request goes with it).
         RESOURCE_EXHAUSTED with a retry hint when every reachable one is full now; FAILED_PRECONDITION (no
         hint: retrying cannot help) when none of them could ever hold the prompt."""
@@ -203,6 +215,7 @@ class RequestOrchestrator:
         message = wpb.ReserveRequest(
             request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
             sampling=request.built.sampling, cache_salt=request.cache_salt, ttl_s=self.reservation_ttl_s,
+            output_token_ids=history,
         )
         exhausted, too_small, pushback_ms = [], [], 0
         for worker_id in ranked:
@@ -243,16 +256,16 @@ class RequestOrchestrator:
         raise Failed(grpc.StatusCode.UNAVAILABLE, f"no decode worker for model {self.model_id} answered")
 
     def plan(self, request: RoutedRequest, prefills: list[LiveWorker], reservation: Reservation,
-             reserve_s: float) -> HandOffPlan:
+             reserve_s: float, history: Sequence[int] = ()) -> HandOffPlan:
         """The prefill worker for a reserved request: one whose KV layout the decode worker takes, chosen
-        by cached prefix and queued work."""
-        choice = self.choose_prefill(request.prompt_token_ids, request.cache_salt,
-                                     self.compatible(prefills, reservation.decode))
+        by cached prefix (of the prompt, and a migrating request's output so far) and queued work."""
+        token_ids = [*request.prompt_token_ids, *history]
+        choice = self.choose_prefill(token_ids, request.cache_salt, self.compatible(prefills, reservation.decode))
         predicted = choice.predicted_cached_tokens
-        return HandOffPlan(request.request_id, reservation, choice.worker, predicted,
-                           len(request.prompt_token_ids) - predicted, reserve_s)
+        return HandOffPlan(request.request_id, reservation, choice.worker, predicted, len(token_ids) - predicted,
+                           reserve_s)
 
-    def prefill(self, plan: HandOffPlan, request: RoutedRequest, live: Live) -> FirstToken:
+    def prefill(self, plan: HandOffPlan, request: RoutedRequest, live: Live, history: Sequence[int] = ()) -> FirstToken:
         """P computes the prompt and streams its KV into the reservation; returns once D holds all of it."""
         prefill = plan.prefill
         stub = wpb_grpc.PrefillWorkerStub(self.view.channel(prefill.address))
@@ -262,7 +275,7 @@ class RequestOrchestrator:
             future = stub.Prefill.future(
                 wpb.PrefillRequest(request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
                                    sampling=request.built.sampling, cache_salt=request.cache_salt,
-                                   target=plan.reservation.kv_target()),
+                                   target=plan.reservation.kv_target(), output_token_ids=history),
                 timeout=live.remaining_s(),
             )
             live.set_call(future)
@@ -278,12 +291,43 @@ class RequestOrchestrator:
             self.view.track_requests(prefill.worker_id, -1)
             self.view.track_tokens(prefill.worker_id, -plan.routed_tokens)
 
-    def decode(self, plan: HandOffPlan, first: FirstToken, live: Live, client: ClientStream,
+    def decode_migrating(self, request: RoutedRequest, plan: HandOffPlan, first_token_id: int, live: Live,
+                         client: ClientStream, helds: list[_HeldReservation],
+                         first_sent_s: float) -> Iterator[pb.GenerateResponse]:
+        """`decode`, and when its worker is lost, `migrate` and decode again there (MAX_MIGRATIONS at most)."""
+        for migrations in range(MAX_MIGRATIONS + 1):
+            try:
+                yield from self.decode(plan, first_token_id, live, client, helds[-1], first_sent_s)
+                return
+            except DecodeWorkerLost as lost:
+                if migrations == MAX_MIGRATIONS or not live.is_active():
+                    raise Failed(grpc.StatusCode.UNAVAILABLE, f"{lost}; {migrations} migrations already") from None
+                log.warning("request=%s event=migrating reason=decode_lost from=%s tokens_sent=%d error=%s",
+                            request.request_id, plan.decode.worker_id, len(client.output_token_ids), lost)
+                self.metrics.request_migrated("decode_lost")
+                plan, first_token_id = self.migrate(request, client, live, helds)
+
+    def migrate(self, request: RoutedRequest, client: ClientStream, live: Live,
+                helds: list[_HeldReservation]) -> tuple[HandOffPlan, int]:
+        """The request's KV rebuilt on another decode worker: reserve for the prompt plus every token sent but
+        the last, have a prefill worker compute it (its sampled token is dropped: the last one sent stands), and
+        return the plan and the token Decode starts from."""
+        *history, last = client.output_token_ids
+        prefills, decodes = self.workers()
+        reserve_start_s = time.monotonic()
+        reservation = self.reserve(request, decodes, live, history)
+        helds.append(_HeldReservation(self, reservation))
+        plan = self.plan(request, prefills, reservation, time.monotonic() - reserve_start_s, history)
+        self.prefill(plan, request, live, history)
+        return plan, last
+
+    def decode(self, plan: HandOffPlan, first_token_id: int, live: Live, client: ClientStream,
                held: _HeldReservation, first_sent_s: float) -> Iterator[pb.GenerateResponse]:
-        """D takes the reserved request with its first token and streams the rest to the client."""
+        """D takes the reserved request with its latest token and streams the rest to the client. Raises
+        DecodeWorkerLost when D fails through no fault of the request (the stream breaks or ends early)."""
         decode = plan.decode
         stub = wpb_grpc.DecodeWorkerStub(self.view.channel(decode.address))
-        stream = stub.Decode(wpb.DecodeRequest(reservation_id=plan.reservation.ticket, first_token_id=first.token_id),
+        stream = stub.Decode(wpb.DecodeRequest(reservation_id=plan.reservation.ticket, first_token_id=first_token_id),
                              timeout=live.remaining_s())
         live.set_call(stream)
         self.view.track_requests(decode.worker_id, +1)
@@ -303,7 +347,7 @@ class RequestOrchestrator:
                     return
                 if message.token_ids or message.text:
                     yield message
-            raise Failed(grpc.StatusCode.INTERNAL, f"decode worker {decode.worker_id} ended the stream early")
+            raise DecodeWorkerLost(f"decode worker {decode.worker_id} ended the stream early")
         except grpc.RpcError as e:
             if live.aborted:
                 yield client.aborted()
@@ -311,6 +355,8 @@ class RequestOrchestrator:
             if live.cancelled:
                 return
             self.blame(decode, e, live)
+            if e.code() == grpc.StatusCode.UNAVAILABLE and live.is_active() and not is_request_fault(e):
+                raise DecodeWorkerLost(f"decode worker {decode.worker_id}: {e.details()}") from None
             raise Failed(downstream_code(e), f"decode worker {decode.worker_id}: {e.details()}") from None
         finally:
             self.view.track_requests(decode.worker_id, -1)

@@ -75,6 +75,7 @@ class ClientStream:
         self.received_s = received_s
         self.usage = pb.Usage(prompt_tokens=num_prompt_tokens)
         self.timing = pb.Timing()
+        self.output_token_ids: list[int] = []  # every token sent so far (what a migration continues after)
 
     def tokens(self, token_ids: list[int], logprobs: list[pb.TokenLogprob], finish_reason: str,
                stop_token_id: int | None) -> tuple[pb.GenerateResponse, bool]:
@@ -84,6 +85,7 @@ class ClientStream:
         text = []
         for i, token_id in enumerate(token_ids):
             self.usage.completion_tokens += 1
+            self.output_token_ids.append(token_id)
             message.token_ids.append(token_id)
             if i < len(logprobs):
                 message.logprobs.append(logprobs[i])

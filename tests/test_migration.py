@@ -73,7 +73,11 @@ def test_requests_on_a_killed_decode_worker_finish_with_the_undisturbed_tokens(c
     for t in threads:
         t.join(180)
     assert not errors, errors
-    assert [results[i] for i in range(len(prompts))] == expected
+    for i in range(len(prompts)):  # name the first difference, should there be one
+        diverged = next((k for k, (a, b) in enumerate(zip(results[i], expected[i])) if a != b), None)
+        assert results[i] == expected[i], (f"stream {i} ({'greedy' if i % 2 == 0 else 'seeded'}, decode "
+                                           f"{decode_ids[i]}, victim {victim}): {len(results[i])} tokens, first "
+                                           f"difference at {diverged}")
     router_log = Path(next(c for c in cluster.components if c.name == "router").log_path).read_text()
     migrated = router_log.count(f"event=migrating reason=decode_lost from={victim}")
     assert 1 <= migrated <= sum(d == victim for d in decode_ids)  # it was killed with requests mid-stream

@@ -57,6 +57,10 @@ class DecodeWorkerLost(Exception):
     """The decode worker failed mid-stream through no fault of the request: the request may migrate."""
 
 
+class PrefillWorkerLost(Exception):
+    """The prefill worker (or the KV path to the decode worker) failed through no fault of the request."""
+
+
 @dataclass(frozen=True)
 class RoutedRequest:
     """A validated request as the orchestrator takes it."""
@@ -165,13 +169,10 @@ class RequestOrchestrator:
             self.metrics.request_ended("CANCELLED" if live.cancelled else status)
 
     def _run(self, request: RoutedRequest, live: Live) -> Iterator[pb.GenerateResponse]:
-        prefills, decodes = self.workers()
-        reserve_start_s = time.monotonic()
-        reservation = self.reserve(request, decodes, live)
-        held = _HeldReservation(self, reservation)
-        helds = [held]  # one per reservation this request makes (migrations add theirs)
+        helds: list[_HeldReservation] = []  # one per reservation this request makes (retries add theirs)
         try:
-            plan = self.plan(request, prefills, reservation, time.monotonic() - reserve_start_s)
+            plan, first = self.hand_off(request, live, helds)
+            held = helds[-1]
             params = request.built.params
             detok = IncrementalDetokenizer(
                 self.tokenizer, request.prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
@@ -179,8 +180,6 @@ class RequestOrchestrator:
             )
             client = ClientStream(request.request_id, detok, len(request.prompt_token_ids), request.received_s)
             client.timing.reserve_s = plan.reserve_s
-
-            first = self.prefill(plan, request, live)
             self.metrics.request_prefilled(len(request.prompt_token_ids), plan.predicted_cached_tokens,
                                            first.cached_tokens)
             client.timing.queue_s, client.timing.prefill_s = first.queue_s, first.prefill_s
@@ -203,6 +202,28 @@ class RequestOrchestrator:
                 h.release()
 
     # -- the stages ------------------------------------------------------------------------------
+
+    def hand_off(self, request: RoutedRequest, live: Live,
+                 helds: list[_HeldReservation]) -> tuple[HandOffPlan, FirstToken]:
+        """reserve, plan and prefill; when the prefill worker is lost before the first token (or its KV cannot
+        reach the decode worker), release the reservation and start again, elsewhere (MAX_MIGRATIONS times at
+        most). Nothing reached the client yet, so a retry is invisible to it but for the time."""
+        for retries in range(MAX_MIGRATIONS + 1):
+            prefills, decodes = self.workers()
+            reserve_start_s = time.monotonic()
+            reservation = self.reserve(request, decodes, live)
+            helds.append(_HeldReservation(self, reservation))
+            plan = self.plan(request, prefills, reservation, time.monotonic() - reserve_start_s)
+            try:
+                return plan, self.prefill(plan, request, live)
+            except PrefillWorkerLost as lost:
+                helds[-1].release()
+                if retries == MAX_MIGRATIONS or not live.is_active():
+                    raise Failed(grpc.StatusCode.UNAVAILABLE, f"{lost}; {retries} retries already") from None
+                log.warning("request=%s event=migrating reason=prefill_lost from=%s error=%s", request.request_id,
+                            plan.prefill.worker_id, lost)
+                self.metrics.request_migrated("prefill_lost")
+        raise AssertionError("unreachable: the loop returns or raises")
 
     def reserve(self, request: RoutedRequest, decodes: list[LiveWorker], live: Live,
                 history: Sequence[int] = ()) -> Reservation:
@@ -286,6 +307,8 @@ class RequestOrchestrator:
             if live.cancelled or live.aborted:
                 raise Failed(grpc.StatusCode.CANCELLED, "request cancelled") from None
             self.blame(prefill, e, live)
+            if e.code() == grpc.StatusCode.UNAVAILABLE and live.is_active() and not is_request_fault(e):
+                raise PrefillWorkerLost(f"prefill worker {prefill.worker_id}: {e.details()}") from None
             raise Failed(downstream_code(e), f"prefill worker {prefill.worker_id}: {e.details()}") from None
         finally:
             self.view.track_requests(prefill.worker_id, -1)
@@ -297,15 +320,16 @@ class RequestOrchestrator:
         """`decode`, and when its worker is lost, `migrate` and decode again there (MAX_MIGRATIONS at most)."""
         for migrations in range(MAX_MIGRATIONS + 1):
             try:
+                if migrations:
+                    plan, first_token_id = self.migrate(request, client, live, helds)
                 yield from self.decode(plan, first_token_id, live, client, helds[-1], first_sent_s)
                 return
-            except DecodeWorkerLost as lost:
+            except (DecodeWorkerLost, PrefillWorkerLost) as lost:
                 if migrations == MAX_MIGRATIONS or not live.is_active():
                     raise Failed(grpc.StatusCode.UNAVAILABLE, f"{lost}; {migrations} migrations already") from None
                 log.warning("request=%s event=migrating reason=decode_lost from=%s tokens_sent=%d error=%s",
                             request.request_id, plan.decode.worker_id, len(client.output_token_ids), lost)
                 self.metrics.request_migrated("decode_lost")
-                plan, first_token_id = self.migrate(request, client, live, helds)
 
     def migrate(self, request: RoutedRequest, client: ClientStream, live: Live,
                 helds: list[_HeldReservation]) -> tuple[HandOffPlan, int]:
@@ -318,7 +342,11 @@ class RequestOrchestrator:
         reservation = self.reserve(request, decodes, live, history)
         helds.append(_HeldReservation(self, reservation))
         plan = self.plan(request, prefills, reservation, time.monotonic() - reserve_start_s, history)
-        self.prefill(plan, request, live, history)
+        try:
+            self.prefill(plan, request, live, history)
+        except PrefillWorkerLost:
+            helds[-1].release()  # the next attempt reserves afresh
+            raise
         return plan, last
 
     def decode(self, plan: HandOffPlan, first_token_id: int, live: Live, client: ClientStream,

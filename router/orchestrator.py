@@ -327,9 +327,10 @@ class RequestOrchestrator:
             except (DecodeWorkerLost, PrefillWorkerLost) as lost:
                 if migrations == MAX_MIGRATIONS or not live.is_active():
                     raise Failed(grpc.StatusCode.UNAVAILABLE, f"{lost}; {migrations} migrations already") from None
-                log.warning("request=%s event=migrating reason=decode_lost from=%s tokens_sent=%d error=%s",
-                            request.request_id, plan.decode.worker_id, len(client.output_token_ids), lost)
-                self.metrics.request_migrated("decode_lost")
+                reason = "decode_lost" if isinstance(lost, DecodeWorkerLost) else "prefill_lost"
+                log.warning("request=%s event=migrating reason=%s from=%s tokens_sent=%d error=%s",
+                            request.request_id, reason, plan.decode.worker_id, len(client.output_token_ids), lost)
+                self.metrics.request_migrated(reason)
 
     def migrate(self, request: RoutedRequest, client: ClientStream, live: Live,
                 helds: list[_HeldReservation]) -> tuple[HandOffPlan, int]:
@@ -406,22 +407,20 @@ class RequestOrchestrator:
     def release_by_request(self, decode: WorkerInfo, request_id: str) -> None:
         """Release what `decode` may hold for `request_id` although its Reserve reply never came. Best effort,
         like `release`; the worker also drops a reservation whose Reserve call was gone when it was made."""
-        stub = wpb_grpc.DecodeWorkerStub(self.view.channel(decode.address))
-        try:
-            stub.Release(wpb.ReleaseRequest(request_id=request_id), timeout=RELEASE_TIMEOUT_S)
-        except grpc.RpcError as e:
-            log.info("request=%s worker=%s event=release_failed status=%s", request_id, decode.worker_id,
-                     e.code().name)
+        self._send_release(decode, wpb.ReleaseRequest(request_id=request_id))
 
     def release(self, reservation: Reservation) -> None:
         """Best effort: if the decode worker is unreachable, the reservation expires there on its own.
         Idempotent on the worker: once Decode took the reservation, Release finds nothing."""
-        stub = wpb_grpc.DecodeWorkerStub(self.view.channel(reservation.decode.address))
+        self._send_release(reservation.decode, wpb.ReleaseRequest(reservation_id=reservation.ticket))
+
+    def _send_release(self, decode: WorkerInfo, message: wpb.ReleaseRequest) -> None:
+        stub = wpb_grpc.DecodeWorkerStub(self.view.channel(decode.address))
         try:
-            stub.Release(wpb.ReleaseRequest(reservation_id=reservation.ticket), timeout=RELEASE_TIMEOUT_S)
+            stub.Release(message, timeout=RELEASE_TIMEOUT_S)
         except grpc.RpcError as e:
-            log.info("worker=%s event=release_failed reservation=%d status=%s", reservation.decode.worker_id,
-                     reservation.ticket, e.code().name)
+            log.info("worker=%s event=release_failed reservation=%d request=%s status=%s", decode.worker_id,
+                     message.reservation_id, message.request_id, e.code().name)
 
     def workers(self) -> tuple[list[LiveWorker], list[LiveWorker]]:
         """(prefill, decode) live workers; UNAVAILABLE when a role has none."""

@@ -20,11 +20,12 @@ import grpc
 import httpx
 
 from cluster import grpc_plumbing
-from deploy.local_cluster import ClusterConfig, LocalCluster, _pick_free_ports
+from deploy.local_cluster import ClusterConfig, LocalCluster
 from duet.internal.v1 import workers_pb2 as wpb
 from duet.internal.v1 import workers_pb2_grpc as wpb_grpc
 from duet.v1 import generation_pb2 as pb
 from duet.v1 import generation_pb2_grpc as pb_grpc
+from engine.ports import pick_free_ports
 
 
 def rss_mb(pid: int) -> float:
@@ -171,7 +172,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="checkpoint dir or .gguf (default: the embedded SmolLM2)")
     args = parser.parse_args()
-    (http_port,) = _pick_free_ports(1)
+    (http_port,) = pick_free_ports(1)
     # decode KV for 4096 tokens under an 8192-token context: a 7000-token prompt fits the model, never the worker
     config = ClusterConfig(model_dir=args.model, worker_args=["--max-model-len", "8192"],
                            decode_args=["--num-kv-blocks", "256"],

@@ -27,7 +27,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -43,6 +42,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from cluster.cluster_secret import ENV_VAR, generate_cluster_secret
 from deploy.redis_server import RedisServer, tail_file
 from engine.child_process import parent_death_preexec
+from engine.ports import pick_free_ports
 
 log = logging.getLogger(__name__)
 
@@ -152,20 +152,6 @@ def _describe_returncode(code: int) -> str:
     return f"exited with code {code}" if code >= 0 else f"was killed by {_signal_name(-code)}"
 
 
-def _pick_free_ports(n: int) -> list[int]:
-    """n distinct ports that were free a moment ago (all sockets held open together, so no duplicates)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            socks.append(s)
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def _probe_address(address: str) -> str:
     host, _, port = address.rpartition(":")
     return f"127.0.0.1:{port}" if host in ("0.0.0.0", "::", "[::]", "") else address
@@ -219,7 +205,7 @@ class LocalCluster:
             self._redis_info = ComponentInfo("redis", self._redis.pid, f"{self._redis.host}:{self._redis.port}",
                                              str(self._redis.log_path))
             roles = ["prefill"] * cfg.num_prefill + ["decode"] * cfg.num_decode
-            ports = _pick_free_ports(len(roles) + (cfg.port == 0))
+            ports = pick_free_ports(len(roles) + (cfg.port == 0))
             self._router_port = cfg.port or ports.pop()
             counts = {"prefill": 0, "decode": 0}
             for role, port in zip(roles, ports):

@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -21,19 +20,13 @@ from urllib.parse import quote
 import redis
 
 from engine.child_process import parent_death_preexec
+from engine.ports import pick_free_port
 
 log = logging.getLogger(__name__)
 
 _HOST = "127.0.0.1"
 _MAX_PORT_ATTEMPTS = 5
 _PORT_IN_USE_MARKERS = ("Address already in use", "Failed listening on port")
-
-
-def pick_free_port(host: str = _HOST) -> int:
-    """A port that was free a moment ago (bind to port 0); the caller must cope with the rare race."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def tail_file(path: str | Path, max_lines: int = 40, max_bytes: int = 16384) -> str:

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import socket
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -45,6 +44,7 @@ from engine.attention import AttentionMetadata, PrefillChunk
 from engine.config import EngineConfig, ModelConfig
 from engine.follower_ops import MAX_OP_BYTES, CallResult, CallStatus, FollowerHooks, OpDecodeError, decode_op, encode_op
 from engine.model import KVCache, LlamaForCausalLM
+from engine.ports import pick_free_port
 
 log = logging.getLogger("duet.tp")
 
@@ -201,12 +201,6 @@ def follow(model: LlamaForCausalLM, kv_caches: list[KVCache], block_size: int, g
         hooks.after_step()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_group(rank: int, size: int, init_method: str, timeout_s: float = 120.0, device: torch.device | None = None):
     """Join the ranks; returns the control group the step loop broadcasts on.
 
@@ -258,7 +252,7 @@ def start_group(model_config: ModelConfig, model_dir: str | Path, dtype: torch.d
     from engine.tensor_parallel import TPGroup
     from engine.weights import build_model
 
-    init_method = f"tcp://127.0.0.1:{free_port()}"
+    init_method = f"tcp://127.0.0.1:{pick_free_port()}"
     cuda = device is not None and device.type == "cuda"
     if cuda and torch.cuda.device_count() < config.tp_size:
         raise ValueError(f"tp_size={config.tp_size} is invalid here: needs one GPU per rank, torch sees "

@@ -259,9 +259,9 @@ dist.destroy_process_group()
 def test_row_parallel_layer_runs_its_local_product_on_the_fast_path(tmp_path):
     """Two gloo ranks, each with half of a row-parallel layer's input columns: with the fast local GEMM the
     all-reduced output equals the whole layer's F.linear within fp32 tolerance, at one row and at 7."""
-    from engine.tp_runner import free_port
+    from engine.ports import pick_free_port
 
-    init_method = f"tcp://127.0.0.1:{free_port()}"
+    init_method = f"tcp://127.0.0.1:{pick_free_port()}"
     procs = [subprocess.Popen([sys.executable, "-c", ROW_PARALLEL_RANK, str(rank), init_method,
                                str(tmp_path / f"rank{rank}.pt")], cwd=REPO) for rank in range(2)]
     assert [p.wait(timeout=120) for p in procs] == [0, 0]

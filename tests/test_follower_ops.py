@@ -160,11 +160,11 @@ def _rank(rank: int, size: int, init_method: str, results) -> None:
 
 
 def test_each_rank_runs_its_method_and_rank_0_learns_every_status():
-    from engine.tp_runner import free_port
+    from engine.ports import pick_free_port
 
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    init_method = f"tcp://127.0.0.1:{free_port()}"
+    init_method = f"tcp://127.0.0.1:{pick_free_port()}"
     procs = [ctx.Process(target=_rank, args=(r, 3, init_method, results)) for r in range(3)]
     for p in procs:
         p.start()

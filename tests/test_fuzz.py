@@ -19,9 +19,10 @@ from cluster_helpers import alive, wait_idle, worker_components
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from deploy.local_cluster import ClusterConfig, LocalCluster, _pick_free_ports
+from deploy.local_cluster import ClusterConfig, LocalCluster
 from duet.v1 import generation_pb2 as pb
 from duet.v1 import generation_pb2_grpc as pb_grpc
+from engine.ports import pick_free_ports
 
 # 60 derandomized inputs per schema in CI; the fuzz-soak profile's (tests/conftest.py) when it is loaded
 SOAK = settings.get_profile("fuzz-soak")
@@ -64,7 +65,7 @@ SAMPLING_FIELDS = sorted(VALID_SAMPLING)
 
 @pytest.fixture(scope="module")
 def cluster(tiny_llama_dir):
-    (http_port,) = _pick_free_ports(1)
+    (http_port,) = pick_free_ports(1)
     config = ClusterConfig(model_dir=str(tiny_llama_dir),
                            worker_args=["--num-kv-blocks", "160", "--max-model-len", "2048"],
                            router_args=["--max-model-len", "2048", "--http-port", str(http_port)])

@@ -12,9 +12,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from cluster import grpc_plumbing
-from deploy.redis_server import RedisServer, pick_free_port
+from deploy.redis_server import RedisServer
 from duet.client import Client, stream_to_record
 from engine import SamplingParams
+from engine.ports import pick_free_port
 from router.server import RouterConfig, RouterServer
 
 WORKER_METRICS = {

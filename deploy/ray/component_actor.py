@@ -18,8 +18,9 @@ from pathlib import Path
 
 import ray
 
-from deploy.redis_server import pick_free_port, tail_file
+from deploy.redis_server import tail_file
 from engine.child_process import parent_death_preexec
+from engine.ports import pick_free_port
 
 log = logging.getLogger(__name__)
 

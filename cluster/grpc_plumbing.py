@@ -24,13 +24,22 @@ log = logging.getLogger("duet.grpc")
 PUBLIC_MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # a 32k-token prompt as ids is ~0.3 MB
 INTERNAL_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 _UNAUTHENTICATED_PATHS = ("/grpc.health.v1.Health/", "/grpc.reflection.")  # probes carry no token
-# Trailing metadata on a worker's error that is one request's own (its sampling failed, its deadline passed):
-# the router fails that request and keeps routing to the worker, which is healthy.
-REQUEST_FAULT = ("duet-fault", "request")
+# Trailing metadata by which a worker's error says whose fault it is, when not the worker's own:
+#   request    the request's own (its sampling failed): the router fails that request (retrying elsewhere
+#              would fail the same way) and keeps routing to the worker, which is healthy
+#   kv-target  the decode worker the KV went to (gone, restarted, a transfer that broke or arrived corrupt):
+#              the router blames that decode worker, not this prefill worker, and hands the request off again
+FAULT_KEY = "duet-fault"
+REQUEST_FAULT = (FAULT_KEY, "request")
+KV_TARGET_FAULT = (FAULT_KEY, "kv-target")
 
 
 def is_request_fault(error: grpc.RpcError) -> bool:
     return REQUEST_FAULT in tuple(error.trailing_metadata() or ())
+
+
+def is_kv_target_fault(error: grpc.RpcError) -> bool:
+    return KV_TARGET_FAULT in tuple(error.trailing_metadata() or ())
 
 
 class BearerTokenInterceptor(grpc.ServerInterceptor):

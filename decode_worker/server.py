@@ -15,6 +15,7 @@ import queue
 
 import grpc
 
+from cluster.grpc_plumbing import REQUEST_FAULT
 from cluster.proto_convert import logprobs_to_proto, sampling_from_proto
 from cluster.registry import WorkerLoad
 from decode_worker.decode_loop import DecodeLoop, ReservedRequest
@@ -160,7 +161,7 @@ class DecodeWorker(WorkerProcess, wpb_grpc.DecodeWorkerServicer):
                 continue
             if event.error is not None:
                 abort_with(context, grpc.StatusCode.INTERNAL, f"request {request_id} failed: {event.error}",
-                           request_fault=True)
+                           fault=REQUEST_FAULT)
             reply = wpb.DecodeResponse(finish_reason=event.finish_reason or "")
             events = [event]
             while not event.finish_reason:  # coalesce what is already there into one message

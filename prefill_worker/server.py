@@ -14,6 +14,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 import grpc
 
+from cluster.grpc_plumbing import KV_TARGET_FAULT, REQUEST_FAULT
 from cluster.proto_convert import logprobs_to_proto, sampling_from_proto
 from cluster.registry import WorkerLoad
 from duet.internal.v1 import workers_pb2 as wpb
@@ -46,8 +47,20 @@ _TRANSFER_STATUS = {
 }
 
 
+# Failures of the decode side or of the path to it, not of this worker: the decode worker died or restarted
+# (PeerGone, an unknown reservation), stopped acking (TransferTimeout), or bytes changed in flight.
+_TARGET_FAULTS = (PeerGone, ReservationExpired, TransferTimeout, ChecksumMismatch)
+
+
 def transfer_status(error: TransferError) -> grpc.StatusCode:
     return _TRANSFER_STATUS.get(type(error), grpc.StatusCode.UNAVAILABLE)
+
+
+def abort_transfer(context: grpc.ServicerContext, what: str, endpoint: str, error: TransferError) -> None:
+    """End Prefill for a failed KV connect or transfer, marked as the decode worker's fault when it is (the
+    router then blames that worker and hands the request off again, grpc_plumbing.KV_TARGET_FAULT)."""
+    abort_with(context, transfer_status(error), f"{what} to {endpoint}: {error}",
+               fault=KV_TARGET_FAULT if isinstance(error, _TARGET_FAULTS) else None)
 
 
 class PrefillWorker(WorkerProcess, wpb_grpc.PrefillWorkerServicer):
@@ -111,7 +124,7 @@ class PrefillWorker(WorkerProcess, wpb_grpc.PrefillWorkerServicer):
             try:
                 self.sender.connect(target.endpoint)
             except TransferError as e:
-                abort_with(context, transfer_status(e), f"kv connect to {target.endpoint}: {e}")
+                abort_transfer(context, "kv connect", target.endpoint, e)
         engine_request = Request(
             request_id=request.request_id, prompt_token_ids=token_ids, sampling_params=params,
             eos_token_ids=self.rt.tokenizer.eos_token_ids, cache_salt=request.cache_salt, output_token_ids=history,
@@ -127,11 +140,11 @@ class PrefillWorker(WorkerProcess, wpb_grpc.PrefillWorkerServicer):
         except RequestAborted as e:
             abort_with(context, grpc.StatusCode.CANCELLED, str(e))
         except TransferError as e:
-            abort_with(context, transfer_status(e), f"kv transfer to {target.endpoint}: {e}")
+            abort_transfer(context, "kv transfer", target.endpoint, e)
         except ValueError as e:
             abort_with(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except RequestFailed as e:
-            abort_with(context, grpc.StatusCode.INTERNAL, str(e), request_fault=True)
+            abort_with(context, grpc.StatusCode.INTERNAL, str(e), fault=REQUEST_FAULT)
         except Exception as e:  # noqa: BLE001 - a failed step: say what, keep serving
             abort_with(context, grpc.StatusCode.INTERNAL, f"prefill of {request.request_id} failed: {e!r}")
 
@@ -139,10 +152,10 @@ class PrefillWorker(WorkerProcess, wpb_grpc.PrefillWorkerServicer):
         for transfer in result.transfers:
             try:
                 transfer.result(timeout=remaining_s(context, DEFAULT_TIMEOUT_S))
-            except FutureTimeout:
+            except FutureTimeout:  # the caller's deadline
                 abort_with(context, grpc.StatusCode.DEADLINE_EXCEEDED, "kv transfer timed out")
             except TransferError as e:
-                abort_with(context, transfer_status(e), f"kv transfer to {target.endpoint}: {e}")
+                abort_transfer(context, "kv transfer", target.endpoint, e)
             except Exception as e:  # noqa: BLE001
                 abort_with(context, grpc.StatusCode.INTERNAL, f"kv transfer to {target.endpoint} failed: {e!r}")
         if result.transfers:

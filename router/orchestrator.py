@@ -11,7 +11,12 @@
     migrate  D is lost mid-stream: reserve on another decode worker for the prompt plus every token sent but
              the last, have a prefill worker compute that KV (sampling state continued: the seeded step and
              penalties see the tokens), and Decode there with the last token sent: the client's stream goes on
-             with exactly the tokens an undisturbed run gives (greedy and seeded), at most MAX_MIGRATIONS times
+             with exactly the tokens an undisturbed run gives (greedy and seeded), at most MAX_MIGRATIONS times;
+             the same when D restarted and no longer knows the reservation, or its KV arrived unusable
+
+Before the first token nothing reached the client, so a hand-off that breaks there (P lost, D lost while
+P sends it the KV) simply starts again elsewhere. Each of these is a `WorkerLost` whose reason labels
+duet_router_migrations_total.
 
 A request keeps one id, `request_id` (the client's, or one the router makes), on the router, on both
 workers and in every log line. Every downstream call gets the client's remaining deadline; a client
@@ -19,7 +24,9 @@ cancel or `Abort` cancels the call in flight and the workers free the request's 
 will not be decoded is released at once, even one whose Reserve reply was lost to the client's deadline
 (released by request id). A worker that fails to answer is avoided for a few seconds
 (router/worker_view.py), unless the failure was the request's own: its client's deadline or cancel, or a
-worker error marked as the request's fault (grpc_plumbing.REQUEST_FAULT). Metrics are reported once per stage, through
+worker error marked as the request's fault (grpc_plumbing.REQUEST_FAULT). A KV transfer that failed on the
+decode side (grpc_plumbing.KV_TARGET_FAULT) is blamed on the decode worker, not the prefill worker.
+Metrics are reported once per stage, through
 `RouterMetrics`'s request methods.
 """
 
@@ -32,7 +39,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from cluster.grpc_plumbing import is_request_fault
+from cluster.grpc_plumbing import is_kv_target_fault, is_request_fault
 from cluster.registry import LiveWorker, WorkerInfo
 from duet.internal.v1 import workers_pb2 as wpb
 from duet.internal.v1 import workers_pb2_grpc as wpb_grpc
@@ -53,12 +60,24 @@ DEFAULT_PUSHBACK_MS = 200  # retry hint when a full decode worker gave none
 MAX_MIGRATIONS = 3  # per request; past it, UNAVAILABLE saying what failed
 
 
-class DecodeWorkerLost(Exception):
-    """The decode worker failed mid-stream through no fault of the request: the request may migrate."""
+class WorkerLost(Exception):
+    """A worker, or the KV path between two, failed through no fault of the request: the request goes on
+    elsewhere. `reason` (a label of duet_router_migrations_total) says which part failed."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
 
 
-class PrefillWorkerLost(Exception):
-    """The prefill worker (or the KV path to the decode worker) failed through no fault of the request."""
+DECODE_LOST, PREFILL_LOST, KV_TRANSFER = "decode_lost", "prefill_lost", "kv_transfer"
+# A decode worker's statuses that end its part of a request but not the request: it died or restarted
+# (UNAVAILABLE; FAILED_PRECONDITION: the reservation is unknown there now), the KV it was sent is unusable
+# (DATA_LOSS, ABORTED), or it failed on its own (INTERNAL/UNKNOWN not marked as the request's fault).
+_DECODE_LOST_CODES = {
+    grpc.StatusCode.UNAVAILABLE: DECODE_LOST, grpc.StatusCode.FAILED_PRECONDITION: DECODE_LOST,
+    grpc.StatusCode.INTERNAL: DECODE_LOST, grpc.StatusCode.UNKNOWN: DECODE_LOST,
+    grpc.StatusCode.DATA_LOSS: KV_TRANSFER, grpc.StatusCode.ABORTED: KV_TRANSFER,
+}
 
 
 @dataclass(frozen=True)
@@ -216,13 +235,13 @@ class RequestOrchestrator:
             plan = self.plan(request, prefills, reservation, time.monotonic() - reserve_start_s)
             try:
                 return plan, self.prefill(plan, request, live)
-            except PrefillWorkerLost as lost:
+            except WorkerLost as lost:
                 helds[-1].release()
                 if retries == MAX_MIGRATIONS or not live.is_active():
                     raise Failed(grpc.StatusCode.UNAVAILABLE, f"{lost}; {retries} retries already") from None
-                log.warning("request=%s event=migrating reason=prefill_lost from=%s error=%s", request.request_id,
-                            plan.prefill.worker_id, lost)
-                self.metrics.request_migrated("prefill_lost")
+                log.warning("request=%s event=migrating reason=%s prefill=%s decode=%s error=%s",
+                            request.request_id, lost.reason, plan.prefill.worker_id, plan.decode.worker_id, lost)
+                self.metrics.request_migrated(lost.reason)
         raise AssertionError("unreachable: the loop returns or raises")
 
     def reserve(self, request: RoutedRequest, decodes: list[LiveWorker], live: Live,
@@ -306,9 +325,12 @@ class RequestOrchestrator:
         except grpc.RpcError as e:
             if live.cancelled or live.aborted:
                 raise Failed(grpc.StatusCode.CANCELLED, "request cancelled") from None
+            if is_kv_target_fault(e) and live.is_active():  # the decode side failed, not this prefill worker
+                self.blame(plan.decode, e, live)
+                raise WorkerLost(KV_TRANSFER, f"prefill worker {prefill.worker_id}: {e.details()}") from None
             self.blame(prefill, e, live)
             if e.code() == grpc.StatusCode.UNAVAILABLE and live.is_active() and not is_request_fault(e):
-                raise PrefillWorkerLost(f"prefill worker {prefill.worker_id}: {e.details()}") from None
+                raise WorkerLost(PREFILL_LOST, f"prefill worker {prefill.worker_id}: {e.details()}") from None
             raise Failed(downstream_code(e), f"prefill worker {prefill.worker_id}: {e.details()}") from None
         finally:
             self.view.track_requests(prefill.worker_id, -1)
@@ -324,13 +346,13 @@ class RequestOrchestrator:
                     plan, first_token_id = self.migrate(request, client, live, helds)
                 yield from self.decode(plan, first_token_id, live, client, helds[-1], first_sent_s)
                 return
-            except (DecodeWorkerLost, PrefillWorkerLost) as lost:
+            except WorkerLost as lost:
                 if migrations == MAX_MIGRATIONS or not live.is_active():
                     raise Failed(grpc.StatusCode.UNAVAILABLE, f"{lost}; {migrations} migrations already") from None
-                reason = "decode_lost" if isinstance(lost, DecodeWorkerLost) else "prefill_lost"
                 log.warning("request=%s event=migrating reason=%s from=%s tokens_sent=%d error=%s",
-                            request.request_id, reason, plan.decode.worker_id, len(client.output_token_ids), lost)
-                self.metrics.request_migrated(reason)
+                            request.request_id, lost.reason, plan.decode.worker_id, len(client.output_token_ids),
+                            lost)
+                self.metrics.request_migrated(lost.reason)
 
     def migrate(self, request: RoutedRequest, client: ClientStream, live: Live,
                 helds: list[_HeldReservation]) -> tuple[HandOffPlan, int]:
@@ -345,7 +367,7 @@ class RequestOrchestrator:
         plan = self.plan(request, prefills, reservation, time.monotonic() - reserve_start_s, history)
         try:
             self.prefill(plan, request, live, history)
-        except PrefillWorkerLost:
+        except WorkerLost:
             helds[-1].release()  # the next attempt reserves afresh
             raise
         return plan, last
@@ -353,7 +375,8 @@ class RequestOrchestrator:
     def decode(self, plan: HandOffPlan, first_token_id: int, live: Live, client: ClientStream,
                held: _HeldReservation, first_sent_s: float) -> Iterator[pb.GenerateResponse]:
         """D takes the reserved request with its latest token and streams the rest to the client. Raises
-        DecodeWorkerLost when D fails through no fault of the request (the stream breaks or ends early)."""
+        WorkerLost when D fails through no fault of the request (the stream breaks or ends early, D restarted
+        and lost the reservation, or the KV it was sent is unusable)."""
         decode = plan.decode
         stub = wpb_grpc.DecodeWorkerStub(self.view.channel(decode.address))
         stream = stub.Decode(wpb.DecodeRequest(reservation_id=plan.reservation.ticket, first_token_id=first_token_id),
@@ -376,7 +399,7 @@ class RequestOrchestrator:
                     return
                 if message.token_ids or message.text:
                     yield message
-            raise DecodeWorkerLost(f"decode worker {decode.worker_id} ended the stream early")
+            raise WorkerLost(DECODE_LOST, f"decode worker {decode.worker_id} ended the stream early")
         except grpc.RpcError as e:
             if live.aborted:
                 yield client.aborted()
@@ -384,8 +407,9 @@ class RequestOrchestrator:
             if live.cancelled:
                 return
             self.blame(decode, e, live)
-            if e.code() == grpc.StatusCode.UNAVAILABLE and live.is_active() and not is_request_fault(e):
-                raise DecodeWorkerLost(f"decode worker {decode.worker_id}: {e.details()}") from None
+            reason = _DECODE_LOST_CODES.get(e.code())
+            if reason is not None and live.is_active() and not is_request_fault(e):
+                raise WorkerLost(reason, f"decode worker {decode.worker_id}: {e.code().name}: {e.details()}") from None
             raise Failed(downstream_code(e), f"decode worker {decode.worker_id}: {e.details()}") from None
         finally:
             self.view.track_requests(decode.worker_id, -1)

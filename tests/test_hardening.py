@@ -382,7 +382,7 @@ def test_the_clusters_redis_requires_a_password_and_takes_an_acl_user(cluster):
 
 def test_a_worker_error_marked_as_the_requests_own_is_internal_and_blames_no_worker():
     """A real gRPC server on loopback answers the way a worker does when one request's sampling failed
-    (worker/process.abort_with(..., request_fault=True)); the router's mapping reads the real error."""
+    (worker/process.abort_with(..., fault=REQUEST_FAULT)); the router's mapping reads the real error."""
     from concurrent import futures
 
     from cluster import grpc_plumbing
@@ -390,7 +390,8 @@ def test_a_worker_error_marked_as_the_requests_own_is_internal_and_blames_no_wor
     from worker.process import abort_with
 
     def handler(request, context):
-        abort_with(context, grpc.StatusCode.INTERNAL, "request r1 failed: sampling failed", request_fault=True)
+        abort_with(context, grpc.StatusCode.INTERNAL, "request r1 failed: sampling failed",
+                   fault=grpc_plumbing.REQUEST_FAULT)
 
     def plain(request, context):
         context.abort(grpc.StatusCode.INTERNAL, "the engine thread died")

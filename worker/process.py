@@ -249,12 +249,12 @@ class WorkerProcess:
 
 
 def abort_with(context: grpc.ServicerContext, code: grpc.StatusCode, message: str,
-               request_fault: bool = False) -> None:
-    """context.abort, logged; never returns. `request_fault`: the failure is the request's own, not this
-    worker's (see grpc_plumbing.REQUEST_FAULT), so the router does not avoid the worker for it."""
+               fault: tuple[str, str] | None = None) -> None:
+    """context.abort, logged; never returns. `fault`: whose the failure is when not this worker's
+    (grpc_plumbing.REQUEST_FAULT or KV_TARGET_FAULT), so the router does not avoid this worker for it."""
     log.info("rpc status=%s message=%s", code.name, message)
-    if request_fault:
-        context.set_trailing_metadata((grpc_plumbing.REQUEST_FAULT,))
+    if fault is not None:
+        context.set_trailing_metadata((fault,))
     context.abort(code, message)
 
 

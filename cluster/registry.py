@@ -233,6 +233,11 @@ class WorkerRegistry:
             workers.append(LiveWorker(info, load, age_s))
         return workers
 
+    def server_id(self) -> str:
+        """The Redis server's run id: it changes when Redis restarts (and, without persistence, comes back
+        empty), which tells a reader that missing entries are being written again, not gone."""
+        return str(self.client.info("server")["run_id"])
+
     def list_models(self) -> list[str]:
         """Model ids with at least one live worker, sorted."""
         models = sorted(_text(m) for m in self.client.smembers(MODELS_KEY))

@@ -11,8 +11,9 @@ SERVING. Stop order: router, then workers (which can still deregister from Redis
 that ignores SIGTERM for timeout_s is SIGKILLed together with its whole process group, so nothing it spawned
 (e.g. tensor-parallel ranks) is left behind.
 
-Supervision: wait() restarts a worker or the router that dies, on its port, after a backoff that grows with
-its recent restarts; the others keep serving. Only a signal (or redis dying) ends it.
+Supervision: wait() restarts a component that dies (a worker, the router, redis), on its port, after a backoff
+that grows with its recent restarts; the others keep serving. Only a signal (or a redis that cannot be
+restarted) ends it.
 
 Signals: run_up() and wait() turn SIGINT/SIGTERM into an orderly stop while they run. A program that drives
 LocalCluster itself should stop it in a `with` block or `finally`; PR_SET_PDEATHSIG covers a launcher that
@@ -22,6 +23,7 @@ dies outright (Linux, when started from the main thread).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import secrets
@@ -332,41 +334,58 @@ class LocalCluster:
                 signal.signal(sig, handler)
 
     def wait(self, print_fn: Callable[[str], None] = print) -> int:
-        """Supervise until SIGINT/SIGTERM (or request_stop()): a worker or the router that dies is restarted on
-        its port after a backoff (RESTART_BACKOFF_S, doubling with each restart of that component within
-        RESTART_WINDOW_S, up to MAX_RESTART_BACKOFF_S), with a line saying which, how it died and when it comes
-        back; the rest keep serving meanwhile. Returns 0 for a signal; 1 when redis dies (printing how, and its
-        log tail), as the cluster's registry and index live there. Does not stop the cluster."""
+        """Supervise until SIGINT/SIGTERM (or request_stop()): a component that dies (a worker, the router or
+        redis) is restarted on its port after a backoff (RESTART_BACKOFF_S, doubling with each restart of that
+        component within RESTART_WINDOW_S, up to MAX_RESTART_BACKOFF_S), with a line saying which, how it died
+        and when it comes back; the rest keep serving meanwhile (the router routes to the workers it last saw
+        while redis is away, and the workers re-register in the new, empty one). Returns 0 for a signal; 1 when
+        redis cannot be restarted (its port taken meanwhile), after printing why. Does not stop the cluster."""
         restarts: dict[str, list[float]] = {}  # name -> when it was restarted (monotonic)
         due: dict[str, float] = {}  # name -> when to start it again
         with self.handle_stop_signals():
             try:
                 while self._stop_signal is None:
                     now = time.monotonic()
-                    if self._redis_died():
-                        print_fn(self._death_report("redis"))
-                        return 1
-                    for proc in self._grpc_processes():
-                        if proc.name not in due and proc.exited():
-                            recent = [t for t in restarts.get(proc.name, []) if now - t < RESTART_WINDOW_S]
-                            delay_s = min(MAX_RESTART_BACKOFF_S, RESTART_BACKOFF_S * 2 ** len(recent))
-                            due[proc.name] = now + delay_s
-                            print_fn(f"{self._death_report(proc.name)}\nduet: restarting {proc.name} in {delay_s:g} s "
-                                     f"(restart {len(recent) + 1} within {RESTART_WINDOW_S:g} s)")
-                            proc.kill_group_and_reap()  # what it spawned (TP ranks) goes with it
+                    for name in self._dead_components():
+                        if name in due:
+                            continue
+                        recent = [t for t in restarts.get(name, []) if now - t < RESTART_WINDOW_S]
+                        delay_s = min(MAX_RESTART_BACKOFF_S, RESTART_BACKOFF_S * 2 ** len(recent))
+                        due[name] = now + delay_s
+                        print_fn(f"{self._death_report(name)}\nduet: restarting {name} in {delay_s:g} s "
+                                 f"(restart {len(recent) + 1} within {RESTART_WINDOW_S:g} s)")
+                        if name != "redis":
+                            self._process(name).kill_group_and_reap()  # what it spawned (TP ranks) goes with it
                     for name in [n for n, t in due.items() if t <= now]:
                         del due[name]
                         restarts.setdefault(name, []).append(now)
-                        proc = self._restart(name)
-                        print_fn(f"duet: {name} restarted (pid {proc.pid})")
+                        try:
+                            pid = self._restart(name)
+                        except RuntimeError as e:  # redis only: a process is started whatever then happens to it
+                            print_fn(f"duet: cannot restart {name}: {e}")
+                            return 1
+                        print_fn(f"duet: {name} restarted (pid {pid})")
                     time.sleep(_POLL_INTERVAL_S)
             except KeyboardInterrupt:  # handlers could not be installed (not the main thread)
                 self._stop_signal = signal.SIGINT
         return 0
 
-    def _restart(self, name: str) -> _Process:
-        """Start a dead worker or router again, on the same host and port (it registers again itself)."""
-        old = next(p for p in self._grpc_processes() if p.name == name)
+    def _dead_components(self) -> list[str]:
+        dead = ["redis"] if self._redis_died() else []
+        return dead + [p.name for p in self._grpc_processes() if p.exited()]
+
+    def _process(self, name: str) -> _Process:
+        return next(p for p in self._grpc_processes() if p.name == name)
+
+    def _restart(self, name: str) -> int:
+        """Start a dead component again, on the same host and port; its pid. A worker registers again itself;
+        redis comes back empty, on its port with its password."""
+        if name == "redis":
+            assert self._redis is not None
+            self._redis.restart()
+            self._redis_info = dataclasses.replace(self._redis_info, pid=self._redis.pid)
+            return self._redis.pid
+        old = self._process(name)
         host, port = old.address.rsplit(":", 1)
         role = "router" if name == "router" else name.split("-")[0]
         proc = self._launch(name, role, host, int(port), old.log_path.parent)
@@ -374,7 +393,7 @@ class LocalCluster:
             self._router = proc
         else:
             self._workers[self._workers.index(old)] = proc
-        return proc
+        return proc.pid
 
     def _redis_died(self) -> bool:
         return self._redis is not None and self._redis.data_dir is not None and self._redis.returncode() is not None
@@ -384,7 +403,7 @@ class LocalCluster:
             assert self._redis is not None
             how = _describe_returncode(self._redis.returncode())
             return f"duet: component redis {how}; redis log tail:\n{tail_file(self._redis.log_path)}"
-        proc = next(p for p in self._grpc_processes() if p.name == name)
+        proc = self._process(name)
         return f"duet: component {name} {proc.describe_exit()}; {self._log_tail(proc)}"
 
     # ------------------------------------------------------------------------------------------------ stop
@@ -426,8 +445,8 @@ def _terminate_stage(procs: list[_Process], timeout_s: float) -> None:
 
 def run_up(config: ClusterConfig, print_fn: Callable[[str], None] = print) -> int:
     """`duet up`: start the cluster, print one line containing `ready` and the router address, supervise it
-    (dead workers and router restarted, see `LocalCluster.wait`) until SIGINT/SIGTERM or redis dies, stop
-    everything. Returns the exit code (0 after a signal, 1 if a component failed to start or redis died)."""
+    (dead components restarted, see `LocalCluster.wait`) until SIGINT/SIGTERM, stop everything. Returns the
+    exit code (0 after a signal, 1 if a component failed to start or redis could not be restarted)."""
     cluster = LocalCluster(config)
     with cluster.handle_stop_signals():
         try:

@@ -154,6 +154,23 @@ class RedisServer:
             lines.append(f"requirepass {_conf_quote(self._password)}")
         return "\n".join(lines) + "\n"
 
+    def restart(self, timeout_s: float = 10.0) -> RedisServer:
+        """Start a server that died again, on its port with its password; it comes back empty (nothing is
+        persisted), and the workers re-register and resync their index entries on their own. RuntimeError
+        (with the log tail) if it cannot, e.g. another process took the port meanwhile."""
+        if self._port is None or self._dir is None:
+            raise RuntimeError("redis-server was never started (or was stopped): start() it instead")
+        if self._proc is not None and self._proc.poll() is None:
+            raise RuntimeError(f"redis-server is still running (pid {self._proc.pid})")
+        self._stop_process(timeout_s=0.0)  # reap and close the old log handle
+        exe = shutil.which(self._executable)
+        error = self._start_once(exe, self._port, timeout_s) if exe else f"{self._executable} is gone"
+        if error is not None:
+            self._stop_process(timeout_s=2.0)
+            raise RuntimeError(error)
+        log.info("redis-server restarted pid=%d port=%d", self.pid, self.port)
+        return self
+
     def stop(self, timeout_s: float = 5.0) -> None:
         """SIGTERM, then SIGKILL after `timeout_s`; removes the temporary dir. Idempotent."""
         self._stop_process(timeout_s)

@@ -3,7 +3,10 @@ for a while), what this router has in flight where, and one gRPC channel per wor
 
 Only caches with short lifetimes: routers stay stateless replicas. If Redis is unreachable the last list
 seen is used (workers keep serving without Redis; one that fails is marked suspect here), and it is said
-once in the log when the registry goes down and once when it comes back.
+once in the log when the registry goes down and once when it comes back. When Redis comes back empty (it
+restarted: its run id changed), the workers last seen stay in the list for REJOIN_GRACE_S while they
+re-register (each does within a heartbeat), so no request meets an empty registry; routing by prefix falls
+back to load until the workers have resynced their index entries.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ SUSPECT_S = 10.0  # a worker that failed a call is avoided this long (its regist
 REGISTRY_CACHE_S = 0.5
 PURGE_EVERY_S = 5.0
 INDEX_SIZE_EVERY_S = 30.0  # a SCAN of the model's keys: not on every request
+REJOIN_GRACE_S = 10.0  # after a Redis restart: workers heartbeat every ~2 s (registry TTL / 3)
 
 
 class NoWorkers(Exception):
@@ -44,6 +48,8 @@ class WorkerView:
         self._inflight_tokens: dict[str, int] = {}  # prefill work this router sent and has not seen done
         self._cache: tuple[float, list[LiveWorker]] = (0.0, [])
         self._registry_down = False
+        self._server_id: str | None = None  # Redis's run id when last read
+        self._rejoining: tuple[float, list[LiveWorker]] = (0.0, [])  # (until, workers seen before a restart)
         self._last_purge_s = 0.0
         self._last_size_s = 0.0
 
@@ -53,7 +59,7 @@ class WorkerView:
         cached_at, workers = self._cache
         if now - cached_at > REGISTRY_CACHE_S:
             try:
-                workers = self.registry.list_workers(self.model_id)
+                workers = self._with_rejoining(self.registry.list_workers(self.model_id), workers, now)
                 if self._registry_down:
                     log.warning("router event=registry_up")
                     self._registry_down = False
@@ -72,6 +78,21 @@ class WorkerView:
             if not found:
                 raise NoWorkers(f"no {role} worker is up for model {self.model_id}")
         return prefills, decodes
+
+    def _with_rejoining(self, listed: list[LiveWorker], last_seen: list[LiveWorker], now: float) -> list[LiveWorker]:
+        """`listed`, plus the workers seen before a Redis restart that have not re-registered yet (for
+        REJOIN_GRACE_S after the restart is noticed)."""
+        server_id = self.registry.server_id()
+        if self._server_id is not None and server_id != self._server_id:
+            log.warning("router event=registry_restarted keeping=%d last_seen_workers grace_s=%g", len(last_seen),
+                        REJOIN_GRACE_S)
+            self._rejoining = (now + REJOIN_GRACE_S, last_seen)
+        self._server_id = server_id
+        until, before = self._rejoining
+        if now >= until:
+            return listed
+        listed_ids = {w.worker_id for w in listed}
+        return listed + [w for w in before if w.worker_id not in listed_ids]
 
     def _maintain_index(self, workers: list[LiveWorker], now: float) -> None:
         """Forget index entries of prefill workers that stopped heartbeating; refresh the index size gauge."""

@@ -21,6 +21,11 @@ from cluster import cluster_secret as cluster_secret_module
 
 log = logging.getLogger("duet.grpc")
 
+# HTTP/2 keepalive on channels to peers: a peer that stops answering (hung, SIGSTOPped, its host gone without
+# a FIN) fails the calls in flight with UNAVAILABLE after KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS, so the
+# router migrates the request instead of waiting on a stream that never moves. Servers accept pings that often.
+KEEPALIVE_TIME_MS = 4000
+KEEPALIVE_TIMEOUT_MS = 4000
 PUBLIC_MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # a 32k-token prompt as ids is ~0.3 MB
 INTERNAL_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 _UNAUTHENTICATED_PATHS = ("/grpc.health.v1.Health/", "/grpc.reflection.")  # probes carry no token
@@ -115,6 +120,8 @@ def make_server(max_workers: int, max_message_bytes: int, auth_token: str | None
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.so_reuseport", 0),  # two servers must never share a port by accident
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_TIME_MS),
+            ("grpc.http2.max_ping_strikes", 0),  # a peer's keepalive is never a reason to hang up on it
         ],
     )
 
@@ -176,6 +183,10 @@ def channel(address: str, max_message_bytes: int = INTERNAL_MAX_MESSAGE_BYTES,
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.enable_retries", 0),  # the router decides what to retry
+            ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+            ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+            ("grpc.http2.max_pings_without_data", 0),  # a stalled stream sends no data: keep probing it
+            ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),  # gRPC core waits on this one (default 60 s)
         ],
     )
     if cluster_secret is None:

@@ -29,7 +29,7 @@ from decode_worker.tp_ops import CommitReservation, ReleaseReservation, ReserveB
 from engine.follower_ops import FollowerHooks, OpHandler
 from kvtransfer.layout import KVLayout
 from kvtransfer.receiver import KVReceiver
-from kvtransfer.reservation import ReservationTable
+from kvtransfer.reservation import COMMIT_LEASE_S, ReservationTable
 
 log = logging.getLogger("duet.decode")
 FOLLOWER_TTL_MARGIN_S = 60.0
@@ -51,7 +51,7 @@ class DecodeRankHooks(FollowerHooks):
     @classmethod
     def build(cls, rank: int, layout, kv_caches, store, host: str, advertise_host: str,
               handshake_key: bytes | None = None) -> DecodeRankHooks:
-        table = ReservationTable(layout.num_layers, complete_grace_s=30.0 + FOLLOWER_TTL_MARGIN_S)
+        table = ReservationTable(layout.num_layers, complete_grace_s=COMMIT_LEASE_S + FOLLOWER_TTL_MARGIN_S)
         return cls(rank, KVReceiver(layout, kv_caches, table, host=host, handshake_key=handshake_key), store,
                    advertise_host)
 

@@ -9,9 +9,10 @@ What a caller may rely on:
   below 2**52 (int64- and JSON-safe) so a sender talking to a restarted worker is unlikely to hit a live id;
 - `write` copies into the cache only while the reservation is live, and `pop` waits for a write in progress,
   so once `pop` (or `pop_expired`) returns no write can land in those blocks again;
-- a reservation expires at `expires_at_s` (the table's clock); on completion its deadline moves to at least
-  now + `complete_grace_s`, so a commit right after the transfer is not lost to the original deadline, while
-  a commit that never comes (the router died) still frees the blocks;
+- a reservation expires at `expires_at_s` (the table's clock); on completion it becomes a short lease:
+  its deadline moves to now + `complete_grace_s` (COMMIT_LEASE_S), so a commit right after the transfer is
+  not lost to the original deadline, while a commit that never comes (the router died, or moved the request
+  away from a worker that could not answer its Release) frees the blocks within seconds, not a long TTL;
 - every `(layer, block)` counts once, however often it is rewritten; `complete` turns true exactly when the
   last one arrives.
 
@@ -54,8 +55,13 @@ class Reservation:
         return self.num_layers * len(self.block_ids)
 
 
+# The router calls Decode as soon as Prefill returns, which is once the KV is complete: seconds are plenty.
+COMMIT_LEASE_S = 10.0
+
+
 class ReservationTable:
-    def __init__(self, num_layers: int, clock: Callable[[], float] = time.monotonic, complete_grace_s: float = 30.0):
+    def __init__(self, num_layers: int, clock: Callable[[], float] = time.monotonic,
+                 complete_grace_s: float = COMMIT_LEASE_S):
         if num_layers < 1:
             raise ValueError(f"num_layers={num_layers} is invalid: must be >= 1")
         self.num_layers = num_layers
@@ -146,8 +152,8 @@ class ReservationTable:
                         r.num_received += 1
             if r.num_received == r.num_expected and not r.complete:
                 r.complete = True
-                # the commit (Decode) gets a fresh grace period; a commit that never comes still frees the blocks
-                r.expires_at_s = max(r.expires_at_s, self._clock() + self.complete_grace_s)
+                # the commit (Decode) gets a short lease of its own; a commit that never comes frees the blocks
+                r.expires_at_s = self._clock() + self.complete_grace_s
                 r._cond.notify_all()
         finally:
             r._cond.release()

@@ -36,11 +36,16 @@ from kvtransfer.layout import KVLayout
 log = logging.getLogger("duet.kvtransfer")
 
 
+# A message is sent and acked in milliseconds; this bounds how long a prefill worker holds a request's blocks
+# for a decode worker that stopped answering (hung, or its host gone without closing the connection).
+SEND_TIMEOUT_S = 10.0
+
+
 class KVSender:
     """Prefill side. One channel per receiver endpoint, opened (handshake) on first use and cached."""
 
     def __init__(self, layout: KVLayout, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], transport: str = "tcp",
-                 checksum: bool = False, connect_timeout_s: float = 5.0, send_timeout_s: float = 30.0, *,
+                 checksum: bool = False, connect_timeout_s: float = 5.0, send_timeout_s: float = SEND_TIMEOUT_S, *,
                  max_staging_bytes: int = 512 << 20, handshake_key: bytes | None = None):
         if problem := KVLayout.for_caches(layout.model_id, kv_caches, layout.tp_size, layout.tp_rank).mismatch(
                 layout, "caches", "layout"):

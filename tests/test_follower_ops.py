@@ -195,6 +195,7 @@ def test_decode_rank_mirrors_reservations_and_commits_only_a_complete_shard():
 
     from decode_worker.tp_rank import FOLLOWER_TTL_MARGIN_S, DecodeRankHooks, kv_address_key
     from kvtransfer import KVLayout, KVSender
+    from kvtransfer.reservation import COMMIT_LEASE_S
 
     def caches(seed: int):
         g = torch.Generator().manual_seed(seed)
@@ -221,7 +222,7 @@ def test_decode_rank_mirrors_reservations_and_commits_only_a_complete_shard():
         sender.send(endpoint, 41, 0, 3, 0, [3, 8, 1]).result(timeout=10)
         complete = table.wait_complete(41, timeout_s=5)
         assert complete.block_ids == [11, 2, 7] and complete.num_tokens == 10
-        assert 30.0 + FOLLOWER_TTL_MARGIN_S - 5 < complete.expires_at_s - time.monotonic()
+        assert COMMIT_LEASE_S + FOLLOWER_TTL_MARGIN_S - 5 < complete.expires_at_s - time.monotonic()
         assert run(CommitReservation(41))
         for layer in range(3):
             for kv in range(2):

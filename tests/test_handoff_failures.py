@@ -25,7 +25,8 @@ PARAMS = SamplingParams(max_tokens=24, temperature=0.8, seed=7, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def cluster(tiny_llama_dir):
-    config = ClusterConfig(model_dir=str(tiny_llama_dir), num_prefill=1, num_decode=3, worker_args=ENGINE_ARGS,
+    # four decode workers: two tests kill one each, one stops one, and a request needs one left
+    config = ClusterConfig(model_dir=str(tiny_llama_dir), num_prefill=1, num_decode=4, worker_args=ENGINE_ARGS,
                            router_args=["--max-model-len", "1024"])
     with LocalCluster(config).start() as c:
         yield c
@@ -134,4 +135,30 @@ def test_reservation_gone_before_decode_as_after_a_restart_migrates_and_blames_n
     assert generate(router) == expected
     assert migrations(router) == {"decode_lost": 1}
     assert dropped[0] not in orchestrator.view.active_suspects()
+    wait_idle(cluster, skip=dead(cluster))
+
+
+def test_a_decode_worker_that_stops_answering_mid_stream_is_left_and_frees_its_blocks_when_back(
+        cluster, router, tiny_llama_dir, monkeypatch):
+    """SIGSTOP (a hung process, a frozen VM): no error, no FIN, the stream just stops. The channel's keepalive
+    (grpc_plumbing.KEEPALIVE_*) fails the call, the request migrates and ends with the undisturbed tokens;
+    the stopped worker, resumed, finds its stream gone and frees every block."""
+    prompt = [11, 23, 5, 300, 41] * 8
+    params = SamplingParams(max_tokens=900, temperature=0.7, seed=3, ignore_eos=True)
+    expected = LLM(tiny_llama_dir, num_kv_blocks=200, max_model_len=1024).generate([prompt], params)[0].token_ids
+    addresses = {w.worker_id: w.info.address for w in router.router.orchestrator.view.workers()[1]}
+    stopped = []
+    tokens: list[int] = []
+    try:
+        with Client(router.address) as client:
+            for message in client.generate(prompt, params, timeout_s=120):
+                if not stopped:
+                    stopped.append(component_at(cluster, addresses[message.decode_worker]))
+                    os.kill(stopped[0].pid, signal.SIGSTOP)
+                tokens += message.token_ids
+    finally:
+        for c in stopped:
+            os.kill(c.pid, signal.SIGCONT)
+    assert tokens == expected
+    assert migrations(router) == {"decode_lost": 1}
     wait_idle(cluster, skip=dead(cluster))

@@ -171,6 +171,10 @@ def test_reservation_expiry():
     assert len(table) == 1 and table.pop(late.reservation_id) is None
     clock.now_s += 10.0  # a commit that never comes: the complete reservation expires too, its blocks freed
     assert table.pop_expired() == [done] and len(table) == 0
+    # completion turns even a long reservation into the short commit lease
+    long = table.add("long", [4], 4, 600.0)
+    table.write(long.reservation_id, 0, 1, 0, 1, lambda ids: None)
+    assert long.expires_at_s == clock.now_s + 10.0
 
 
 def test_reservation_waits_fail_and_pop_during_write():

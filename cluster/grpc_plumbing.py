@@ -167,6 +167,11 @@ def channel(address: str, max_message_bytes: int = INTERNAL_MAX_MESSAGE_BYTES,
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.enable_retries", 0),  # the router decides what to retry
+            # a peer that is down is tried again at least every second: `duet up` restarts a dead worker on
+            # its port, and gRPC's default backoff (growing to 120 s) kept failing calls for seconds after
+            # the worker served again (benchmarks/chaos.py)
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000),
         ],
     )
     if cluster_secret is None:

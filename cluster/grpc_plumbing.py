@@ -187,6 +187,11 @@ def channel(address: str, max_message_bytes: int = INTERNAL_MAX_MESSAGE_BYTES,
             ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
             ("grpc.http2.max_pings_without_data", 0),  # a stalled stream sends no data: keep probing it
             ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),  # gRPC core waits on this one (default 60 s)
+            # a peer that is down is tried again at least every second: `duet up` restarts a dead worker on
+            # its port, and gRPC's default backoff (growing to 120 s) kept failing calls for seconds after
+            # the worker served again (benchmarks/chaos.py)
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000),
         ],
     )
     if cluster_secret is None:

@@ -61,6 +61,7 @@ def cmd_router(args: argparse.Namespace) -> int:
         redis_url=args.redis_url, model_dir=args.model, model_id=args.model_id, host=args.host, port=args.port,
         max_model_len=args.max_model_len, auth_token=args.auth_token, tls_cert=args.tls_cert, tls_key=args.tls_key,
         metrics_port=args.metrics_port, http_port=args.http_port, cluster_secret_file=args.cluster_secret_file,
+        worker_wait_s=args.worker_wait_s,
     ))
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -165,6 +166,8 @@ def add_serving_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
     p.add_argument("--http-port", type=int, default=None,
                    help="serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions) on this port")
+    p.add_argument("--worker-wait-s", type=float, default=20.0,
+                   help="how long a request waits (within its deadline) for a restarting worker before UNAVAILABLE")
     add_cluster_secret_arg(p)
     p.set_defaults(func=cmd_router)
 

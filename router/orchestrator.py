@@ -58,6 +58,7 @@ RESERVE_TIMEOUT_S = 5.0
 RELEASE_TIMEOUT_S = 2.0
 DEFAULT_PUSHBACK_MS = 200  # retry hint when a full decode worker gave none
 MAX_MIGRATIONS = 3  # per request; past it, UNAVAILABLE saying what failed
+WORKER_POLL_S = 0.2  # while a request waits for a worker to serve again
 
 
 class WorkerLost(Exception):
@@ -169,10 +170,11 @@ class _HeldReservation:
 
 class RequestOrchestrator:
     def __init__(self, view: WorkerView, chooser: PrefillChooser, metrics: RouterMetrics, tokenizer: Tokenizer,
-                 model_id: str, reservation_ttl_s: float):
+                 model_id: str, reservation_ttl_s: float, worker_wait_s: float):
         self.view, self.chooser, self.metrics, self.tokenizer = view, chooser, metrics, tokenizer
         self.model_id = model_id
         self.reservation_ttl_s = reservation_ttl_s
+        self.worker_wait_s = worker_wait_s  # the longest a request waits for a worker to serve again
 
     def run(self, request: RoutedRequest, live: Live) -> Iterator[pb.GenerateResponse]:
         """The client's messages, first token to last. Raises `Failed` with the status to end the call;
@@ -228,19 +230,21 @@ class RequestOrchestrator:
         reach the decode worker), release the reservation and start again, elsewhere (MAX_MIGRATIONS times at
         most). Nothing reached the client yet, so a retry is invisible to it but for the time."""
         for retries in range(MAX_MIGRATIONS + 1):
-            prefills, decodes = self.workers()
-            reserve_start_s = time.monotonic()
-            reservation = self.reserve(request, decodes, live)
-            helds.append(_HeldReservation(self, reservation))
-            plan = self.plan(request, prefills, reservation, time.monotonic() - reserve_start_s)
+            prefills, decodes = self.workers(live, after_loss=retries > 0)
+            held = None
             try:
+                reserve_start_s = time.monotonic()
+                reservation = self.reserve(request, decodes, live)
+                held = _HeldReservation(self, reservation)
+                helds.append(held)
+                plan = self.plan(request, prefills, reservation, time.monotonic() - reserve_start_s)
                 return plan, self.prefill(plan, request, live)
             except WorkerLost as lost:
-                helds[-1].release()
+                if held is not None:
+                    held.release()
                 if retries == MAX_MIGRATIONS or not live.is_active():
                     raise Failed(grpc.StatusCode.UNAVAILABLE, f"{lost}; {retries} retries already") from None
-                log.warning("request=%s event=migrating reason=%s prefill=%s decode=%s error=%s",
-                            request.request_id, lost.reason, plan.prefill.worker_id, plan.decode.worker_id, lost)
+                log.warning("request=%s event=retrying reason=%s error=%s", request.request_id, lost.reason, lost)
                 self.metrics.request_migrated(lost.reason)
         raise AssertionError("unreachable: the loop returns or raises")
 
@@ -248,7 +252,8 @@ class RequestOrchestrator:
                 history: Sequence[int] = ()) -> Reservation:
         """A reservation on the least loaded decode worker that admits the request (the request goes with it).
         RESOURCE_EXHAUSTED with a retry hint when every reachable one is full now; FAILED_PRECONDITION (no
-        hint: retrying cannot help) when none of them could ever hold the prompt."""
+        hint: retrying cannot help) when none of them could ever hold the prompt; WorkerLost when none
+        answered (the caller waits for one to serve again)."""
         ranked = without(rank_decode(self.view.candidates(decodes)), self.view.active_suspects())
         by_id = {w.worker_id: w.info for w in decodes}
         num_prompt_tokens = len(request.prompt_token_ids)
@@ -293,7 +298,7 @@ class RequestOrchestrator:
         if too_small:
             raise Failed(grpc.StatusCode.FAILED_PRECONDITION,
                          f"no decode worker can ever hold {num_prompt_tokens} prompt tokens: {too_small[0]}")
-        raise Failed(grpc.StatusCode.UNAVAILABLE, f"no decode worker for model {self.model_id} answered")
+        raise WorkerLost(DECODE_LOST, f"no decode worker for model {self.model_id} answered")
 
     def plan(self, request: RoutedRequest, prefills: list[LiveWorker], reservation: Reservation,
              reserve_s: float, history: Sequence[int] = ()) -> HandOffPlan:
@@ -360,15 +365,16 @@ class RequestOrchestrator:
         the last, have a prefill worker compute it (its sampled token is dropped: the last one sent stands), and
         return the plan and the token Decode starts from."""
         *history, last = client.output_token_ids
-        prefills, decodes = self.workers()
+        prefills, decodes = self.workers(live, after_loss=True)
         reserve_start_s = time.monotonic()
         reservation = self.reserve(request, decodes, live, history)
-        helds.append(_HeldReservation(self, reservation))
+        held = _HeldReservation(self, reservation)
+        helds.append(held)
         plan = self.plan(request, prefills, reservation, time.monotonic() - reserve_start_s, history)
         try:
             self.prefill(plan, request, live, history)
         except WorkerLost:
-            helds[-1].release()  # the next attempt reserves afresh
+            held.release()  # the next attempt reserves afresh
             raise
         return plan, last
 
@@ -446,12 +452,29 @@ class RequestOrchestrator:
             log.info("worker=%s event=release_failed reservation=%d request=%s status=%s", decode.worker_id,
                      message.reservation_id, message.request_id, e.code().name)
 
-    def workers(self) -> tuple[list[LiveWorker], list[LiveWorker]]:
-        """(prefill, decode) live workers; UNAVAILABLE when a role has none."""
-        try:
-            return self.view.workers()
-        except NoWorkers as e:
-            raise Failed(grpc.StatusCode.UNAVAILABLE, str(e)) from None
+    def workers(self, live: Live, after_loss: bool = False) -> tuple[list[LiveWorker], list[LiveWorker]]:
+        """(prefill, decode) live workers to try. A role with no worker where there was one lately (restarting,
+        or re-registering in a restarted Redis), or, `after_loss`, with none that has not just failed a call,
+        is waited for, up to worker_wait_s within the client's deadline: a restart costs the request a pause,
+        not an error. Past that: UNAVAILABLE when a role has no worker; the suspect ones are tried otherwise
+        (a suspect worker beats none). A role never seen fails at once."""
+        wait_until_s = time.monotonic() + self.worker_wait_s
+        while True:
+            try:
+                prefills, decodes = self.view.workers()
+                if not after_loss or (self.view.any_healthy(prefills) and self.view.any_healthy(decodes)):
+                    return prefills, decodes
+                missing = None
+            except NoWorkers as e:
+                if not e.seen_lately:
+                    raise Failed(grpc.StatusCode.UNAVAILABLE, str(e)) from None
+                missing = e
+            if time.monotonic() >= wait_until_s or not live.is_active():
+                if missing is not None:
+                    raise Failed(grpc.StatusCode.UNAVAILABLE,
+                                 f"{missing} (waited {self.worker_wait_s:g} s for one to come back)") from None
+                return prefills, decodes
+            time.sleep(WORKER_POLL_S)
 
     def compatible(self, prefills: list[LiveWorker], decode: WorkerInfo) -> list[LiveWorker]:
         """The prefill workers whose KV layout (model, dtype, block size, TP size) the decode worker takes;
@@ -472,6 +495,9 @@ class RequestOrchestrator:
 
     def preview(self, built: BuiltRequest, cache_salt: str) -> RoutePreview:
         """Where `built` would go now (no reservation, no speculative entry)."""
-        prefills, decodes = self.workers()
+        try:
+            prefills, decodes = self.view.workers()
+        except NoWorkers as e:
+            raise Failed(grpc.StatusCode.UNAVAILABLE, str(e)) from None
         choice = self.choose_prefill(built.prompt_token_ids, cache_salt, prefills, speculate=False)
         return RoutePreview(choice, rank_decode(self.view.candidates(decodes))[0], prefills)

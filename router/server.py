@@ -54,6 +54,7 @@ class RouterConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_logprobs: int = 20
     reservation_ttl_s: float = 60.0  # reserve -> KV complete; Decode then has the worker's grace period
+    worker_wait_s: float = 20.0  # a request whose workers are restarting waits this long for one (in its deadline)
     max_concurrent_streams: int = 256
     auth_token: str | None = None
     http_port: int | None = None  # OpenAI-compatible HTTP (router/openai_http.py); None: off
@@ -62,6 +63,10 @@ class RouterConfig:
     tls_cert: Path | None = None
     tls_key: Path | None = None
     cluster_secret_file: Path | None = None  # the internal plane's secret (cluster/cluster_secret.py)
+
+    def __post_init__(self):
+        if self.worker_wait_s < 0:
+            raise ValueError(f"worker_wait_s={self.worker_wait_s} is invalid: must be >= 0 (0: never wait)")
 
 
 class Router(pb_grpc.GenerationServicer):
@@ -88,7 +93,7 @@ class Router(pb_grpc.GenerationServicer):
         self.chooser = PrefillChooser(self.index, self.model_id, self.metrics, self.speculative, config.policy)
         self.view = WorkerView(self.registry, self.index, self.model_id, self.metrics, self.cluster_secret)
         self.orchestrator = RequestOrchestrator(self.view, self.chooser, self.metrics, self.tokenizer,
-                                                self.model_id, config.reservation_ttl_s)
+                                                self.model_id, config.reservation_ttl_s, config.worker_wait_s)
         self._live: dict[str, Live] = {}
         self._lock = threading.Lock()
 

@@ -32,8 +32,16 @@ INDEX_SIZE_EVERY_S = 30.0  # a SCAN of the model's keys: not on every request
 REJOIN_GRACE_S = 10.0  # after a Redis restart: workers heartbeat every ~2 s (registry TTL / 3)
 
 
+SEEN_LATELY_S = 60.0  # a role that had a worker this recently is restarting, not absent
+
+
 class NoWorkers(Exception):
-    """No live worker of a role (or no registry and no worker seen before)."""
+    """No live worker of a role (or no registry and no worker seen before). `seen_lately`: the role had a
+    worker within SEEN_LATELY_S (it is likely restarting, or re-registering in a restarted Redis)."""
+
+    def __init__(self, message: str, seen_lately: bool = False):
+        super().__init__(message)
+        self.seen_lately = seen_lately
 
 
 class WorkerView:
@@ -48,6 +56,7 @@ class WorkerView:
         self._inflight_tokens: dict[str, int] = {}  # prefill work this router sent and has not seen done
         self._cache: tuple[float, list[LiveWorker]] = (0.0, [])
         self._registry_down = False
+        self._last_seen_s: dict[str, float] = {}  # role -> when a worker of it was last listed (monotonic)
         self._server_id: str | None = None  # Redis's run id when last read
         self._rejoining: tuple[float, list[LiveWorker]] = (0.0, [])  # (until, workers seen before a restart)
         self._last_purge_s = 0.0
@@ -75,8 +84,11 @@ class WorkerView:
         prefills = [w for w in workers if w.info.role == "prefill"]
         decodes = [w for w in workers if w.info.role == "decode"]
         for role, found in (("prefill", prefills), ("decode", decodes)):
-            if not found:
-                raise NoWorkers(f"no {role} worker is up for model {self.model_id}")
+            if found:
+                self._last_seen_s[role] = now
+            else:
+                raise NoWorkers(f"no {role} worker is up for model {self.model_id}",
+                                seen_lately=now - self._last_seen_s.get(role, -SEEN_LATELY_S) < SEEN_LATELY_S)
         return prefills, decodes
 
     def _with_rejoining(self, listed: list[LiveWorker], last_seen: list[LiveWorker], now: float) -> list[LiveWorker]:
@@ -110,6 +122,10 @@ class WorkerView:
         """Workers not suspect; all of them if every one is (a suspect worker beats no worker)."""
         suspects = self.active_suspects()
         return [w for w in workers if w.worker_id not in suspects] or workers
+
+    def any_healthy(self, workers: list[LiveWorker]) -> bool:
+        suspects = self.active_suspects()
+        return any(w.worker_id not in suspects for w in workers)
 
     def candidates(self, workers: list[LiveWorker]) -> list[Candidate]:
         """Each worker's load report plus what this router has sent there since (see load_policy)."""

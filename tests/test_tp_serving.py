@@ -66,8 +66,9 @@ def test_tp2_cluster_matches_tp1_offline_and_hf(arch, tiny_llama_dir, tiny_qwen2
 @pytest.fixture(scope="module")
 def mixed_cluster(tiny_llama_dir):
     """Prefill at TP=1, decode at TP=2: no pair can exchange KV."""
+    # --worker-wait-s 1: the decode worker killed below is not restarted; the router waits 1 s for it, not 20
     config = ClusterConfig(model_dir=str(tiny_llama_dir), worker_args=WORKER_ARGS, decode_args=["--tp", "2"],
-                           router_args=["--max-model-len", "512"])
+                           router_args=["--max-model-len", "512", "--worker-wait-s", "1"])
     with LocalCluster(config).start() as c:
         yield c
 

@@ -1,6 +1,10 @@
 """The router's Prometheus metrics (one registry per router, so several can live in one process).
 
     duet_router_requests_total{status}                  finished Generate calls by gRPC status
+    duet_router_migrations_total{reason}                requests continued elsewhere: decode_lost | prefill_lost
+                                                        | kv_transfer
+    duet_router_worker_restarts_total{role}             a worker registered again at an address with a new
+                                                        worker id (restarted by `duet up`, Kubernetes, Ray)
     duet_router_routing_decisions_total{branch}         prefix | load | guardrail | load_only
     duet_router_prefix_lookup_seconds                   one index round trip
     duet_router_routing_decision_seconds                hashing + lookup + policy
@@ -27,6 +31,9 @@ class RouterMetrics:
         self.requests = Counter("duet_router_requests", "Generate calls by final status", ["status"], registry=r)
         self.migrations = Counter("duet_router_migrations", "Requests continued on another worker, by reason",
                                   ["reason"], registry=r)
+        self.worker_restarts = Counter("duet_router_worker_restarts",
+                                       "Workers seen registered again at their address under a new id", ["role"],
+                                       registry=r)
         self.decisions = Counter("duet_router_routing_decisions", "Prefill choices by branch", ["branch"],
                                  registry=r)
         self.lookup_s = Histogram("duet_router_prefix_lookup_seconds", "Prefix index lookup (one round trip)",

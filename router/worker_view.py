@@ -57,6 +57,7 @@ class WorkerView:
         self._cache: tuple[float, list[LiveWorker]] = (0.0, [])
         self._registry_down = False
         self._last_seen_s: dict[str, float] = {}  # role -> when a worker of it was last listed (monotonic)
+        self._id_at: dict[str, str] = {}  # address -> the worker id last registered there
         self._server_id: str | None = None  # Redis's run id when last read
         self._rejoining: tuple[float, list[LiveWorker]] = (0.0, [])  # (until, workers seen before a restart)
         self._last_purge_s = 0.0
@@ -73,6 +74,7 @@ class WorkerView:
                     log.warning("router event=registry_up")
                     self._registry_down = False
                 self._cache = (now, workers)
+                self._count_restarts(workers)
                 self._maintain_index(workers, now)
             except (redis.RedisError, OSError) as e:
                 if not workers:
@@ -105,6 +107,17 @@ class WorkerView:
             return listed
         listed_ids = {w.worker_id for w in listed}
         return listed + [w for w in before if w.worker_id not in listed_ids]
+
+    def _count_restarts(self, workers: list[LiveWorker]) -> None:
+        """A worker id is one process lifetime: a new id at a known address is that worker restarted."""
+        for w in workers:
+            before = self._id_at.get(w.info.address)
+            if before != w.worker_id:
+                if before is not None:
+                    log.info("router event=worker_restarted address=%s role=%s was=%s now=%s", w.info.address,
+                             w.info.role, before, w.worker_id)
+                    self.metrics.worker_restarts.labels(w.info.role).inc()
+                self._id_at[w.info.address] = w.worker_id
 
     def _maintain_index(self, workers: list[LiveWorker], now: float) -> None:
         """Forget index entries of prefill workers that stopped heartbeating; refresh the index size gauge."""

@@ -31,7 +31,8 @@ ROUTER_METRICS = {
     "duet_router_predicted_cached_tokens": "counter", "duet_router_actual_cached_tokens": "counter",
     "duet_router_prompt_tokens": "counter", "duet_router_index_available": "gauge",
     "duet_router_index_block_keys": "gauge", "duet_router_time_to_first_token_seconds": "histogram",
-    "duet_router_e2e_request_latency_seconds": "histogram",
+    "duet_router_e2e_request_latency_seconds": "histogram", "duet_router_migrations": "counter",
+    "duet_router_worker_restarts": "counter",
 }
 
 

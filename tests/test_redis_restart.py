@@ -141,3 +141,34 @@ def test_the_router_keeps_the_workers_it_saw_while_they_re_register_in_a_restart
             seen(view)  # past the grace: the registry's word again
         registry.register(infos[0], WorkerLoad())
         assert seen(view) == ["decode-1", "prefill-0"]
+
+
+def test_a_worker_registered_again_at_its_address_under_a_new_id_counts_as_a_restart():
+    from cluster.prefix_index import PrefixIndex
+    from cluster.registry import WorkerInfo, WorkerLoad
+    from deploy.redis_server import RedisServer
+    from router import worker_view
+    from router.metrics import RouterMetrics
+
+    def restarts(metrics: RouterMetrics) -> dict[str, float]:
+        return {s.labels["role"]: s.value for s in metrics.worker_restarts.collect()[0].samples
+                if s.name.endswith("_total")}
+
+    with RedisServer() as server:
+        registry = WorkerRegistry.from_url(server.url)
+        metrics = RouterMetrics()
+        view = worker_view.WorkerView(registry, PrefixIndex(registry.client, "m"), "m", metrics)
+        first = [WorkerInfo("prefill-a", "prefill", "127.0.0.1:7001", "m", block_size=16, num_kv_blocks=64),
+                 WorkerInfo("decode-a", "decode", "127.0.0.1:7002", "m", block_size=16, num_kv_blocks=64)]
+        for info in first:
+            registry.register(info, WorkerLoad())
+        view.workers()
+        time.sleep(worker_view.REGISTRY_CACHE_S + 0.05)
+        view.workers()  # the same ids again: nothing restarted
+        assert restarts(metrics) == {}
+        registry.deregister(first[1])
+        registry.register(WorkerInfo("decode-b", "decode", "127.0.0.1:7002", "m", block_size=16, num_kv_blocks=64),
+                          WorkerLoad())  # the decode worker's next process, on its port
+        time.sleep(worker_view.REGISTRY_CACHE_S + 0.05)
+        view.workers()
+        assert restarts(metrics) == {"decode": 1.0}

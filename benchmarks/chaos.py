@@ -118,6 +118,7 @@ class Sent:
     message: str = ""
     token_ids: list[int] = field(default_factory=list)
     first_workers: tuple[str, str] = ("", "")  # (prefill, decode) worker ids of the first token
+    retries: int = 0  # RESOURCE_EXHAUSTED answers retried after the router's hint
 
     @property
     def e2e_s(self) -> float:
@@ -213,17 +214,28 @@ class Run:
         return sorted((f.result() for f in futures), key=lambda sent: sent.start_s)
 
     def send(self, client: Client, n: int, req: ChaosRequest, phase: str) -> Sent:
+        """One request as a gateway sends it: RESOURCE_EXHAUSTED before any token (overload: a killed worker's
+        capacity is gone for a while) is retried after the router's retry hint, within the request's timeout."""
         sent = Sent(f"{phase}-{n}-r{req.index}", req.index, self.now())
-        try:
-            for message in client.generate(req.prompt, req.params, request_id=sent.request_id,
-                                           timeout_s=self.cfg.request_timeout_s):
-                if message.prefill_worker:
-                    sent.first_workers = (message.prefill_worker, message.decode_worker)
-                sent.token_ids += message.token_ids
-        except grpc.RpcError as e:
-            sent.status, sent.message = e.code().name, e.details() or ""
-        sent.end_s = self.now()
-        return sent
+        deadline_s = sent.start_s + self.cfg.request_timeout_s
+        while True:
+            try:
+                for message in client.generate(req.prompt, req.params, request_id=sent.request_id,
+                                               timeout_s=max(0.001, deadline_s - self.now())):
+                    if message.prefill_worker:
+                        sent.first_workers = (message.prefill_worker, message.decode_worker)
+                    sent.token_ids += message.token_ids
+                sent.status, sent.message = "OK", ""
+            except grpc.RpcError as e:
+                sent.status, sent.message = e.code().name, e.details() or ""
+                hint_ms = dict(e.trailing_metadata() or ()).get("grpc-retry-pushback-ms")
+                if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and hint_ms and not sent.token_ids \
+                        and self.now() + int(hint_ms) / 1000 < deadline_s:
+                    sent.retries += 1
+                    time.sleep(int(hint_ms) / 1000)
+                    continue
+            sent.end_s = self.now()
+            return sent
 
     def kill_loop(self, chaos_start_s: float) -> None:
         rng = random.Random(f"chaos-kills/{self.cfg.seed}")
@@ -361,6 +373,9 @@ def report(run: Run) -> None:
                                                                                              len(expected)))
         print(f"  {s.request_id}: {len(s.token_ids)}/{len(expected)} tokens, first difference at {at}, migrations "
               f"{migrated.get(s.request_id, [])}")
+    retried = [s for s in sent if s.retries]
+    print(f"retried after RESOURCE_EXHAUSTED (overload, the retry hint followed): {len(retried)} requests, "
+          f"{sum(s.retries for s in retried)} retries")
     print(f"lost (errored): {len(lost)}  by status: {dict(Counter(s.status for s in lost))}")
     groups: dict[tuple[str, str], list[Sent]] = {}  # the same failure, worker ids named by component
     for s in lost:

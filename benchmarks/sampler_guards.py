@@ -1,7 +1,13 @@
-"""The sampler before issue 15's guards (commit 7abd31f) vs now, interleaved, on SmolLM2-sized logits
-([B, 49152] fp32): what the finite-logits pass and the sampled-id check cost per step.
+"""A sampler from an earlier commit vs now, interleaved, on SmolLM2-sized logits ([B, 49152] fp32), per step.
+
+Issue 15's guards (the finite-logits pass, the sampled-id check):
 
     git show 7abd31f:engine/sampler.py > /tmp/sampler_before.py
+    .venv/bin/python benchmarks/sampler_guards.py /tmp/sampler_before.py
+
+Issue 16's Gumbel draw for seeded rows (the "seeded" cases; before: inverse CDF for every row):
+
+    git show 6252d2e:engine/sampler.py > /tmp/sampler_before.py
     .venv/bin/python benchmarks/sampler_guards.py /tmp/sampler_before.py
 """
 
@@ -24,13 +30,17 @@ torch.set_num_threads(2)
 print("| batch | params | before ms (median) | after ms (median) | after/before min / median / max |")
 print("|---:|---|---:|---:|---|")
 g = torch.Generator().manual_seed(0)
-for batch, kind in ((1, "greedy"), (32, "greedy"), (32, "top-p/top-k/penalty")):
+CASES = {
+    "greedy": lambda i: SamplingParams(temperature=0),
+    "top-p/top-k/penalty": lambda i: SamplingParams(temperature=0.8, top_p=0.9, top_k=50, repetition_penalty=1.1,
+                                                    seed=i),
+    "seeded, full vocabulary": lambda i: SamplingParams(temperature=0.8, seed=i),
+    "unseeded, full vocabulary": lambda i: SamplingParams(temperature=0.8),
+}
+for batch, kind in ((1, "greedy"), (32, "greedy"), (32, "top-p/top-k/penalty"), (1, "seeded, full vocabulary"),
+                    (32, "seeded, full vocabulary"), (32, "unseeded, full vocabulary")):
     logits = torch.randn(batch, 49152, generator=g) * 4
-    if kind == "greedy":
-        params = [SamplingParams(temperature=0)] * batch
-    else:
-        params = [SamplingParams(temperature=0.8, top_p=0.9, top_k=50, repetition_penalty=1.1, seed=i)
-                  for i in range(batch)]
+    params = [CASES[kind](i) for i in range(batch)]
     rows = [SamplingRow(p, [1, 2, 3], [4, 5]) for p in params]
     a, b = After(seed=0), before.Sampler(seed=0)
     for s in (a, b):

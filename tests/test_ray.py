@@ -5,6 +5,7 @@ prefill pool scaled up under a burst and back down when idle, nothing left runni
 from __future__ import annotations
 
 import copy
+import itertools
 import os
 import signal
 import threading
@@ -136,15 +137,17 @@ def test_prefill_pool_scales_up_under_a_burst_and_back_down(launcher, tiny_llama
 
     def send(i: int):
         try:
-            with Client(launcher.router_address) as client:
+            with Client(launcher.router_address) as client:  # a new prompt each time: a cached one is no work
                 stream_to_record(client.generate(_prompt(1000, 100 + i), params, timeout_s=120))
         except Exception as e:  # noqa: BLE001
             errors.append(e)
 
     try:
         deadline = time.monotonic() + 60
-        while 2 not in seen_prefill and time.monotonic() < deadline:  # bursts until the second worker is up
-            burst = [threading.Thread(target=send, args=(i,)) for i in range(6)]
+        for n in itertools.count():  # bursts until the second worker is up
+            if 2 in seen_prefill or time.monotonic() > deadline:
+                break
+            burst = [threading.Thread(target=send, args=(6 * n + i,)) for i in range(6)]
             for t in burst:
                 t.start()
             for t in burst:

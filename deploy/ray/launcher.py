@@ -223,6 +223,11 @@ class RayLauncher:
                          decision.replicas, decision.reason, load)
                 loads = {w.info.address: pool_load(role, [w.load]) for w in workers}
                 self._resize(role, decision.replicas, loads)
+                if decision.replicas > before and now_s is None:
+                    # the cooldowns count from when the new replicas serve, not from the decision: a pool that
+                    # took seconds to grow is not judged (and shrunk) on the load of the moment it is ready
+                    with self._lock:
+                        self.states[role].last_up_s = time.monotonic()
         return self.pool_sizes()
 
     def _replace_dead(self, role: str) -> None:

@@ -43,15 +43,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cluster.cluster_secret import ENV_VAR, generate_cluster_secret
 from deploy.redis_server import RedisServer, tail_file
+from deploy.restarts import RestartBackoff, death_line, describe_returncode, restarted_line, signal_name
 from engine.child_process import parent_death_preexec
 from engine.ports import pick_free_ports
 
 log = logging.getLogger(__name__)
 
 _POLL_INTERVAL_S = 0.2
-RESTART_BACKOFF_S = 1.0  # a dead worker or router is started again after this, doubling with each recent restart
-RESTART_WINDOW_S = 300.0  # restarts longer ago than this no longer lengthen the backoff
-MAX_RESTART_BACKOFF_S = 30.0
 _HEALTH_RPC_TIMEOUT_S = 0.5
 # Retry a refused connection quickly: gRPC's default backoff grows to minutes while a model loads.
 _PROBE_CHANNEL_OPTIONS = [
@@ -126,10 +124,10 @@ class _Process:
 
     def describe_exit(self) -> str:
         if self._exit is None:
-            return "exited" if self.popen.returncode is None else _describe_returncode(self.popen.returncode)
+            return "exited" if self.popen.returncode is None else describe_returncode(self.popen.returncode)
         if self._exit.si_code == os.CLD_EXITED:
-            return f"exited with code {self._exit.si_status}"
-        return f"was killed by {_signal_name(self._exit.si_status)}"
+            return describe_returncode(self._exit.si_status)
+        return describe_returncode(-self._exit.si_status)
 
     def terminate(self) -> None:
         if not self.exited():
@@ -141,17 +139,6 @@ class _Process:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.pid, signal.SIGKILL)
         self.popen.wait()
-
-
-def _signal_name(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"
-
-
-def _describe_returncode(code: int) -> str:
-    return f"exited with code {code}" if code >= 0 else f"was killed by {_signal_name(-code)}"
 
 
 def _probe_address(address: str) -> str:
@@ -250,7 +237,7 @@ class LocalCluster:
         try:
             while pending:
                 if self._stop_signal is not None:
-                    raise ClusterInterrupted(f"start interrupted by {_signal_name(self._stop_signal)}; "
+                    raise ClusterInterrupted(f"start interrupted by {signal_name(self._stop_signal)}; "
                                              "all components stopped")
                 if self._redis is not None and self._redis.returncode() is not None:
                     raise RuntimeError(self._death_report("redis").removeprefix("duet: component "))
@@ -335,36 +322,29 @@ class LocalCluster:
 
     def wait(self, print_fn: Callable[[str], None] = print) -> int:
         """Supervise until SIGINT/SIGTERM (or request_stop()): a component that dies (a worker, the router or
-        redis) is restarted on its port after a backoff (RESTART_BACKOFF_S, doubling with each restart of that
-        component within RESTART_WINDOW_S, up to MAX_RESTART_BACKOFF_S), with a line saying which, how it died
-        and when it comes back; the rest keep serving meanwhile (the router routes to the workers it last saw
-        while redis is away, and the workers re-register in the new, empty one). Returns 0 for a signal; 1 when
-        redis cannot be restarted (its port taken meanwhile), after printing why. Does not stop the cluster."""
-        restarts: dict[str, list[float]] = {}  # name -> when it was restarted (monotonic)
-        due: dict[str, float] = {}  # name -> when to start it again
+        redis) is restarted on its port after a backoff (deploy/restarts.py: 1 s, doubling with each restart of
+        that component within 300 s, up to 30 s), with a line saying which, how it died and when it comes back;
+        the rest keep serving meanwhile (the router routes to the workers it last saw while redis is away, and
+        the workers re-register in the new, empty one). Returns 0 for a signal; 1 when redis cannot be restarted
+        (its port taken meanwhile), after printing why. Does not stop the cluster."""
+        backoff = RestartBackoff()
         with self.handle_stop_signals():
             try:
                 while self._stop_signal is None:
                     now = time.monotonic()
                     for name in self._dead_components():
-                        if name in due:
+                        if backoff.is_scheduled(name):
                             continue
-                        recent = [t for t in restarts.get(name, []) if now - t < RESTART_WINDOW_S]
-                        delay_s = min(MAX_RESTART_BACKOFF_S, RESTART_BACKOFF_S * 2 ** len(recent))
-                        due[name] = now + delay_s
-                        print_fn(f"{self._death_report(name)}\nduet: restarting {name} in {delay_s:g} s "
-                                 f"(restart {len(recent) + 1} within {RESTART_WINDOW_S:g} s)")
+                        print_fn(f"{self._death_report(name)}\n{backoff.schedule(name, now)}")
                         if name != "redis":
                             self._process(name).kill_group_and_reap()  # what it spawned (TP ranks) goes with it
-                    for name in [n for n, t in due.items() if t <= now]:
-                        del due[name]
-                        restarts.setdefault(name, []).append(now)
+                    for name in backoff.take_due(now):
                         try:
                             pid = self._restart(name)
                         except RuntimeError as e:  # redis only: a process is started whatever then happens to it
                             print_fn(f"duet: cannot restart {name}: {e}")
                             return 1
-                        print_fn(f"duet: {name} restarted (pid {pid})")
+                        print_fn(restarted_line(name, pid))
                     time.sleep(_POLL_INTERVAL_S)
             except KeyboardInterrupt:  # handlers could not be installed (not the main thread)
                 self._stop_signal = signal.SIGINT
@@ -401,10 +381,10 @@ class LocalCluster:
     def _death_report(self, name: str) -> str:
         if name == "redis":
             assert self._redis is not None
-            how = _describe_returncode(self._redis.returncode())
-            return f"duet: component redis {how}; redis log tail:\n{tail_file(self._redis.log_path)}"
+            how = describe_returncode(self._redis.returncode())
+            return death_line("redis", how, f"redis log tail:\n{tail_file(self._redis.log_path)}")
         proc = self._process(name)
-        return f"duet: component {name} {proc.describe_exit()}; {self._log_tail(proc)}"
+        return death_line(name, proc.describe_exit(), self._log_tail(proc))
 
     # ------------------------------------------------------------------------------------------------ stop
 
@@ -463,7 +443,7 @@ def run_up(config: ClusterConfig, print_fn: Callable[[str], None] = print) -> in
                      f"{config.num_decode} decode, redis at {redis_address})")
             code = cluster.wait(print_fn=print_fn)
             if code == 0:
-                print_fn(f"duet: stopping ({_signal_name(cluster._stop_signal or signal.SIGTERM)})")
+                print_fn(f"duet: stopping ({signal_name(cluster._stop_signal or signal.SIGTERM)})")
             return code
         finally:
             cluster.stop()

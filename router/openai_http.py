@@ -57,6 +57,9 @@ KEEP_ALIVE_S = 5.0  # an idle keep-alive connection is closed after this
 MAX_CONNECTIONS = 1024  # in-flight requests beyond it get 503 from uvicorn at once
 MAX_HEADER_BYTES = 64 * 1024  # h11's bound on an incomplete request head (request line + headers)
 HEAD_TIMEOUT_S = 10.0  # a connection that has not sent a whole request head this long after it opened is closed
+# On stop, the router's gRPC server cuts the calls behind HTTP requests at the grace; uvicorn cuts its own tasks
+# this much later, so a cut request still ends with its error response or SSE error event, not a bare 500.
+HTTP_CUT_AFTER_S = 0.5
 
 
 def error_response(status: int, kind: str, param: str | None, message: str,
@@ -155,11 +158,13 @@ class BodyLimits:
 
 class OpenAIHTTPServer:
     """The HTTP API in its own thread and event loop, inside the router process. `port` is bound when the
-    object is made (port 0 picks a free one); `start` returns once it serves; `stop` shuts it down."""
+    object is made (port 0 picks a free one); `start` returns once it serves; `stop` shuts it down: the listener
+    and idle keep-alive connections closed at once, requests in flight cut after `shutdown_grace_s` (+
+    HTTP_CUT_AFTER_S)."""
 
     def __init__(self, grpc_address: str, model_id: str, registry, host: str, port: int,
                  auth_token: str | None = None, max_body_bytes: int = grpc_plumbing.PUBLIC_MAX_MESSAGE_BYTES,
-                 read_timeout_s: float = READ_TIMEOUT_S):
+                 read_timeout_s: float = READ_TIMEOUT_S, *, shutdown_grace_s: float):
         self.model_id, self.registry = model_id, registry
         self._grpc_address = grpc_address
         self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
@@ -170,10 +175,11 @@ class OpenAIHTTPServer:
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._socket.bind((host, port))
         self.port = self._socket.getsockname()[1]
+        self._cut_after_s = shutdown_grace_s + HTTP_CUT_AFTER_S
         self._server = uvicorn.Server(uvicorn.Config(
             self.app, log_level="warning", access_log=False, lifespan="on", timeout_keep_alive=int(KEEP_ALIVE_S),
             limit_concurrency=MAX_CONNECTIONS, h11_max_incomplete_event_size=MAX_HEADER_BYTES,
-            timeout_graceful_shutdown=2, http=HeadTimeoutH11, loop="asyncio"))
+            timeout_graceful_shutdown=self._cut_after_s, http=HeadTimeoutH11, loop="asyncio"))
         self._server.install_signal_handlers = lambda: None  # the router process owns its signals
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]},
                                         name="openai-http", daemon=True)
@@ -187,8 +193,10 @@ class OpenAIHTTPServer:
             time.sleep(0.01)
 
     def stop(self) -> None:
+        """Returns once uvicorn has cut what was in flight and closed its loop, or 1 s past the cut at the latest
+        (the thread is a daemon: a task that ignores its cancellation cannot hold the process)."""
         self._server.should_exit = True
-        self._thread.join(timeout=10)
+        self._thread.join(timeout=self._cut_after_s + 1)
         self._socket.close()
 
     # -- the app ---------------------------------------------------------------------------------

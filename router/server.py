@@ -40,6 +40,8 @@ from router.worker_view import WorkerView
 
 log = logging.getLogger("duet.router")
 SERVICE_NAME = "duet.v1.Generation"
+SHUTDOWN_GRACE_S = 5.0  # on stop, requests in flight get this long to finish, then are cut (--shutdown-grace)
+STOP_MARGIN_S = 3.0  # past the grace: the HTTP cut, closing, flushing; `duet router` has exited by grace + this
 
 
 @dataclass
@@ -63,8 +65,11 @@ class RouterConfig:
     tls_cert: Path | None = None
     tls_key: Path | None = None
     cluster_secret_file: Path | None = None  # the internal plane's secret (cluster/cluster_secret.py)
+    shutdown_grace_s: float = SHUTDOWN_GRACE_S
 
     def __post_init__(self):
+        if self.shutdown_grace_s < 0:
+            raise ValueError(f"shutdown_grace_s={self.shutdown_grace_s} is invalid: must be >= 0")
         if self.worker_wait_s < 0:
             raise ValueError(f"worker_wait_s={self.worker_wait_s} is invalid: must be >= 0 (0: never wait)")
 
@@ -166,6 +171,7 @@ class RouterServer:
     """The router process: the Generation service with health, reflection, optional auth and TLS."""
 
     def __init__(self, config: RouterConfig):
+        self.config = config
         self.router = Router(config)
         self.server = grpc_plumbing.make_server(config.max_concurrent_streams,
                                                 grpc_plumbing.PUBLIC_MAX_MESSAGE_BYTES, config.auth_token)
@@ -182,7 +188,8 @@ class RouterServer:
 
             local = f"127.0.0.1:{self.port}" if config.host in ("0.0.0.0", "::") else self.address
             self.http = OpenAIHTTPServer(local, self.router.model_id, self.router.metrics.registry, config.host,
-                                         config.http_port, config.auth_token)
+                                         config.http_port, config.auth_token,
+                                         shutdown_grace_s=config.shutdown_grace_s)
 
     def start(self) -> None:
         self.server.start()
@@ -191,10 +198,17 @@ class RouterServer:
         grpc_plumbing.set_serving(self.health, [SERVICE_NAME], True)
         log.info("router address=%s model=%s event=serving", self.address, self.router.model_id)
 
-    def stop(self, grace_s: float = 2.0) -> None:
+    def stop(self) -> None:
+        """Take no new request from now on (health NOT_SERVING, both listeners closed); requests in flight, gRPC
+        and HTTP alike, get `config.shutdown_grace_s` together and are then cut: a gRPC client gets a status,
+        an HTTP client its error response or SSE error event. Every wait here is bounded (the HTTP side's by the
+        grace + 1.5 s); `duet router` holds the whole stop to the grace + STOP_MARGIN_S."""
+        grace_s = self.config.shutdown_grace_s
         grpc_plumbing.set_serving(self.health, [SERVICE_NAME], False)
+        # returns at once, so both APIs' graces run side by side; HTTP requests are gRPC calls in flight here
+        stopped = self.server.stop(grace_s)
         if self.http is not None:
             self.http.stop()
-        self.server.stop(grace_s).wait(grace_s + 1)
+        stopped.wait(grace_s + 1)
         self.router.close()
 

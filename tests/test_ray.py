@@ -12,6 +12,7 @@ import threading
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 import yaml
 from cluster_helpers import children
@@ -67,7 +68,13 @@ def ray_cluster():
 
 
 @pytest.fixture(scope="module")
-def launcher(ray_cluster, tiny_llama_dir):
+def printed() -> list[str]:
+    """What the module's launcher prints (its supervision lines)."""
+    return []
+
+
+@pytest.fixture(scope="module")
+def launcher(ray_cluster, tiny_llama_dir, printed):
     config = RayLauncherConfig(
         model_dir=str(tiny_llama_dir), router_host="127.0.0.1", port=0, num_cpus_per_rank=0.25,
         prefill=PoolConfig(min_replicas=1, max_replicas=2, target_per_replica=64.0, scale_up_cooldown_s=0.0,
@@ -75,7 +82,7 @@ def launcher(ray_cluster, tiny_llama_dir):
         decode=PoolConfig(min_replicas=1, max_replicas=1),
         worker_args=WORKER_ARGS, router_args=["--max-model-len", "2048"], poll_interval_s=0.25,
         ready_timeout_s=120.0)
-    launcher = RayLauncher(config).start()
+    launcher = RayLauncher(config, print_fn=printed.append).start()
     try:
         yield launcher
     finally:
@@ -167,25 +174,46 @@ def test_prefill_pool_scales_up_under_a_burst_and_back_down(launcher, tiny_llama
         watcher.join()
 
 
-def test_a_dead_worker_is_replaced(launcher, tiny_llama_dir):
-    registry = WorkerRegistry.from_url(launcher.redis_url)
+def test_killed_router_and_worker_processes_are_restarted_in_their_actors_and_requests_complete(
+        launcher, printed, tiny_llama_dir):
+    """issue 16, as `duet up` does it (tests/test_cli_serving.py): a SIGKILLed process is started again by its
+    actor on its port after the shared backoff, with the same three lines, and the cluster serves again."""
+    registry = WorkerRegistry.from_url(launcher.redis_url, cluster_secret=launcher.cluster_secret.encode())
     model_id = Path(tiny_llama_dir).name
-    (old,) = launcher.pools["decode"]
-    os.kill(old.pid, signal.SIGKILL)
+    (decode,) = launcher.pools["decode"]
+    router = launcher.router
+    before = {c.name: (c.pid, c.address) for c in (router, decode)}
+    seen = len(printed)
+    for comp in (router, decode):
+        os.kill(comp.pid, signal.SIGKILL)
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        pool = launcher.pools["decode"]
-        addresses = [w.info.address for w in registry.list_workers(model_id, "decode")]
-        if len(pool) == 1 and pool[0].pid != old.pid and addresses == [pool[0].address]:
-            break
-        time.sleep(0.2)
-    (new,) = launcher.pools["decode"]
-    assert new.pid != old.pid and new.name == "decode-1"
-    assert [w.info.address for w in registry.list_workers(model_id, "decode")] == [new.address]
+    while not all(any(line.startswith(f"duet: {name} restarted") for line in printed[seen:]) for name in before):
+        assert time.monotonic() < deadline, printed[seen:]
+        time.sleep(0.1)
+    assert launcher.router is router and launcher.pools["decode"] == [decode]  # the same actors, not new ones
+    for comp in (router, decode):
+        old_pid, address = before[comp.name]
+        assert comp.pid != old_pid and comp.address == address
+        died, restarted = [line for line in printed[seen:]
+                           if line.startswith((f"duet: component {comp.name} ", f"duet: {comp.name} restarted"))]
+        assert died.startswith(f"duet: component {comp.name} was killed by SIGKILL; {comp.name} log tail:\n")
+        assert died.endswith(f"\nduet: restarting {comp.name} in 1 s (restart 1 within 300 s)")
+        assert restarted == f"duet: {comp.name} restarted (pid {comp.pid})"
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     ref = LLM(tiny_llama_dir, **ENGINE).generate([_prompt(20, 3)], params)[0]
-    with Client(launcher.router_address) as client:
-        assert stream_to_record(client.generate(_prompt(20, 3), params, timeout_s=60))["token_ids"] == ref.token_ids
+    deadline = time.monotonic() + 60
+    while True:  # UNAVAILABLE until the new processes have loaded and registered
+        try:
+            with Client(launcher.router_address) as client:
+                got = stream_to_record(client.generate(_prompt(20, 3), params, timeout_s=30))
+            break
+        except grpc.RpcError as e:
+            assert time.monotonic() < deadline, e
+            time.sleep(0.5)
+    assert got["token_ids"] == ref.token_ids
+    while (addresses := [w.info.address for w in registry.list_workers(model_id, "decode")]) != [decode.address]:
+        assert time.monotonic() < deadline, addresses  # the killed process's entry expires with its TTL
+        time.sleep(0.2)
 
 
 def test_stop_leaves_no_duet_processes(launcher):

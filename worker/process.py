@@ -9,7 +9,6 @@ SIGTERM/SIGINT.
 from __future__ import annotations
 
 import logging
-import signal
 import threading
 import uuid
 from collections.abc import Callable
@@ -29,6 +28,7 @@ from engine.config import EngineConfig
 from engine.default_model import model_or_default
 from engine.engine_core import EngineCore
 from engine.runtime import Runtime, build_runtime
+from engine.stop_signals import StopSignals
 from kvtransfer.layout import KVLayout
 from worker.engine_thread import EngineThread
 from worker.metrics import WorkerMetrics
@@ -203,21 +203,19 @@ class WorkerProcess:
 
     def serve_until_signal(self) -> int:
         """Run until SIGTERM/SIGINT or the engine thread dies; returns the exit code."""
-        done = threading.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: done.set())
-        self.start()
-        code = 0
-        while not done.wait(0.5):
-            if not self.engine_alive():
-                log.error("worker=%s engine thread died: stopping", self.worker_id)
-                code = 1
-                break
-            if dead := [p.pid for p in self.rt.followers if p.poll() is not None]:
-                log.error("worker=%s tensor-parallel rank process(es) %s exited: stopping", self.worker_id, dead)
-                code = 1
-                break
-        self.stop()
+        with StopSignals() as stop:
+            self.start()
+            code = 0
+            while stop.wait(0.5) is None:
+                if not self.engine_alive():
+                    log.error("worker=%s engine thread died: stopping", self.worker_id)
+                    code = 1
+                    break
+                if dead := [p.pid for p in self.rt.followers if p.poll() is not None]:
+                    log.error("worker=%s tensor-parallel rank process(es) %s exited: stopping", self.worker_id, dead)
+                    code = 1
+                    break
+            self.stop()
         return code
 
     def engine_alive(self) -> bool:

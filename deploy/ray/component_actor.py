@@ -54,12 +54,15 @@ class ComponentActor:
     """One duet component (`python -m duet <role> ...`) as a child process of this actor.
 
     start() returns the component's address once it reports SERVING, or raises RuntimeError with its log
-    tail; stop() always leaves no child behind (SIGTERM, then SIGKILL of its process group)."""
+    tail; stop() always leaves no child behind (SIGTERM, then SIGKILL of its process group); relaunch() starts
+    the same command again, on the same port, after stop() (the launcher's restart of a dead component)."""
 
     def __init__(self, name: str):
         self.name = name
         self.popen: subprocess.Popen | None = None
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"duet-ray-{name}-{os.getpid()}.log"
+        self._cmd: list[str] = []
+        self._env: dict[str, str] = {}
 
     def start(self, role: str, args: list[str], bind_host: str, advertise_host: str | None, port: int,
               extra_gpu_ids: list[str], ready_timeout_s: float) -> str:
@@ -74,10 +77,8 @@ class ComponentActor:
         gpu_ids = [str(i) for i in ray.get_gpu_ids()] + list(extra_gpu_ids)
         if gpu_ids:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_ids)
-        with open(self.log_path, "ab") as log_file:
-            self.popen = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
-                                          env=env, cwd=_PROJECT_ROOT, start_new_session=True,
-                                          preexec_fn=parent_death_preexec())  # dies with this actor's process
+        self._cmd, self._env = cmd, env
+        self._spawn()
         deadline = time.monotonic() + ready_timeout_s
         while not _is_serving(f"127.0.0.1:{port}"):
             exited = self._exited()
@@ -87,6 +88,22 @@ class ComponentActor:
                 raise RuntimeError(f"{self.name} {how}; log tail:\n{tail_file(self.log_path)}")
             time.sleep(0.2)
         return f"{host}:{port}"
+
+    def _spawn(self) -> None:
+        with open(self.log_path, "ab") as log_file:
+            self.popen = subprocess.Popen(self._cmd, stdin=subprocess.DEVNULL, stdout=log_file,
+                                          stderr=subprocess.STDOUT, env=self._env, cwd=_PROJECT_ROOT,
+                                          start_new_session=True,
+                                          preexec_fn=parent_death_preexec())  # dies with this actor's process
+
+    def relaunch(self) -> int:
+        """Start the command of start() again (same port, same environment, same log file) and return the new
+        child's pid at once: readiness is the component's own business, as after `duet up` restarts one.
+        Only after stop() has reaped the previous child."""
+        if self.popen is None or self.popen.returncode is None:
+            raise RuntimeError(f"{self.name}: relaunch() needs a started, stopped component")
+        self._spawn()
+        return self.popen.pid
 
     def pid(self) -> int | None:
         return None if self.popen is None else self.popen.pid

@@ -20,6 +20,10 @@ Each component runs as a child process of its actor (its own session, so torch a
 Ray's worker process); readiness is grpc.health.v1 SERVING, checked by the actor on its own node. Stopping
 one: SIGTERM the child (the worker deregisters from Redis), SIGKILL its process group after timeout_s, then
 ray.kill the actor and remove its placement group. stop() stops the loop, the router, the workers, redis.
+
+Supervision, as `duet up`'s: the control loop finds a router or worker whose process died, and its actor starts
+it again on its port after the shared backoff (deploy/restarts.py), printing the same lines; the actor and its
+placement group stay. A worker whose actor itself is lost (its node gone) is replaced by a new actor at once.
 Files: config.py (what to run), component_actor.py (the actors), this file (placement, scaling, lifecycle).
 """
 
@@ -45,6 +49,7 @@ from deploy.autoscaler import PoolState, decide
 from deploy.ray.component_actor import ComponentActor, RankHolder
 from deploy.ray.config import ROLES, RayLauncherConfig, pool_load
 from deploy.redis_server import RedisServer
+from deploy.restarts import RestartBackoff, death_line, describe_returncode, restarted_line
 
 log = logging.getLogger(__name__)
 
@@ -63,10 +68,14 @@ class Component:
 
 
 class RayLauncher:
-    """Router + prefill/decode pools on the connected Ray cluster (call ray.init first). Not restartable."""
+    """Router + prefill/decode pools on the connected Ray cluster (call ray.init first). Not restartable.
+    `print_fn` gets the supervision lines (a component died, when it restarts, that it did), from the control
+    loop's thread."""
 
-    def __init__(self, config: RayLauncherConfig):
+    def __init__(self, config: RayLauncherConfig, print_fn: Callable[[str], None] = print):
         self.config = config
+        self.print_fn = print_fn
+        self.backoff = RestartBackoff()  # the control loop's alone
         self.redis: RedisServer | None = None
         self.redis_url: str | None = config.redis_url
         self.router: Component | None = None
@@ -204,13 +213,15 @@ class RayLauncher:
                 log.exception("ray_launcher: autoscaling step failed; retrying next poll")
 
     def step(self, now_s: float | None = None) -> dict[str, int]:
-        """One pass per pool: replace workers whose process died, then one autoscaling decision from the
-        registry's load reports, applied. Returns the pool sizes after it."""
+        """Supervision (dead processes restarted, lost actors replaced), then one autoscaling decision per pool
+        from the registry's load reports, applied. Returns the pool sizes after it."""
         model_id = self.config.resolved_model_id
+        self._supervise()
         for role in ROLES:
             if self._stop_event.is_set():
                 break
-            self._replace_dead(role)
+            if len(self.pools[role]) < self.states[role].replicas:  # a lost actor: a new one in its place
+                self._resize(role, self.states[role].replicas, {})
             workers = self._registry.list_workers(model_id, role)
             load = pool_load(role, [w.load for w in workers])
             with self._lock:
@@ -230,19 +241,36 @@ class RayLauncher:
                         self.states[role].last_up_s = time.monotonic()
         return self.pool_sizes()
 
-    def _replace_dead(self, role: str) -> None:
-        pool = self.pools[role]
-        for comp in list(pool):
+    def _supervise(self) -> None:
+        """A router or worker whose process died: reaped (its process group with it) and started again by its
+        actor, on its port, once the backoff allows, each step printed as `duet up` prints it. A worker whose
+        actor is gone (node lost, OOM) leaves its pool (step() starts a new one); a router whose actor is gone
+        is run_ray_up's to notice."""
+        now_s = time.monotonic()
+        components = [self.router] if self.router is not None else []
+        components += [comp for role in ROLES for comp in self.pools[role]]
+        for comp in components:
+            if self.backoff.is_scheduled(comp.name):
+                continue
             try:
                 alive = ray.get(comp.actor.alive.remote(), timeout=10)
-            except Exception:  # noqa: BLE001 - the actor itself died (node lost, OOM)
-                alive = False
+            except Exception:  # noqa: BLE001 - the actor itself died
+                if comp.role != "router":
+                    log.warning("ray_launcher: pool=%s worker=%s event=actor_lost; replacing it", comp.role,
+                                comp.name)
+                    self.pools[comp.role].remove(comp)
+                    self._release(comp, graceful=False)
+                continue
             if not alive:
-                log.warning("ray_launcher: pool=%s worker=%s event=died; replacing it", role, comp.name)
-                pool.remove(comp)
-                self._release(comp, graceful=False)
-        if len(pool) < self.states[role].replicas:
-            self._resize(role, self.states[role].replicas, {})
+                code = ray.get(comp.actor.stop.remote(0.0), timeout=10)
+                tail = f"{comp.name} log tail:\n{ray.get(comp.actor.log_tail.remote(), timeout=10)}"
+                self.print_fn(f"{death_line(comp.name, describe_returncode(code), tail)}\n"
+                              f"{self.backoff.schedule(comp.name, now_s)}")
+        for name in self.backoff.take_due(now_s):
+            comp = next(c for c in components if c.name == name)  # one scaled down meanwhile was cancelled
+            comp.pid = ray.get(comp.actor.relaunch.remote(), timeout=30)
+            self.child_pids.append(comp.pid)
+            self.print_fn(restarted_line(name, comp.pid))
 
     def _resize(self, role: str, replicas: int, loads: dict[str, float]) -> None:
         """Start or stop workers until the pool has `replicas`; stops the least loaded first (by the last
@@ -257,17 +285,20 @@ class RayLauncher:
         while len(pool) > replicas:
             victim = min(reversed(pool), key=lambda c: loads.get(c.address, 0.0))
             pool.remove(victim)
+            self.backoff.cancel(victim.name)
             self._release(victim)
         with self._lock:
             self.states[role].replicas = len(pool)
 
-    def router_alive(self) -> bool:
+    def router_actor_alive(self) -> bool:
+        """The router's actor answers; its process may be down, between a death and its restart."""
         if self.router is None:
             return False
         try:
-            return bool(ray.get(self.router.actor.alive.remote(), timeout=10))
+            ray.get(self.router.actor.pid.remote(), timeout=10)
         except Exception:  # noqa: BLE001 - the actor died
             return False
+        return True
 
     def pool_sizes(self) -> dict[str, int]:
         return {role: len(self.pools[role]) for role in ROLES}
@@ -318,8 +349,9 @@ class RayLauncher:
 
 def run_ray_up(config: RayLauncherConfig, address: str = "auto", print_fn: Callable[[str], None] = print) -> int:
     """`duet ray up`: connect to Ray (address "auto": the running cluster; "local": start one here; set
-    RAY_AUTH_MODE=disabled where Ray's token auth is not set up), start
-    everything, print a `ready` line, run until SIGINT/SIGTERM (0) or the router dies (1), stop everything."""
+    RAY_AUTH_MODE=disabled where Ray's token auth is not set up), start everything, print a `ready` line, run
+    until SIGINT/SIGTERM (0) or the router's actor is lost (1), stop everything. A dead router or worker process
+    is restarted meanwhile (RayLauncher._supervise), its lines printed."""
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     owns_ray = not ray.is_initialized()
@@ -330,7 +362,7 @@ def run_ray_up(config: RayLauncherConfig, address: str = "auto", print_fn: Calla
                  include_dashboard=False, log_to_driver=False)
     elif owns_ray:
         ray.init(address=address, log_to_driver=False)
-    launcher = RayLauncher(config)
+    launcher = RayLauncher(config, print_fn=print_fn)
     try:
         try:
             launcher.start()
@@ -341,11 +373,8 @@ def run_ray_up(config: RayLauncherConfig, address: str = "auto", print_fn: Calla
         print_fn(f"duet ready: router at {launcher.router_address} ({sizes['prefill']} prefill, "
                  f"{sizes['decode']} decode, redis at {launcher.redis_url.rpartition('@')[2]})")
         while not stop.wait(0.5):
-            if not launcher.router_alive():  # workers are replaced by the control loop; the router is not
-                tail = "(its actor is gone)"
-                with contextlib.suppress(Exception):
-                    tail = ray.get(launcher.router.actor.log_tail.remote(), timeout=5)
-                print_fn(f"duet: the router died; log tail:\n{tail}")
+            if not launcher.router_actor_alive():  # its process is the control loop's to restart; not its actor
+                print_fn("duet: the router's actor is gone (its node lost?); stopping")
                 return 1
         print_fn("duet: stopping")
         return 0

@@ -26,6 +26,10 @@ log = logging.getLogger("duet.grpc")
 # router migrates the request instead of waiting on a stream that never moves. Servers accept pings that often.
 KEEPALIVE_TIME_MS = 4000
 KEEPALIVE_TIMEOUT_MS = 4000
+# Servers probe their callers too, less often (public clients sit behind proxies and slow links): a worker whose
+# router vanished without closing its connections (host lost) cancels that router's calls and frees their
+# blocks within SERVER_KEEPALIVE_MS x 2, so a gateway's retry on another router replica finds nothing stale.
+SERVER_KEEPALIVE_MS = 10000
 PUBLIC_MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # a 32k-token prompt as ids is ~0.3 MB
 INTERNAL_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 _UNAUTHENTICATED_PATHS = ("/grpc.health.v1.Health/", "/grpc.reflection.")  # probes carry no token
@@ -122,6 +126,9 @@ def make_server(max_workers: int, max_message_bytes: int, auth_token: str | None
             ("grpc.so_reuseport", 0),  # two servers must never share a port by accident
             ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_TIME_MS),
             ("grpc.http2.max_ping_strikes", 0),  # a peer's keepalive is never a reason to hang up on it
+            ("grpc.keepalive_time_ms", SERVER_KEEPALIVE_MS),
+            ("grpc.keepalive_timeout_ms", SERVER_KEEPALIVE_MS),
+            ("grpc.http2.ping_timeout_ms", SERVER_KEEPALIVE_MS),
         ],
     )
 

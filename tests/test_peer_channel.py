@@ -51,3 +51,46 @@ def test_a_peer_that_stays_down_is_tried_again_at_least_every_second():
     times_s = [start_s, *attempts_s, end_s]
     gaps_s = [round(b - a, 2) for a, b in zip(times_s, times_s[1:])]
     assert len(attempts_s) >= 2 and max(gaps_s) <= MAX_GAP_S, gaps_s
+
+
+CALLER = """
+import sys, grpc
+with grpc.insecure_channel(sys.argv[1]) as ch:
+    for _ in ch.unary_stream("/t.T/Stream")(b"", timeout=300):
+        print("streaming", flush=True)
+"""
+
+
+def test_a_server_cancels_the_calls_of_a_caller_that_stops_answering(tmp_path):
+    """A caller frozen mid-stream (its host lost: no FIN, no RST; SIGSTOP here) has its call cancelled by the
+    server's keepalive (grpc_plumbing.SERVER_KEEPALIVE_MS), so a worker frees what a vanished router held."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    cancelled = threading.Event()
+
+    def stream(request, context):
+        context.add_callback(cancelled.set)
+        while context.is_active():
+            yield b"x"
+            time.sleep(0.05)
+
+    server = grpc_plumbing.make_server(4, 1 << 20)
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+        "t.T", {"Stream": grpc.unary_stream_rpc_method_handler(stream)})])
+    port = grpc_plumbing.bind(server, "127.0.0.1", 0)
+    server.start()
+    caller = subprocess.Popen([sys.executable, "-c", CALLER, f"127.0.0.1:{port}"], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert caller.stdout.readline() == "streaming\n"
+        os.kill(caller.pid, signal.SIGSTOP)
+        stopped_s = time.monotonic()
+        assert cancelled.wait(3 * grpc_plumbing.SERVER_KEEPALIVE_MS / 1000 + 10), "the call was never cancelled"
+        assert time.monotonic() - stopped_s >= grpc_plumbing.SERVER_KEEPALIVE_MS / 1000 / 2  # by keepalive, not EOF
+    finally:
+        caller.kill()
+        caller.wait()
+        server.stop(0)

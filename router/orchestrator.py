@@ -226,9 +226,10 @@ class RequestOrchestrator:
 
     def hand_off(self, request: RoutedRequest, live: Live,
                  helds: list[_HeldReservation]) -> tuple[HandOffPlan, FirstToken]:
-        """reserve, plan and prefill; when the prefill worker is lost before the first token (or its KV cannot
-        reach the decode worker), release the reservation and start again, elsewhere (MAX_MIGRATIONS times at
-        most). Nothing reached the client yet, so a retry is invisible to it but for the time."""
+        """reserve, plan and prefill; when a worker is lost before the first token (the prefill worker, the
+        decode worker its KV goes to, or every decode worker asked to reserve), release the reservation and
+        start again elsewhere, after waiting for a worker that has not just failed if none is left (`workers`),
+        MAX_MIGRATIONS times at most. Nothing reached the client yet: a retry costs it only the time."""
         for retries in range(MAX_MIGRATIONS + 1):
             prefills, decodes = self.workers(live, after_loss=retries > 0)
             held = None

@@ -30,8 +30,6 @@ REGISTRY_CACHE_S = 0.5
 PURGE_EVERY_S = 5.0
 INDEX_SIZE_EVERY_S = 30.0  # a SCAN of the model's keys: not on every request
 REJOIN_GRACE_S = 10.0  # after a Redis restart: workers heartbeat every ~2 s (registry TTL / 3)
-
-
 SEEN_LATELY_S = 60.0  # a role that had a worker this recently is restarting, not absent
 
 
@@ -105,8 +103,8 @@ class WorkerView:
         until, before = self._rejoining
         if now >= until:
             return listed
-        listed_ids = {w.worker_id for w in listed}
-        return listed + [w for w in before if w.worker_id not in listed_ids]
+        listed_addresses = {w.info.address for w in listed}  # one there again (maybe a new process) supersedes
+        return listed + [w for w in before if w.info.address not in listed_addresses]
 
     def _count_restarts(self, workers: list[LiveWorker]) -> None:
         """A worker id is one process lifetime: a new id at a known address is that worker restarted."""

@@ -245,7 +245,8 @@ class RequestOrchestrator:
                     held.release()
                 if retries == MAX_MIGRATIONS or not live.is_active():
                     raise Failed(grpc.StatusCode.UNAVAILABLE, f"{lost}; {retries} retries already") from None
-                log.warning("request=%s event=retrying reason=%s error=%s", request.request_id, lost.reason, lost)
+                log.warning("request=%s event=migrating reason=%s stage=hand_off error=%s", request.request_id,
+                            lost.reason, lost)
                 self.metrics.request_migrated(lost.reason)
         raise AssertionError("unreachable: the loop returns or raises")
 

@@ -19,12 +19,12 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class ReserveBlocks:
-    """Rank 0 reserved `block_ids` for `request_id`'s `num_prompt_tokens` of KV for `ttl_s` seconds, under
-    `reservation_id`: hold the same blocks under the same id here."""
+    """Rank 0 reserved `block_ids` for `request_id`'s `num_tokens` of KV (its prompt, and a migrated request's
+    tokens sent) for `ttl_s` seconds, under `reservation_id`: hold the same blocks under the same id here."""
     reservation_id: int
     request_id: str
     block_ids: tuple[int, ...]
-    num_prompt_tokens: int
+    num_tokens: int
     ttl_s: float
 
 
@@ -47,10 +47,10 @@ class DecodeFollowers:
     def __init__(self, runtime: Runtime):
         self._runtime = runtime
 
-    def reserve(self, reservation_id: int, request_id: str, block_ids: list[int], num_prompt_tokens: int,
+    def reserve(self, reservation_id: int, request_id: str, block_ids: list[int], num_tokens: int,
                 ttl_s: float) -> bool:
         return self._runtime.call_followers(ReserveBlocks(reservation_id, request_id, tuple(block_ids),
-                                                          num_prompt_tokens, ttl_s))
+                                                          num_tokens, ttl_s))
 
     def release(self, reservation_id: int) -> bool:
         return self._runtime.call_followers(ReleaseReservation(reservation_id))

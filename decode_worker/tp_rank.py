@@ -59,7 +59,7 @@ class DecodeRankHooks(FollowerHooks):
         return {ReserveBlocks: self.reserve, ReleaseReservation: self.release, CommitReservation: self.commit}
 
     def reserve(self, op: ReserveBlocks) -> bool:
-        self.reservations.add(op.request_id, list(op.block_ids), op.num_prompt_tokens,
+        self.reservations.add(op.request_id, list(op.block_ids), op.num_tokens,
                               op.ttl_s + FOLLOWER_TTL_MARGIN_S, reservation_id=op.reservation_id)
         return True
 

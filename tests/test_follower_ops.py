@@ -37,7 +37,7 @@ ops = st.one_of(
     st.builds(KVSends, entries=st.lists(entries, max_size=5).map(tuple)),
     st.builds(ForgetRequest, request_id=texts),
     st.builds(ReserveBlocks, reservation_id=ids, request_id=texts,
-              block_ids=st.lists(ids, max_size=16).map(tuple), num_prompt_tokens=ids,
+              block_ids=st.lists(ids, max_size=16).map(tuple), num_tokens=ids,
               ttl_s=st.floats(allow_nan=False, allow_infinity=False)),
     st.builds(ReleaseReservation, reservation_id=ids),
     st.builds(CommitReservation, reservation_id=ids),
@@ -72,9 +72,9 @@ def test_only_the_named_classes_decode():
     (b'{"op":"ReleaseReservation","fields":{"reservation_id":true}}', "reservation_id: expected int, got bool"),
     (b'{"op":"ReleaseReservation","fields":{"reservation_id":1.5}}', "reservation_id: expected int, got float"),
     (b'{"op":"ReserveBlocks","fields":{"reservation_id":1,"request_id":"r","block_ids":[1,"2"],'
-     b'"num_prompt_tokens":3,"ttl_s":1.0}}', r"block_ids\[1\]: expected int, got str"),
+     b'"num_tokens":3,"ttl_s":1.0}}', r"block_ids\[1\]: expected int, got str"),
     (b'{"op":"ReserveBlocks","fields":{"reservation_id":1,"request_id":"r","block_ids":[1],'
-     b'"num_prompt_tokens":3,"ttl_s":NaN}}', "NaN is not a number an op may carry"),
+     b'"num_tokens":3,"ttl_s":NaN}}', "NaN is not a number an op may carry"),
     (b'{"op":"KVSends","fields":{"entries":{}}}', "KVSends.entries: expected a list, got dict"),
     (b'{"op":"KVSends","fields":{"entries":[{"request_id":"r","endpoints":["a"],"reservation_id":1,'
      b'"first_block":0,"block_ids":[],"last":true}]}}', r"entries\[0\]: request r: first_block=0 .* 0 block ids"),

@@ -231,18 +231,9 @@ class RequestOrchestrator:
         start again elsewhere, after waiting for a worker that has not just failed if none is left (`workers`),
         MAX_MIGRATIONS times at most. Nothing reached the client yet: a retry costs it only the time."""
         for retries in range(MAX_MIGRATIONS + 1):
-            prefills, decodes = self.workers(live, after_loss=retries > 0)
-            held = None
             try:
-                reserve_start_s = time.monotonic()
-                reservation = self.reserve(request, decodes, live)
-                held = _HeldReservation(self, reservation)
-                helds.append(held)
-                plan = self.plan(request, prefills, reservation, time.monotonic() - reserve_start_s)
-                return plan, self.prefill(plan, request, live)
+                return self.reserve_and_prefill(request, live, helds, after_loss=retries > 0)
             except WorkerLost as lost:
-                if held is not None:
-                    held.release()
                 if retries == MAX_MIGRATIONS or not live.is_active():
                     raise Failed(grpc.StatusCode.UNAVAILABLE, f"{lost}; {retries} retries already") from None
                 log.warning("request=%s event=migrating reason=%s stage=hand_off error=%s", request.request_id,
@@ -367,18 +358,24 @@ class RequestOrchestrator:
         the last, have a prefill worker compute it (its sampled token is dropped: the last one sent stands), and
         return the plan and the token Decode starts from."""
         *history, last = client.output_token_ids
-        prefills, decodes = self.workers(live, after_loss=True)
+        plan, _ = self.reserve_and_prefill(request, live, helds, after_loss=True, history=history)
+        return plan, last
+
+    def reserve_and_prefill(self, request: RoutedRequest, live: Live, helds: list[_HeldReservation],
+                            after_loss: bool, history: Sequence[int] = ()) -> tuple[HandOffPlan, FirstToken]:
+        """One attempt at reserve, plan and prefill (for the prompt plus `history`, a migrating request's
+        tokens sent but the last). On WorkerLost its reservation is released: the next attempt reserves afresh."""
+        prefills, decodes = self.workers(live, after_loss=after_loss)
         reserve_start_s = time.monotonic()
         reservation = self.reserve(request, decodes, live, history)
         held = _HeldReservation(self, reservation)
         helds.append(held)
-        plan = self.plan(request, prefills, reservation, time.monotonic() - reserve_start_s, history)
         try:
-            self.prefill(plan, request, live, history)
+            plan = self.plan(request, prefills, reservation, time.monotonic() - reserve_start_s, history)
+            return plan, self.prefill(plan, request, live, history)
         except WorkerLost:
-            held.release()  # the next attempt reserves afresh
+            held.release()
             raise
-        return plan, last
 
     def decode(self, plan: HandOffPlan, first_token_id: int, live: Live, client: ClientStream,
                held: _HeldReservation, first_sent_s: float) -> Iterator[pb.GenerateResponse]:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -78,3 +81,20 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+@contextlib.contextmanager
+def supervised(config) -> Iterator[tuple[object, list[str]]]:
+    """A LocalCluster under `duet up`'s supervision (LocalCluster.wait, in a thread: dead components are
+    restarted), and the lines the supervisor printed."""
+    from deploy.local_cluster import LocalCluster
+
+    printed: list[str] = []
+    with LocalCluster(config).start() as cluster:
+        supervisor = threading.Thread(target=cluster.wait, kwargs={"print_fn": printed.append})
+        supervisor.start()
+        try:
+            yield cluster, printed
+        finally:
+            cluster.request_stop()
+            supervisor.join(30)

@@ -15,13 +15,13 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from cluster_helpers import wait_idle, worker_components
+from cluster_helpers import supervised, wait_idle, worker_components
 from prometheus_client.parser import text_string_to_metric_families
 
 from cluster import grpc_plumbing
 from cluster.cluster_secret import load_cluster_secret
 from cluster.registry import WorkerRegistry
-from deploy.local_cluster import ClusterConfig, LocalCluster
+from deploy.local_cluster import ClusterConfig
 from duet.client import Client
 from engine import LLM, SamplingParams
 from engine.ports import pick_free_ports
@@ -43,19 +43,12 @@ def make_requests(rng: random.Random) -> list[tuple[list[int], SamplingParams]]:
 
 
 @pytest.fixture(scope="module")
-def supervised(tiny_llama_dir):
+def supervised_cluster(tiny_llama_dir):
     (metrics_port,) = pick_free_ports(1)
     config = ClusterConfig(model_dir=str(tiny_llama_dir), num_prefill=2, num_decode=2, worker_args=ENGINE_ARGS,
                            router_args=["--max-model-len", "1024", "--metrics-port", str(metrics_port)])
-    printed: list[str] = []
-    with LocalCluster(config).start() as cluster:
-        supervisor = threading.Thread(target=cluster.wait, kwargs={"print_fn": printed.append})
-        supervisor.start()
-        try:
-            yield cluster, printed, metrics_port
-        finally:
-            cluster.request_stop()
-            supervisor.join(30)
+    with supervised(config) as (cluster, printed):
+        yield cluster, printed, metrics_port
 
 
 def component_of(cluster, worker_id: str, model_id: str):
@@ -93,8 +86,8 @@ class Streams:
             self.errors.append(e)
 
 
-def test_dozens_of_requests_survive_randomized_kills_with_the_undisturbed_tokens(supervised, tiny_llama_dir):
-    cluster, printed, metrics_port = supervised
+def test_dozens_of_requests_survive_randomized_kills_with_the_undisturbed_tokens(supervised_cluster, tiny_llama_dir):
+    cluster, printed, metrics_port = supervised_cluster
     model_id = Path(tiny_llama_dir).name
     rng = random.Random(SEED)
     requests = make_requests(rng)

@@ -11,11 +11,11 @@ import time
 from pathlib import Path
 
 import pytest
-from cluster_helpers import wait_idle
+from cluster_helpers import supervised, wait_idle
 
 from cluster.cluster_secret import load_cluster_secret
 from cluster.registry import WorkerRegistry
-from deploy.local_cluster import ClusterConfig, LocalCluster
+from deploy.local_cluster import ClusterConfig
 from duet.client import Client
 from engine import LLM, SamplingParams
 
@@ -23,23 +23,15 @@ ENGINE_ARGS = ["--num-kv-blocks", "200", "--max-model-len", "1024", "--max-num-b
 
 
 @pytest.fixture
-def supervised(tiny_llama_dir):
-    """A cluster under `duet up`'s supervision loop (in a thread here), and the lines it printed."""
+def supervised_cluster(tiny_llama_dir):
     config = ClusterConfig(model_dir=str(tiny_llama_dir), num_prefill=1, num_decode=2, worker_args=ENGINE_ARGS,
                            router_args=["--max-model-len", "1024"])
-    printed: list[str] = []
-    with LocalCluster(config).start() as cluster:
-        supervisor = threading.Thread(target=cluster.wait, kwargs={"print_fn": printed.append})
-        supervisor.start()
-        try:
-            yield cluster, printed
-        finally:
-            cluster.request_stop()
-            supervisor.join(30)
+    with supervised(config) as (cluster, printed):
+        yield cluster, printed
 
 
-def test_redis_killed_under_load_is_restarted_and_no_request_is_lost(supervised, tiny_llama_dir):
-    cluster, printed = supervised
+def test_redis_killed_under_load_is_restarted_and_no_request_is_lost(supervised_cluster, tiny_llama_dir):
+    cluster, printed = supervised_cluster
     streams = [([7 + i, 40, 301, 12 + i] * (10 + i), SamplingParams(
         max_tokens=160, ignore_eos=True, **(dict(temperature=0) if i % 2 else dict(temperature=0.8, seed=i))))
         for i in range(4)]

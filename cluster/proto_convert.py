@@ -13,7 +13,7 @@ from engine.sampling_params import SamplingParams
 
 _OPTIONAL = (
     "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-    "frequency_penalty", "seed", "logprobs", "skip_special_tokens",
+    "frequency_penalty", "seed", "logprobs", "skip_special_tokens", "min_tokens",
 )
 
 
@@ -24,6 +24,7 @@ def sampling_from_proto(msg: pb.SamplingParams, prefix: str = "sampling.") -> Sa
         stop_token_ids=list(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
         include_stop_str_in_output=msg.include_stop_str_in_output,
+        logit_bias=dict(msg.logit_bias),
     )
     try:
         return SamplingParams(**kwargs)
@@ -46,6 +47,8 @@ def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
         ignore_eos=params.ignore_eos,
         include_stop_str_in_output=params.include_stop_str_in_output,
         skip_special_tokens=params.skip_special_tokens,
+        logit_bias=params.logit_bias,
+        min_tokens=params.min_tokens,
     )
     if params.seed is not None:
         msg.seed = params.seed

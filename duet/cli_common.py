@@ -15,6 +15,15 @@ def _parse_ids(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"--prompt-ids={text!r} is invalid: must be comma-separated ints") from None
 
 
+def _parse_bias(text: str) -> tuple[int, float]:
+    token, sep, bias = text.partition("=")
+    try:
+        return int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--logit-bias={text!r} is invalid: must be TOKEN_ID=BIAS, e.g. 42=-100") \
+            from None
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """--model and every engine setting's flag (engine/engine_config.py's ENGINE_FLAGS, the one spelling)."""
     g = parser.add_argument_group("engine")
@@ -30,7 +39,7 @@ def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int = 32, log
     g.add_argument("--max-tokens", type=int, default=max_tokens)
     g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--top-k", type=int, default=0, help="0 or -1 disables")
     g.add_argument("--min-p", type=float, default=0.0)
     g.add_argument("--repetition-penalty", type=float, default=1.0)
     g.add_argument("--presence-penalty", type=float, default=0.0)
@@ -39,6 +48,9 @@ def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int = 32, log
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--stop-token-ids", type=_parse_ids, default=[])
     g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--min-tokens", type=int, default=0, help="no eos, stop id or stop string before this many tokens")
+    g.add_argument("--logit-bias", type=_parse_bias, action="append", default=[], metavar="TOKEN_ID=BIAS",
+                   help="add BIAS (in [-100, 100]) to a token's logit; -100 bans it (repeatable)")
     if logprobs:
         g.add_argument("--logprobs", type=int, default=None, help="top-n logprobs per token")
 
@@ -64,5 +76,7 @@ def sampling_params(args: argparse.Namespace):
         stop=args.stop,
         stop_token_ids=args.stop_token_ids,
         ignore_eos=args.ignore_eos,
+        min_tokens=args.min_tokens,
+        logit_bias=dict(args.logit_bias),
         logprobs=getattr(args, "logprobs", None),  # None where the command has no --logprobs
     )

@@ -31,6 +31,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+from engine.sampling_params import SamplingParams
+
 _REPLACEMENT_CHAR = "\ufffd"
 PROMPT_CONTEXT_TOKENS = 5  # prompt tokens decoded before the first output token (vLLM uses 5 as well)
 
@@ -55,6 +57,7 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         stop: Sequence[str] = (),
         include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
     ):
         if isinstance(stop, str):
             stop = (stop,)
@@ -66,6 +69,8 @@ class IncrementalDetokenizer:
         self._stops = tuple(dict.fromkeys(stop))
         self._include_stop = include_stop_str_in_output
         self._max_stop_chars = max((len(stop_str) for stop_str in self._stops), default=0)
+        self._min_tokens = min_tokens  # stop strings are looked for once more tokens than this were added (vLLM)
+        self._num_tokens = 0
 
         context = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
         context_text = self._decode(context)
@@ -79,6 +84,13 @@ class IncrementalDetokenizer:
         self.stop_matched: str | None = None
         self.finished = False
 
+    @classmethod
+    def for_request(cls, tokenizer: Decoder, prompt_token_ids: Sequence[int], params: SamplingParams
+                    ) -> IncrementalDetokenizer:
+        """The detokenizer a request's sampling parameters ask for (special tokens, stop strings, min_tokens)."""
+        return cls(tokenizer, prompt_token_ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop,
+                   include_stop_str_in_output=params.include_stop_str_in_output, min_tokens=params.min_tokens)
+
     @property
     def text(self) -> str:
         """All text emitted so far (cut at the stop string once one matched)."""
@@ -88,6 +100,7 @@ class IncrementalDetokenizer:
         """Add one generated token; return the text that became final with it (often "")."""
         if self.finished:
             return ""
+        self._num_tokens += 1
         self._ids.append(token_id)
         new_text = self._decode(self._ids)
         if new_text.endswith(_REPLACEMENT_CHAR):
@@ -112,6 +125,10 @@ class IncrementalDetokenizer:
 
     def _emit(self, delta: str, final: bool) -> str:
         text = self._held + delta
+        if self._num_tokens <= self._min_tokens:  # under min_tokens: no stop string may end the text
+            self._chunks.append(text)
+            self._held = ""
+            return text
         match = self._find_stop(text)
         if match is not None:
             start, stop_str = match

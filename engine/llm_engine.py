@@ -101,14 +101,8 @@ class LLMEngine:
 
     def add(self, request: Request) -> str:
         """Admit a request made by `make_request`."""
-        params = request.sampling_params
-        detokenizer = IncrementalDetokenizer(
-            self.tokenizer,
-            request.prompt_token_ids,
-            skip_special_tokens=params.skip_special_tokens,
-            stop=params.stop,
-            include_stop_str_in_output=params.include_stop_str_in_output,
-        )
+        detokenizer = IncrementalDetokenizer.for_request(self.tokenizer, request.prompt_token_ids,
+                                                         request.sampling_params)
         self.core.add_request(request)
         self._tracked[request.request_id] = _Tracked(request, detokenizer)
         return request.request_id

@@ -9,6 +9,9 @@ Each row follows the vLLM / HF pipeline with its own parameters:
     raw logits ──► log_softmax ─────────────────────────────────────────► logprobs (vLLM default)
         │
         ▼
+    logit_bias added; eos and stop ids -inf while the row is under min_tokens
+        │
+        ▼
     penalties: repetition over prompt ∪ output, then frequency, presence over output
         │
         ├─ temperature == 0 ─► argmax (ties -> lowest token id)
@@ -53,6 +56,7 @@ class SamplingRow:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]  # tokens generated so far
     proposed_token_ids: Sequence[int] = ()  # a proposer's guesses to verify (see `Sampler.sample`)
+    eos_token_ids: frozenset[int] = frozenset()  # masked with stop_token_ids while under params.min_tokens
 
     @property
     def step(self) -> int:
@@ -148,7 +152,7 @@ class Sampler:
             raise ValueError(f"logits dtype {logits.dtype} is invalid: must be torch.float32")
         if not rows:
             return SamplerOutput([], [])
-        token_ids = self._select(apply_penalties(logits, rows), rows)
+        token_ids = self._select(apply_penalties(apply_logit_bias(logits, rows), rows), rows)
         check_token_ids(token_ids, logits.shape[1])
         return SamplerOutput(token_ids.tolist(), compute_logprobs(logits, rows, token_ids))
 
@@ -274,6 +278,27 @@ def step_seed(seed: int, step: int) -> int:
     steps give unrelated values.
     """
     return splitmix64(splitmix64(seed) ^ step)
+
+
+def apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Logits with each row's `logit_bias` added, and its eos and stop token ids at -inf while it has fewer
+    than `min_tokens` output tokens (vLLM applies both before the penalties, so greedy rows see them too).
+    Returns `logits` itself when no row has either, else a copy; `logits` is never written."""
+    touched = [i for i, row in enumerate(rows) if row.params.logit_bias or row.step < row.params.min_tokens]
+    if not touched:
+        return logits
+    out = logits.clone()
+    for i in touched:
+        params = rows[i].params
+        if params.logit_bias:  # keys are distinct token ids, so index_add_ adds each bias once
+            ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=out.device)
+            bias = torch.tensor(list(params.logit_bias.values()), dtype=out.dtype, device=out.device)
+            out[i].index_add_(0, ids, bias)
+        if rows[i].step < params.min_tokens:
+            banned = set(params.stop_token_ids) | (set() if params.ignore_eos else rows[i].eos_token_ids)
+            if banned:
+                out[i, torch.tensor(sorted(banned), dtype=torch.long, device=out.device)] = -math.inf
+    return out
 
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:

@@ -42,6 +42,7 @@ class ScheduledChunk:
     # decoding, issue 19). The scheduler makes none today, and the engine core refuses a chunk that carries
     # any (engine/engine_core.py) until verification exists.
     proposed_token_ids: list[int] = field(default_factory=list)
+    eos_token_ids: frozenset[int] = frozenset()  # the request's: the sampler masks them under min_tokens
 
 
 @dataclass
@@ -219,6 +220,7 @@ class Scheduler:
             sampling_params=request.sampling_params,
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
+            eos_token_ids=request.eos_token_ids,
         )
 
     def _preempt(self, request: Request) -> None:

@@ -56,5 +56,8 @@ def check_request(
             f"must be at most {max_model_len - len(token_ids)}: this model's maximum context length is "
             f"{max_model_len} tokens and the prompt holds {len(token_ids)}")
     check_ids("stop_token_ids", params.stop_token_ids, vocab_size)
+    for token_id in params.logit_bias:
+        if token_id >= vocab_size:
+            raise InvalidRequestError("logit_bias", token_id, f"keys must be token ids in [0, {vocab_size})")
     if params.logprobs is not None and params.logprobs > max_logprobs:
         raise InvalidRequestError("logprobs", params.logprobs, f"must be in [0, {max_logprobs}]")

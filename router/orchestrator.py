@@ -194,11 +194,8 @@ class RequestOrchestrator:
         try:
             plan, first = self.hand_off(request, live, helds)
             held = helds[-1]
-            params = request.built.params
-            detok = IncrementalDetokenizer(
-                self.tokenizer, request.prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
-                stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output,
-            )
+            detok = IncrementalDetokenizer.for_request(self.tokenizer, request.prompt_token_ids,
+                                                       request.built.params)
             client = ClientStream(request.request_id, detok, len(request.prompt_token_ids), request.received_s)
             client.timing.reserve_s = plan.reserve_s
             self.metrics.request_prefilled(len(request.prompt_token_ids), plan.predicted_cached_tokens,

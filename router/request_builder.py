@@ -1,5 +1,7 @@
 """A public `GenerateRequest` to prompt token ids and engine `SamplingParams`, judged once, here, with the
 engine's own checks (same tokenizer, same chat template, `check_request`). Raises `InvalidRequestError`.
+An absent `max_tokens` is what is left of the context after the prompt (vLLM's OpenAI server's default), set in
+the sampling parameters the workers receive.
 
 Work before admission is bounded: a text (or a chat's messages together) longer than
 `Tokenizer.max_text_bytes(max_model_len)` cannot fit the context whatever it says, so it is refused before
@@ -14,7 +16,7 @@ from dataclasses import dataclass
 
 from cluster.proto_convert import sampling_from_proto
 from duet.v1 import generation_pb2 as pb
-from engine.errors import InvalidRequestError
+from engine.errors import ExceedsContextError, InvalidRequestError
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import LONG_TEXT_CHARS, Tokenizer
 from engine.validation import check_request
@@ -61,7 +63,14 @@ class RequestBuilder:
         kind = msg.WhichOneof("prompt")
         if kind is None:
             raise InvalidRequestError("prompt", None, "must be set: one of text, token_ids or chat")
-        params = sampling_from_proto(msg.sampling)  # cheap checks first: a bad field costs no tokenizing
+        limits = self.limits
+        sampling = msg.sampling
+        default_max_tokens = not sampling.HasField("max_tokens")
+        if default_max_tokens:  # judged with the largest it can become; set to the rest of the context below
+            sampling = pb.SamplingParams()
+            sampling.CopyFrom(msg.sampling)
+            sampling.max_tokens = limits.max_model_len
+        params = sampling_from_proto(sampling)  # cheap checks first: a bad field costs no tokenizing
         if kind == "text":
             if not msg.text:
                 raise InvalidRequestError("text", "", "must be a non-empty string")
@@ -79,10 +88,17 @@ class RequestBuilder:
             field = "chat"
         if not token_ids:
             raise InvalidRequestError(field, [], "must encode to at least one token")
-        limits = self.limits
+        if default_max_tokens:
+            if len(token_ids) >= limits.max_model_len:
+                raise ExceedsContextError(
+                    "prompt", f"{len(token_ids)} tokens",
+                    f"must be at most {limits.max_model_len - 1} tokens, to leave room for one generated token "
+                    f"in this model's context of max_model_len={limits.max_model_len}")
+            sampling.max_tokens = limits.max_model_len - len(token_ids)
+            params = sampling_from_proto(sampling)
         check_request(token_ids, params, vocab_size=limits.vocab_size, max_model_len=limits.max_model_len,
                       max_logprobs=limits.max_logprobs, prompt_field=field)
-        return BuiltRequest(token_ids, params, msg.sampling)
+        return BuiltRequest(token_ids, params, sampling)
 
     def _check_text_bytes(self, field: str, num_bytes: int) -> None:
         if num_bytes > self.max_prompt_bytes:

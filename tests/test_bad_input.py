@@ -17,8 +17,12 @@ def llm(tiny_llama_dir):
         ({"temperature": -0.5}, "temperature", "must be >= 0"),
         ({"top_p": 0.0}, "top_p", "must be in (0, 1]"),
         ({"top_p": 1.5}, "top_p", "must be in (0, 1]"),
-        ({"top_k": 0}, "top_k", "must be -1 (disabled) or an integer >= 1"),
-        ({"top_k": -2}, "top_k", "must be -1 (disabled) or an integer >= 1"),
+        ({"top_k": -2}, "top_k", "must be 0 or -1 (disabled) or an integer >= 1"),
+        ({"min_tokens": -1}, "min_tokens", "must be in [0, max_tokens=16]"),
+        ({"min_tokens": 17}, "min_tokens", "must be in [0, max_tokens=16]"),
+        ({"n": 0}, "n", "must be an integer >= 1"),
+        ({"logit_bias": {5: 101.0}}, "logit_bias[5]", "must be in [-100, 100]"),
+        ({"logit_bias": {-3: 1.0}}, "logit_bias", "keys must be token ids >= 0"),
         ({"min_p": -0.1}, "min_p", "must be in [0, 1]"),
         ({"min_p": 1.1}, "min_p", "must be in [0, 1]"),
         ({"repetition_penalty": 0.0}, "repetition_penalty", "must be > 0"),
@@ -34,7 +38,8 @@ def test_sampling_params_name_field_value_and_range(kwargs, field, fragment):
     assert err.value.field == field
     message = str(err.value)
     assert message.startswith(f"{field}=") and fragment in message
-    shown = repr(next(iter(kwargs.values())))
+    value = next(iter(kwargs.values()))
+    shown = repr(next(iter(value.items()))[field == "logit_bias[5]"] if isinstance(value, dict) else value)
     assert message.startswith(f"{field}={shown}" if field != "stop[0]" else "stop[0]='' ")
 
 

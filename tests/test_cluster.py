@@ -171,7 +171,7 @@ BAD = [
     (dict(ids=[1], temperature=-0.5), "sampling.temperature"),
     (dict(ids=[1], top_p=0.0), "sampling.top_p"),
     (dict(ids=[1], top_p=1.5), "sampling.top_p"),
-    (dict(ids=[1], top_k=0), "sampling.top_k"),
+    (dict(ids=[1], min_tokens=-1), "sampling.min_tokens"),
     (dict(ids=[1], top_k=-2), "sampling.top_k"),
     (dict(ids=[1], min_p=1.5), "sampling.min_p"),
     (dict(ids=[1], stop_token_ids=[600]), "stop_token_ids[0]"),
@@ -192,7 +192,7 @@ def test_bad_input_is_invalid_argument_naming_the_field(client, fields, named):
         msg.token_ids.ids.extend(fields["ids"])
     for role, content in fields.get("chat", []):
         msg.chat.messages.add(role=role, content=content)
-    for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "logprobs"):
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "logprobs", "min_tokens"):
         if name in fields:
             setattr(msg.sampling, name, fields[name])
     msg.sampling.stop_token_ids.extend(fields.get("stop_token_ids", []))

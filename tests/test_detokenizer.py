@@ -214,3 +214,21 @@ def test_stop_strings_cut_the_text_like_a_search_of_the_final_text(tokenizer, ou
     expected_text, expected_stop = reference_stop(full, list(dict.fromkeys(stops)), include)
     assert "".join(deltas) == detokenizer.text == expected_text
     assert detokenizer.stop_matched == expected_stop
+
+
+def test_min_tokens_lets_stop_strings_through_until_more_tokens_than_it_were_added(tokenizer):
+    ids = tokenizer.encode("ab ab ab")
+    full = tokenizer.decode(ids)
+    checked = 0
+    for min_tokens in range(len(ids) + 1):
+        detok = IncrementalDetokenizer(tokenizer, [1], stop=["b"], min_tokens=min_tokens)
+        text = "".join(detok.add_token(t) for t in ids) + detok.flush()
+        head = tokenizer.decode(ids[:min_tokens])
+        if not full.startswith(head):
+            continue
+        # the first min_tokens tokens' text is let through whole; the first "b" after it ends the text
+        cut = full.find("b", len(head))
+        assert text == (full if cut < 0 else full[:cut]), min_tokens
+        assert detok.stop_matched == (None if cut < 0 else "b")
+        checked += 1
+    assert checked >= 3

@@ -49,7 +49,8 @@ VALID_SAMPLING = {
     "repetition_penalty": st.one_of(tiny, st.floats(0, 10, exclude_min=True), st.just(1e300)),
     "presence_penalty": st.floats(-2, 2),
     "frequency_penalty": st.floats(-2, 2),
-    "top_k": st.one_of(st.just(-1), st.integers(1, 600)),
+    "top_k": st.one_of(st.sampled_from([-1, 0]), st.integers(1, 600)),
+    "min_tokens": st.integers(0, 8),
     "logprobs": st.integers(0, 20),
     "seed": st.integers(0, 2**64 - 1),
 }
@@ -58,7 +59,7 @@ WILD_SAMPLING = {
     **{name: st.floats() for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                                       "frequency_penalty")},
     **{name: st.one_of(st.sampled_from([-1, 0, 2047, 2048, 10**9]), int64) for name in ("max_tokens", "top_k",
-                                                                                         "logprobs")},
+                                                                                         "logprobs", "min_tokens")},
 }
 SAMPLING_FIELDS = sorted(VALID_SAMPLING)
 
@@ -114,6 +115,9 @@ def generate_requests(draw) -> pb.GenerateRequest:
     msg.sampling.stop_token_ids.extend(draw(st.lists(st.integers(0, 511), max_size=2)))
     if draw(st.integers(0, 5)) == 0:
         msg.sampling.stop_token_ids.append(draw(int64))
+    if draw(st.integers(0, 3)) == 0:  # ids past the vocabulary (512) and biases past +-100 included
+        msg.sampling.logit_bias.update(draw(st.dictionaries(st.one_of(st.integers(0, 600), int64),
+                                                            st.one_of(st.floats(-100, 100), st.floats()), max_size=3)))
     msg.sampling.ignore_eos = draw(st.booleans())
     return msg
 

@@ -532,3 +532,44 @@ def test_a_sampled_id_outside_the_vocab_is_refused_in_its_own_step() -> None:
     check_token_ids(torch.tensor([0, 7]), 8)
     with pytest.raises(RuntimeError, match=r"sampled token ids \[0, 8\] are invalid: each must be in \[0, 8\)"):
         check_token_ids(torch.tensor([0, 8]), 8)
+
+
+# -- logit_bias and min_tokens (before penalties, as vLLM) ----------------------------------------------------
+
+
+def test_logit_bias_moves_greedy_and_bans_a_token_without_touching_logprobs():
+    logits = torch.tensor([LOGITS, LOGITS])
+    banned = SamplingParams(temperature=0, logit_bias={0: -100.0}, logprobs=1)
+    boosted = SamplingParams(temperature=0, logit_bias={7: 3.0})  # -1.5 + 3 = 1.5 > 1.2
+    out = Sampler(seed=0)(logits, [row(banned), row(boosted)])
+    assert out.token_ids == [1, 7]
+    # logprobs stay the raw distribution's (vLLM's default): token 1's rank is still 2
+    assert out.logprobs[0].rank == 2 and out.logprobs[0].top[0][0] == 0
+    assert torch.equal(logits, torch.tensor([LOGITS, LOGITS]))  # never written
+
+
+def test_logit_bias_shifts_the_sampled_distribution_exactly():
+    params = SamplingParams(temperature=1.0, seed=None, logit_bias={0: -100.0, 3: 1.0})
+    biased = list(LOGITS)
+    biased[0] -= 100.0
+    biased[3] += 1.0
+    sampler = Sampler(seed=11)
+    counts = np.zeros(len(LOGITS))
+    logits = torch.tensor([LOGITS] * 1000)
+    for _ in range(N_SAMPLES // 1000):
+        for t in sampler(logits, [row(params)] * 1000).token_ids:
+            counts[t] += 1
+    expected = reference_probs(biased, SamplingParams(temperature=1.0)) * counts.sum()
+    assert counts[0] == 0
+    keep = expected > 0.5
+    assert chisquare(counts[keep], expected[keep] * counts[keep].sum() / expected[keep].sum()).pvalue > 1e-3
+
+
+def test_min_tokens_masks_eos_and_stop_ids_until_reached_then_not():
+    logits = torch.tensor([LOGITS])  # token 0 is the argmax, token 1 the next
+    params = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[1])
+    eos = frozenset({0})
+    under = SamplingRow(params, [5], [4], eos_token_ids=eos)  # step 1 < 2: 0 (eos) and 1 (stop) masked
+    reached = SamplingRow(params, [5], [4, 4], eos_token_ids=eos)
+    ignoring = SamplingRow(SamplingParams(temperature=0, min_tokens=2, ignore_eos=True), [5], [], eos_token_ids=eos)
+    assert Sampler()(torch.cat([logits] * 3), [under, reached, ignoring]).token_ids == [2, 0, 0]

@@ -187,8 +187,8 @@ class RouterServer:
             from router.openai_http import OpenAIHTTPServer
 
             local = f"127.0.0.1:{self.port}" if config.host in ("0.0.0.0", "::") else self.address
-            self.http = OpenAIHTTPServer(local, self.router.model_id, self.router.metrics.registry, config.host,
-                                         config.http_port, config.auth_token,
+            self.http = OpenAIHTTPServer(local, self.router.model_id, self.router.builder, self.router.metrics.registry,
+                                         config.host, config.http_port, config.auth_token,
                                          shutdown_grace_s=config.shutdown_grace_s)
 
     def start(self) -> None:

@@ -148,7 +148,7 @@ def test_router_with_http_exits_within_its_grace_on_sigterm_with_a_stream_in_fli
         assert (health.status, health.read()) == (200, b'{"status":"ok"}')  # the connection stays open, idle
         stream = http.client.HTTPConnection("127.0.0.1", http_port, timeout=30)
         stream.request("POST", "/v1/completions", json.dumps(
-            {"model": "tiny", "prompt": [5, 6, 7, 8], "max_tokens": 1000, "ignore_eos": True, "stream": True}),
+            {"prompt": [5, 6, 7, 8], "max_tokens": 1000, "ignore_eos": True, "stream": True}),
             {"Content-Type": "application/json"})
         response = stream.getresponse()
         assert response.status == 200 and response.readline().startswith(b"data: {")

@@ -22,10 +22,12 @@ REMIND_S = 30.0
 class StartupProgress:
     """Prints through `print_fn`; None prints nothing (a program driving LocalCluster itself)."""
 
-    def __init__(self, print_fn: Callable[[str], None] | None, model_name: str):
+    def __init__(self, print_fn: Callable[[str], None] | None, model_name: str,
+                 clock: Callable[[], float] = time.monotonic):
         self._print = print_fn
         self._model_name = model_name
-        self._started_s = time.monotonic()
+        self._clock = clock
+        self._started_s = clock()
         self._reminded_s = self._started_s
 
     def _say(self, line: str) -> None:
@@ -39,11 +41,11 @@ class StartupProgress:
             self._say(f"duet: loading {self._model_name} in {name} ...")
 
     def serving(self, name: str) -> None:
-        self._say(f"duet: {name} serving ({time.monotonic() - self._started_s:.1f} s)")
+        self._say(f"duet: {name} serving ({self._clock() - self._started_s:.1f} s)")
 
     def waiting(self, pending: list[str]) -> None:
         """Called on every poll while components are pending; says so once per REMIND_S."""
-        now = time.monotonic()
+        now = self._clock()
         if pending and now - self._reminded_s >= REMIND_S:
             self._reminded_s = now
             self._say(f"duet: still waiting for {', '.join(pending)} ({now - self._started_s:.0f} s)")

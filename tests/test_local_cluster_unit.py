@@ -18,6 +18,7 @@ import pytest
 
 from cluster import grpc_plumbing
 from deploy.local_cluster import PORT_IN_USE_EXIT_CODE, ClusterConfig, LocalCluster, run_up
+from deploy.startup_progress import StartupProgress
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -263,6 +264,24 @@ def test_run_up_says_what_loads_then_prints_every_address(fake_path, monkeypatch
     assert f"'--http-port', '{ready.group(1)}', '--metrics-port', '{ready.group(2)}'" in router_log
     assert "auth s3cret" in router_log and "s3cret'" not in router_log  # in its environment, not its argv
     assert "auth None" in (tmp_path / "prefill-0.log").read_text()
+
+
+def test_startup_progress_reminds_once_per_interval_while_components_are_pending():
+    now = [100.0]
+    said = []
+    progress = StartupProgress(said.append, "tiny", clock=lambda: now[0])
+    progress.started("prefill-0")
+    progress.started("router")
+    for now[0] in (100.0, 129.9, 130.0, 131.0, 160.4):
+        progress.waiting(["prefill-0", "router"])
+    now[0] = 161.3
+    progress.serving("router")
+    progress.waiting(["prefill-0"])
+    assert said == ["duet: loading tiny in prefill-0 ...", "duet: starting the router ...",
+                    "duet: still waiting for prefill-0, router (30 s)",
+                    "duet: still waiting for prefill-0, router (60 s)",
+                    "duet: router serving (61.3 s)"]
+    StartupProgress(None, "tiny").started("router")  # silent
 
 
 @pytest.mark.parametrize("field, flag", [("port", "--port"), ("http_port", "--http-port"),

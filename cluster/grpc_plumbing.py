@@ -32,6 +32,9 @@ KEEPALIVE_TIMEOUT_MS = 4000
 SERVER_KEEPALIVE_MS = 10000
 PUBLIC_MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # a 32k-token prompt as ids is ~0.3 MB
 INTERNAL_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# the public bearer token, where `duet router` and `duet up` read it when --auth-token is not given (`duet up`
+# hands it to its router there: a command line is readable by every local user)
+AUTH_TOKEN_ENV_VAR = "DUET_AUTH_TOKEN"
 _UNAUTHENTICATED_PATHS = ("/grpc.health.v1.Health/", "/grpc.reflection.")  # probes carry no token
 # Trailing metadata by which a worker's error says whose fault it is, when not the worker's own:
 #   request    the request's own (its sampling failed): the router fails that request (retrying elsewhere

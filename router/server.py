@@ -10,6 +10,8 @@
 from __future__ import annotations
 
 import logging
+import shutil
+import tempfile
 import threading
 import time
 import uuid
@@ -180,6 +182,7 @@ class RouterServer:
         self.port = grpc_plumbing.bind(self.server, config.host, config.port, config.tls_cert, config.tls_key)
         self.address = f"{config.host}:{self.port}"
         self.metrics_port = None
+        self._bridge_dir: Path | None = None
         if config.metrics_port is not None:
             self.metrics_port = self.router.metrics.serve(config.metrics_port, config.host)
         self.http = None
@@ -187,6 +190,14 @@ class RouterServer:
             from router.openai_http import OpenAIHTTPServer
 
             local = f"127.0.0.1:{self.port}" if config.host in ("0.0.0.0", "::") else self.address
+            if config.tls_cert is not None:
+                # The HTTP API calls this gRPC server from inside the process; over the TLS port it would have to
+                # verify a certificate whose CA and names it need not know, so it gets a plaintext unix socket in
+                # a directory only this user can enter (who can read the key anyway). Bearer tokens still apply.
+                self._bridge_dir = Path(tempfile.mkdtemp(prefix="duet-router-"))
+                local = f"unix:{self._bridge_dir / 'grpc.sock'}"
+                if self.server.add_insecure_port(local) == 0:
+                    raise OSError(f"cannot listen on {local} for the HTTP API's calls")
             self.http = OpenAIHTTPServer(local, self.router.model_id, self.router.builder, self.router.metrics.registry,
                                          config.host, config.http_port, config.auth_token,
                                          shutdown_grace_s=config.shutdown_grace_s)
@@ -211,4 +222,6 @@ class RouterServer:
             self.http.stop()
         stopped.wait(grace_s + 1)
         self.router.close()
+        if self._bridge_dir is not None:
+            shutil.rmtree(self._bridge_dir, ignore_errors=True)
 

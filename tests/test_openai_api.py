@@ -16,7 +16,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from deploy.local_cluster import ClusterConfig, LocalCluster
 from duet.client import Client, stream_to_record
 from engine import LLM, SamplingParams
-from engine.ports import pick_free_ports
 
 MAX_MODEL_LEN = 96
 BLOCK_SIZE = 16
@@ -30,12 +29,11 @@ def offline(tiny_llama_dir):
 
 @pytest.fixture(scope="module")
 def cluster(tiny_llama_dir):
-    (http_port,) = pick_free_ports(1)
     config = ClusterConfig(model_dir=str(tiny_llama_dir),
                            worker_args=["--num-kv-blocks", "96", "--max-model-len", str(MAX_MODEL_LEN)],
-                           router_args=["--max-model-len", str(MAX_MODEL_LEN), "--http-port", str(http_port)])
+                           router_args=["--max-model-len", str(MAX_MODEL_LEN)], http_port=0)
     with LocalCluster(config).start() as c:
-        c.http_base = f"http://127.0.0.1:{http_port}"
+        c.http_base = c.http_url
         yield c
 
 

@@ -192,8 +192,8 @@ def undisturbed(offline: LLM, reqs: list[StormRequest], lengths: list[int]) -> l
 
 def router_counters(cluster, name: str) -> dict[str, float]:
     text = httpx.get(cluster.http_base + "/metrics", timeout=10).text
-    return {next(iter(s.labels.values())): s.value for family in text_string_to_metric_families(text)
-            for s in family.samples if s.name == name}
+    return {next(v for k, v in s.labels.items() if k != "model_name"): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples if s.name == name}
 
 
 def test_a_storm_of_cancels_and_deadlines_leaves_every_worker_idle_and_intact(cluster, offline):

@@ -284,7 +284,9 @@ def test_a_non_streaming_client_that_disconnects_aborts_its_request_at_once(clus
     import socket
 
     def ended(status: str) -> float:
-        return http.router.metrics.registry.get_sample_value("duet_router_requests_total", {"status": status}) or 0
+        metrics = http.router.metrics
+        return metrics.registry.get_sample_value("duet_router_requests_total",
+                                                 {"model_name": metrics.model_name, "status": status}) or 0
 
     cancelled, completed = ended("CANCELLED"), ended("OK")
     body = json.dumps({"prompt": [3, 4, 5], "max_tokens": 1000, "ignore_eos": True}).encode()

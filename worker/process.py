@@ -121,7 +121,7 @@ class WorkerProcess:
         self.health = grpc_plumbing.add_health_and_reflection(self.server, self.service_names)
         self.port = grpc_plumbing.bind(self.server, config.host, config.port)
         self.address = f"{self.advertise_host}:{self.port}"
-        self.metrics = WorkerMetrics(config.role, self.metric_values)
+        self.metrics = WorkerMetrics(config.role, self.rt.model_id, self.metric_values, self.cache_config_info())
         self.metrics_port: int | None = None
         self.heartbeat: Heartbeat | None = None
         self._stopped = threading.Event()
@@ -170,7 +170,18 @@ class WorkerProcess:
             "num_requests_waiting": load.num_waiting, "num_requests_running": load.num_running,
             "num_waiting_tokens": load.num_waiting_tokens, "kv_cache_usage_perc": pool.usage(),
             "prefix_cache_queries": core.num_prefix_query_tokens, "prefix_cache_hits": core.num_prefix_hit_tokens,
+            "prompt_tokens": core.num_prompt_tokens, "generation_tokens": core.num_generation_tokens,
+            "num_preemptions": core.num_preemptions,
             "kv_events_dropped": self.publisher.num_dropped, "prefix_index_resyncs": self.publisher.num_resyncs,
+        }
+
+    def cache_config_info(self) -> dict[str, str]:
+        """The KV cache's settings, under vLLM's names for `duet_cache_config_info` (num_gpu_blocks: the blocks
+        on the worker's device, whichever it is)."""
+        return {
+            "block_size": str(self.rt.block_size), "num_gpu_blocks": str(self.rt.num_kv_blocks),
+            "cache_dtype": str(self.rt.dtype).removeprefix("torch."),
+            "enable_prefix_caching": str(self.rt.config.enable_prefix_caching),
         }
 
     def start(self) -> None:

@@ -42,7 +42,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         engine=engine_config(args, model_id=args.model_id), kv_transport=args.kv_transport,
         kv_checksum=args.kv_checksum, layer_group_size=args.layer_group_size, heartbeat_ttl_s=args.heartbeat_ttl,
         advertise_host=args.advertise_host, metrics_port=args.metrics_port, metrics_host=args.metrics_host,
-        cluster_secret_file=args.cluster_secret_file,
+        cluster_secret_file=args.cluster_secret_file, kv_port=getattr(args, "kv_port", 0),  # decode only
     )
     if args.command == "prefill":
         from prefill_worker.server import PrefillWorker as Worker
@@ -164,6 +164,9 @@ def add_serving_commands(sub: argparse._SubParsersAction) -> None:
         p = sub.add_parser(role, help=f"run a {role} worker")
         add_worker_args(p)
         p.add_argument("--model-id", default=None, help="the name routers know the model by (default: dir name)")
+        if role == "decode":
+            p.add_argument("--kv-port", type=int, default=0,
+                           help="port the KV receiver listens on (tensor-parallel rank r: this + r); 0: a free one")
         p.set_defaults(func=cmd_worker)
 
     p = sub.add_parser("router", help="run the router (public gRPC API)")

@@ -63,7 +63,7 @@ def cmd_router(args: argparse.Namespace) -> int:
     grace = {} if args.shutdown_grace is None else {"shutdown_grace_s": args.shutdown_grace}
     server = RouterServer(RouterConfig(
         redis_url=args.redis_url, model_dir=args.model, model_id=args.model_id, host=args.host, port=args.port,
-        max_model_len=args.max_model_len, auth_token=args.auth_token, tls_cert=args.tls_cert, tls_key=args.tls_key,
+        max_model_len=args.max_model_len, auth_token=auth_token(args), tls_cert=args.tls_cert, tls_key=args.tls_key,
         metrics_port=args.metrics_port, http_port=args.http_port, cluster_secret_file=args.cluster_secret_file,
         worker_wait_s=args.worker_wait_s, **grace,
     ))
@@ -85,6 +85,22 @@ def cmd_router(args: argparse.Namespace) -> int:
     # own exit would still join every gRPC handler thread (concurrent.futures does, unbounded), and its C-level
     # exit (C++ static destructors while gRPC's threads still run) once took 14 s on a loaded 2-core machine.
     os._exit(0)
+
+
+def auth_token(args: argparse.Namespace) -> str | None:
+    """The router's bearer token: --auth-token, or the contents of --auth-token-file (one trailing newline
+    dropped), so a token from a Kubernetes Secret never shows in a pod spec or the process list."""
+    if args.auth_token_file is None:
+        return args.auth_token
+    if args.auth_token is not None:
+        raise ValueError("--auth-token and --auth-token-file both give the token: give one")
+    try:
+        token = args.auth_token_file.read_text().removesuffix("\n").removesuffix("\r")
+    except OSError as e:
+        raise ValueError(f"--auth-token-file={str(args.auth_token_file)!r} cannot be read: {e.strerror}") from None
+    if not token.strip():
+        raise ValueError(f"--auth-token-file={str(args.auth_token_file)!r} is invalid: the file is empty")
+    return token
 
 
 def resolve_model(args: argparse.Namespace) -> Path:
@@ -178,6 +194,8 @@ def add_serving_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--redis-url", required=True)
     p.add_argument("--auth-token", default=None, help="require 'authorization: Bearer TOKEN' on every call")
+    p.add_argument("--auth-token-file", type=Path, default=None,
+                   help="as --auth-token, the token read from this file (e.g. a mounted Kubernetes Secret)")
     p.add_argument("--tls-cert", type=Path, default=None)
     p.add_argument("--tls-key", type=Path, default=None)
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")

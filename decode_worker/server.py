@@ -44,7 +44,7 @@ class DecodeWorker(WorkerProcess, wpb_grpc.DecodeWorkerServicer):
         super().__init__(config)
         self.reservations = ReservationTable(self.layout.num_layers)
         self.receiver = KVReceiver(self.layout, self.rt.kv_caches, self.reservations, host=config.host,
-                                   handshake_key=self.kv_handshake_key)
+                                   port=config.kv_port, handshake_key=self.kv_handshake_key)
         self.rank_kv_addresses: list[str] = []  # tensor parallelism: ranks 1..N-1's receivers, in rank order
         if self.tp_store is not None:
             from decode_worker.tp_rank import kv_address_key

@@ -62,6 +62,7 @@ _PROBE_CHANNEL_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 500),
 ]
+ROUTER_LIVENESS_SERVICE = "grpc.health.v1.Health"  # SERVING while the router process serves (router/server.py)
 _ROUTER_SERVING_LINE = b"router serving at "  # `duet router` prints it once its health says SERVING
 PORT_IN_USE_EXIT_CODE = 2  # run_up: a port the command line asked for is taken (as argparse's usage errors)
 # ClusterConfig's router ports and the `duet up` flags that set them
@@ -178,9 +179,9 @@ def _probe_address(address: str) -> str:
     return f"127.0.0.1:{port}" if host in ("0.0.0.0", "::", "[::]", "") else address
 
 
-def _is_serving(channel: grpc.Channel) -> bool:
+def _is_serving(channel: grpc.Channel, service: str = "") -> bool:
     try:
-        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""),
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
                                                           timeout=_HEALTH_RPC_TIMEOUT_S)
     except grpc.RpcError:
         return False
@@ -292,7 +293,8 @@ class LocalCluster:
             with open(proc.log_path, "rb") as f:
                 f.seek(proc.log_start_bytes)
                 return _ROUTER_SERVING_LINE in f.read()
-        return _is_serving(channel)
+        # the router's "" is NOT_SERVING while no worker of a role is up; its process health says it serves
+        return _is_serving(channel, ROUTER_LIVENESS_SERVICE if proc.name == "router" else "")
 
     def _wait_serving(self, progress: StartupProgress) -> None:
         timeout_s = self.config.ready_timeout_s

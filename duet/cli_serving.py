@@ -49,6 +49,8 @@ def add_router_args(p: argparse.ArgumentParser, *, up: bool) -> None:
     g.add_argument("--auth-token", default=None,
                    help="require 'authorization: Bearer TOKEN' on every call, gRPC and HTTP (or set "
                         "$DUET_AUTH_TOKEN, which keeps it off the process list)")
+    g.add_argument("--auth-token-file", type=Path, default=None,
+                   help="as --auth-token, the token read from this file (e.g. a mounted Kubernetes Secret)")
     g.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate: serve gRPC with TLS")
     g.add_argument("--tls-key", type=Path, default=None, help="PEM private key of --tls-cert")
     g.add_argument("--metrics-port", type=int, default=None, help=f"serve Prometheus /metrics on this port{free}")
@@ -77,7 +79,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         engine=engine_config(args, model_id=args.model_id), kv_transport=args.kv_transport,
         kv_checksum=args.kv_checksum, layer_group_size=args.layer_group_size, heartbeat_ttl_s=args.heartbeat_ttl,
         advertise_host=args.advertise_host, metrics_port=args.metrics_port, metrics_host=args.metrics_host,
-        cluster_secret_file=args.cluster_secret_file,
+        cluster_secret_file=args.cluster_secret_file, kv_port=getattr(args, "kv_port", 0),  # decode only
     )
     if args.command == "prefill":
         from prefill_worker.server import PrefillWorker as Worker
@@ -91,15 +93,13 @@ def cmd_router(args: argparse.Namespace) -> int:
     import logging
     import signal
 
-    from cluster.grpc_plumbing import AUTH_TOKEN_ENV_VAR
     from engine.stop_signals import StopSignals
     from router.server import STOP_MARGIN_S, RouterConfig, RouterServer
 
     grace = {} if args.shutdown_grace is None else {"shutdown_grace_s": args.shutdown_grace}
     server = RouterServer(RouterConfig(
         redis_url=args.redis_url, model_dir=args.model, model_id=args.model_id, host=args.host, port=args.port,
-        max_model_len=args.max_model_len, auth_token=args.auth_token or os.environ.get(AUTH_TOKEN_ENV_VAR),
-        tls_cert=args.tls_cert, tls_key=args.tls_key,
+        max_model_len=args.max_model_len, auth_token=auth_token(args), tls_cert=args.tls_cert, tls_key=args.tls_key,
         metrics_port=args.metrics_port, http_port=args.http_port, cluster_secret_file=args.cluster_secret_file,
         worker_wait_s=args.worker_wait_s, **grace,
     ))
@@ -123,6 +123,25 @@ def cmd_router(args: argparse.Namespace) -> int:
     os._exit(0)
 
 
+def auth_token(args: argparse.Namespace) -> str | None:
+    """The router's bearer token: --auth-token, the contents of --auth-token-file (one trailing newline dropped),
+    or $DUET_AUTH_TOKEN; the last two keep a token (e.g. from a Kubernetes Secret) off pod specs and the process
+    list."""
+    from cluster.grpc_plumbing import AUTH_TOKEN_ENV_VAR
+
+    if args.auth_token_file is None:
+        return args.auth_token or os.environ.get(AUTH_TOKEN_ENV_VAR) or None
+    if args.auth_token is not None:
+        raise ValueError("--auth-token and --auth-token-file both give the token: give one")
+    try:
+        token = args.auth_token_file.read_text().removesuffix("\n").removesuffix("\r")
+    except OSError as e:
+        raise ValueError(f"--auth-token-file={str(args.auth_token_file)!r} cannot be read: {e.strerror}") from None
+    if not token.strip():
+        raise ValueError(f"--auth-token-file={str(args.auth_token_file)!r} is invalid: the file is empty")
+    return token
+
+
 def resolve_model(args: argparse.Namespace) -> Path:
     """`--model`, or the embedded default's GGUF file (`ModelLoadError` with the install hint where it is
     missing: `duet` prints it). Resolved here, once, so `duet up` / `duet demo` fail at once instead of in every
@@ -133,7 +152,6 @@ def resolve_model(args: argparse.Namespace) -> Path:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from cluster.grpc_plumbing import AUTH_TOKEN_ENV_VAR
     from deploy.local_cluster import ClusterConfig, run_up
 
     model = resolve_model(args)
@@ -147,7 +165,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     config = ClusterConfig(
         model_dir=str(model), num_prefill=args.prefill, num_decode=args.decode, host=args.host, port=args.port,
         http_port=None if args.no_http else args.http_port, metrics_port=args.metrics_port,
-        auth_token=args.auth_token or os.environ.get(AUTH_TOKEN_ENV_VAR), tls_cert=args.tls_cert,
+        auth_token=auth_token(args), tls_cert=args.tls_cert,
         tls_key=args.tls_key, worker_args=worker_args, router_args=router_args)
     return run_up(config)
 
@@ -210,6 +228,9 @@ def add_serving_commands(sub: argparse._SubParsersAction) -> None:
         p = sub.add_parser(role, help=f"run a {role} worker")
         add_worker_args(p)
         p.add_argument("--model-id", default=None, help="the name routers know the model by (default: dir name)")
+        if role == "decode":
+            p.add_argument("--kv-port", type=int, default=0,
+                           help="port the KV receiver listens on (tensor-parallel rank r: this + r); 0: a free one")
         p.set_defaults(func=cmd_worker)
 
     p = sub.add_parser("router", help="run the router (public gRPC API)")

@@ -54,9 +54,21 @@ class WorkerConfig:
     heartbeat_ttl_s: float = 6.0
     max_concurrent_rpcs: int = 256
     advertise_host: str | None = None  # the host others reach this worker at (default: host); e.g. the pod IP
+    # decode: the port its KV receiver listens on (tensor-parallel rank r: kv_port + r), so a NetworkPolicy can
+    # name it; 0: a free one
+    kv_port: int = 0
     metrics_port: int | None = None  # Prometheus /metrics over HTTP; None: off
     metrics_host: str | None = None  # where /metrics listens (default: host); e.g. the pod IP, or 127.0.0.1
     cluster_secret_file: Path | None = None  # the internal plane's secret (cluster/cluster_secret.py)
+
+    def __post_init__(self) -> None:
+        last_kv_port = self.kv_port + self.engine.tp_size - 1
+        if self.kv_port and not (1 <= self.kv_port and last_kv_port <= 65535):
+            raise ValueError(f"kv_port={self.kv_port} is invalid: must be 0 (a free port) or 1..65535, and with "
+                             f"tp_size={self.engine.tp_size} rank r listens on kv_port + r (last: {last_kv_port})")
+        if self.kv_port and self.role != "decode":
+            raise ValueError(f"kv_port={self.kv_port} is invalid for a {self.role} worker: only decode workers "
+                             "listen for KV transfers")
 
 
 class EngineLoop(Protocol):
@@ -101,7 +113,7 @@ class WorkerProcess:
                 self.tp_store.port, model_id=config.engine.model_id or Path(model_dir).resolve().name,
                 host=config.host, advertise_host=self.advertise_host, kv_transport=config.kv_transport,
                 kv_checksum=config.kv_checksum, layer_group_size=config.layer_group_size,
-                cluster_secret_file=config.cluster_secret_file)
+                cluster_secret_file=config.cluster_secret_file, kv_port=config.kv_port)
         self.rt: Runtime = build_runtime(model_dir, config.engine, tp_module, follower_argv)
         self.layout = KVLayout.for_caches(self.rt.model_id, self.rt.kv_caches, self.tp_size, 0)
         self.registry = WorkerRegistry.from_url(config.redis_url, ttl_s=config.heartbeat_ttl_s,

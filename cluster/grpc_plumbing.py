@@ -219,11 +219,17 @@ def channel(address: str, max_message_bytes: int = INTERNAL_MAX_MESSAGE_BYTES,
     return grpc.intercept_channel(ch, _MetadataInterceptor(token))
 
 
-def health_check(address: str, timeout_s: float = 1.0) -> bool:
-    """True if the server at `address` says SERVING."""
+# The router's process health: SERVING from its start to its stop, whatever the workers (its "" and
+# duet.v1.Generation are NOT_SERVING while no worker of a role is up). What liveness and readiness probes ask.
+LIVENESS_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name  # "grpc.health.v1.Health"
+
+
+def health_check(address: str, timeout_s: float = 1.0, service: str = "") -> bool:
+    """True if the server at `address` says SERVING for `service`."""
     with grpc.insecure_channel(address) as ch:
         try:
-            reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+            reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service),
+                                                         timeout=timeout_s)
         except grpc.RpcError:
             return False
     return reply.status == health_pb2.HealthCheckResponse.SERVING

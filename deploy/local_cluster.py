@@ -45,7 +45,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cluster.cluster_secret import ENV_VAR, generate_cluster_secret
-from cluster.grpc_plumbing import AUTH_TOKEN_ENV_VAR
+from cluster.grpc_plumbing import AUTH_TOKEN_ENV_VAR, LIVENESS_SERVICE
 from deploy.redis_server import RedisServer, tail_file
 from deploy.restarts import RestartBackoff, death_line, describe_returncode, restarted_line, signal_name
 from deploy.startup_progress import StartupProgress
@@ -62,7 +62,6 @@ _PROBE_CHANNEL_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 500),
 ]
-ROUTER_LIVENESS_SERVICE = "grpc.health.v1.Health"  # SERVING while the router process serves (router/server.py)
 _ROUTER_SERVING_LINE = b"router serving at "  # `duet router` prints it once its health says SERVING
 PORT_IN_USE_EXIT_CODE = 2  # run_up: a port the command line asked for is taken (as argparse's usage errors)
 # ClusterConfig's router ports and the `duet up` flags that set them
@@ -294,7 +293,7 @@ class LocalCluster:
                 f.seek(proc.log_start_bytes)
                 return _ROUTER_SERVING_LINE in f.read()
         # the router's "" is NOT_SERVING while no worker of a role is up; its process health says it serves
-        return _is_serving(channel, ROUTER_LIVENESS_SERVICE if proc.name == "router" else "")
+        return _is_serving(channel, LIVENESS_SERVICE if proc.name == "router" else "")
 
     def _wait_serving(self, progress: StartupProgress) -> None:
         timeout_s = self.config.ready_timeout_s

@@ -21,6 +21,9 @@ iteration tokens, cache config) are the workers' (worker/metrics.py).
                                                 FAILED_PRECONDITION, UNAVAILABLE, DEADLINE_EXCEEDED, ...). Not
                                                 counted: calls gRPC itself refuses before duet's code runs (over
                                                 --max-concurrent-streams, a message over the size limit)
+    http_requests_total{handler, method, status} counter  (vLLM's http_requests_total) every OpenAI HTTP response
+                                                by route and exact status code: the refusals no Generate call sees
+                                                (400 for a body that does not parse, 401, 404, 408, 413) included
     migrations_total{reason}           counter  -   requests continued elsewhere: decode_lost | prefill_lost
                                                     | kv_transfer
     worker_restarts_total{role}        counter  -   a worker registered again at an address with a new worker id
@@ -59,6 +62,8 @@ class RouterMetrics:
                                 "finished_reason")
         for reason in FINISH_REASONS:  # present at zero from the start, as vLLM's
             self.success.labels(model_name, reason)
+        self.http_requests = counter("duet_router_http_requests", "OpenAI HTTP responses by route and status",
+                                     "handler", "method", "status")
         self.migrations = counter("duet_router_migrations", "Requests continued on another worker, by reason",
                                    "reason")
         self.worker_restarts = counter("duet_router_worker_restarts",
@@ -124,6 +129,9 @@ class RouterMetrics:
     def request_ended(self, status: str) -> None:
         """Every Generate call, once, by final gRPC status name (a rejected one too, before any routing)."""
         self.requests.labels(self.model_name, status).inc()
+
+    def http_response(self, handler: str, method: str, status: int) -> None:
+        self.http_requests.labels(self.model_name, handler, method, str(status)).inc()
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
         """Expose /metrics over HTTP; returns the port (0 picks a free one)."""

@@ -44,6 +44,7 @@ from duet.v1 import generation_pb2 as pb
 from duet.v1 import generation_pb2_grpc as pb_grpc
 from engine.errors import InvalidRequestError
 from engine.validation import check_token_ids
+from router.metrics import RouterMetrics
 from router.openai_choices import Choice, make_choices, run_choices
 from router.openai_reply import Reply, TokenTexts
 from router.openai_schema import (
@@ -176,21 +177,46 @@ class BodyLimits:
         await send({"type": "http.response.body", "body": body})
 
 
+class ResponseCounter:
+    """ASGI middleware, outermost: every response counted by route, method and status code
+    (`RouterMetrics.http_response`), the refusals of BodyLimits and of the app included. Paths outside the API
+    count as "other", so a client cannot grow the label set."""
+
+    def __init__(self, app, metrics: RouterMetrics, routes: set[str]):
+        self.app, self.metrics, self.routes = app, metrics, routes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        handler = path if path in self.routes else "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
+
+        async def counted(message):
+            if message["type"] == "http.response.start":
+                self.metrics.http_response(handler, scope["method"], message["status"])
+            await send(message)
+
+        await self.app(scope, receive, counted)
+
+
 class OpenAIHTTPServer:
     """The HTTP API in its own thread and event loop, inside the router process. `port` is bound when the
     object is made (port 0 picks a free one); `start` returns once it serves; `stop` shuts it down: the listener
     and idle keep-alive connections closed at once, requests in flight cut after `shutdown_grace_s` (+
     HTTP_CUT_AFTER_S)."""
 
-    def __init__(self, grpc_address: str, model_id: str, builder: RequestBuilder, registry, host: str, port: int,
-                 auth_token: str | None = None, max_body_bytes: int = grpc_plumbing.PUBLIC_MAX_MESSAGE_BYTES,
-                 read_timeout_s: float = READ_TIMEOUT_S, *, shutdown_grace_s: float):
-        self.model_id, self.builder, self.registry = model_id, builder, registry
+    def __init__(self, grpc_address: str, model_id: str, builder: RequestBuilder, metrics: RouterMetrics, host: str,
+                 port: int, auth_token: str | None = None,
+                 max_body_bytes: int = grpc_plumbing.PUBLIC_MAX_MESSAGE_BYTES, read_timeout_s: float = READ_TIMEOUT_S,
+                 *, shutdown_grace_s: float):
+        self.model_id, self.builder, self.registry = model_id, builder, metrics.registry
         self.token_texts = TokenTexts(builder.tokenizer.decode)
         self._grpc_address = grpc_address
         self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
         self._expected = f"Bearer {auth_token}".encode() if auth_token else None
-        self.app = BodyLimits(self._build_app(), max_body_bytes, read_timeout_s)
+        app = self._build_app()
+        routes = {route.path for route in app.routes if "{" not in route.path}
+        self.app = ResponseCounter(BodyLimits(app, max_body_bytes, read_timeout_s), metrics, routes)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._socket = socket.socket(family, socket.SOCK_STREAM)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

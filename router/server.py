@@ -44,7 +44,6 @@ from router.worker_view import NoWorkers, WorkerView
 log = logging.getLogger("duet.router")
 SERVICE_NAME = "duet.v1.Generation"
 GENERATE_METHOD = f"/{SERVICE_NAME}/Generate"
-HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name  # SERVING while the process is up
 HEALTH_POLL_S = 0.5  # how often the router checks that a worker of each role is up (its health follows)
 SHUTDOWN_GRACE_S = 5.0  # on stop, requests in flight get this long to finish, then are cut (--shutdown-grace)
 STOP_MARGIN_S = 3.0  # past the grace: the HTTP cut, closing, flushing; `duet router` has exited by grace + this
@@ -220,7 +219,7 @@ class RouterServer:
                 local = f"unix:{self._bridge_dir / 'grpc.sock'}"
                 if self.server.add_insecure_port(local) == 0:
                     raise OSError(f"cannot listen on {local} for the HTTP API's calls")
-            self.http = OpenAIHTTPServer(local, self.router.model_id, self.router.builder, self.router.metrics.registry,
+            self.http = OpenAIHTTPServer(local, self.router.model_id, self.router.builder, self.router.metrics,
                                          config.host, config.http_port, config.auth_token,
                                          shutdown_grace_s=config.shutdown_grace_s)
 
@@ -232,7 +231,8 @@ class RouterServer:
         self.server.start()
         if self.http is not None:
             self.http.start()
-        self.health.set(HEALTH_SERVICE, health_pb2.HealthCheckResponse.SERVING)  # the process is up (liveness)
+        # the process is up (liveness)
+        self.health.set(grpc_plumbing.LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         self._update_health()
         self._health_watch.start()
         log.info("router address=%s model=%s event=started", self.address, self.router.model_id)
@@ -269,7 +269,7 @@ class RouterServer:
         grace_s = self.config.shutdown_grace_s
         with self._health_lock:
             self._stopping.set()
-            grpc_plumbing.set_serving(self.health, [SERVICE_NAME, HEALTH_SERVICE], False)
+            grpc_plumbing.set_serving(self.health, [SERVICE_NAME, grpc_plumbing.LIVENESS_SERVICE], False)
         # returns at once, so both APIs' graces run side by side; HTTP requests are gRPC calls in flight here
         stopped = self.server.stop(grace_s)
         if self.http is not None:

@@ -39,7 +39,8 @@ def test_router_takes_its_token_from_the_file(tiny_llama_dir, tmp_path):
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             deadline = time.monotonic() + 60
-            while not grpc_plumbing.health_check(f"127.0.0.1:{grpc_port}"):  # health needs no token (probes)
+            # health needs no token (probes); "" waits for workers, the process's health does not
+            while not grpc_plumbing.health_check(f"127.0.0.1:{grpc_port}", service=grpc_plumbing.LIVENESS_SERVICE):
                 assert router.poll() is None and time.monotonic() < deadline, "router did not start"
                 time.sleep(0.2)
             models = f"http://127.0.0.1:{http_port}/v1/models"

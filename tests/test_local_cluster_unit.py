@@ -49,9 +49,10 @@ FAKE_COMPONENT = textwrap.dedent('''
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     server.add_insecure_port(f"{args.host}:{args.port}")
     server.start()
-    # grpc's HealthServicer answers SERVING for "" until told otherwise
-    servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING if args.never_serving
-                 else health_pb2.HealthCheckResponse.SERVING)
+    # "" as a worker answers it; the process's health as the router answers it (what duet up asks a router)
+    for service in ("", "grpc.health.v1.Health"):
+        servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING if args.never_serving
+                     else health_pb2.HealthCheckResponse.SERVING)
     if args.grandchild_pidfile:
         child = subprocess.Popen(["sleep", "600"])
         with open(f"{args.grandchild_pidfile}.{os.getpid()}", "w") as f:

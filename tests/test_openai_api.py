@@ -60,13 +60,29 @@ def greedy(**kwargs) -> SamplingParams:
     return SamplingParams(temperature=0, ignore_eos=True, **kwargs)
 
 
-def test_models_and_an_unknown_model_is_404(client, model):
+def http_responses(cluster, handler: str, status: str) -> float:
+    text = httpx.get(cluster.http_base + "/metrics", timeout=10).text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "duet_router_http_requests_total" and s.labels["handler"] == handler
+               and s.labels["status"] == status)
+
+
+def test_models_and_an_unknown_model_is_404_and_counted(cluster, client, model):
+    before = {key: http_responses(cluster, *key) for key in (("/v1/completions", "404"), ("/v1/models/{model}", "404"),
+                                                               ("/v1/completions", "400"), ("other", "404"))}
     assert client.models.retrieve(model).id == model
     with pytest.raises(openai.NotFoundError) as err:
         client.completions.create(model="gpt-4o", prompt="x", max_tokens=1)
     assert err.value.body["param"] == "model" and "gpt-4o" in err.value.body["message"]
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-4o")
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=model, prompt="x", suffix="y")
+    assert httpx.get(cluster.http_base + "/no/such/route", timeout=10).status_code == 404
+    # every refusal is counted by route and status, the ones no Generate call saw included
+    assert {key: http_responses(cluster, *key) - n for key, n in before.items()} == {
+        ("/v1/completions", "404"): 1, ("/v1/models/{model}", "404"): 1, ("/v1/completions", "400"): 1,
+        ("other", "404"): 1}
 
 
 def test_default_max_tokens_is_the_rest_of_the_context(client, model, offline):

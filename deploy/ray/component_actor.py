@@ -18,7 +18,7 @@ from pathlib import Path
 
 import ray
 
-from deploy.local_cluster import ROUTER_LIVENESS_SERVICE
+from cluster.grpc_plumbing import LIVENESS_SERVICE
 from deploy.redis_server import tail_file
 from engine.child_process import parent_death_preexec
 from engine.ports import pick_free_port
@@ -82,7 +82,7 @@ class ComponentActor:
         self._spawn()
         deadline = time.monotonic() + ready_timeout_s
         # a router's "" is NOT_SERVING while no worker of a role is up (a pool may start at 0): its process health
-        service = ROUTER_LIVENESS_SERVICE if role == "router" else ""
+        service = LIVENESS_SERVICE if role == "router" else ""
         while not _is_serving(f"127.0.0.1:{port}", service):
             exited = self._exited()
             if exited or time.monotonic() > deadline:

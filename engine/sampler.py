@@ -9,6 +9,9 @@ Each row follows the vLLM / HF pipeline with its own parameters:
     raw logits ──► log_softmax ─────────────────────────────────────────► logprobs (vLLM default)
         │
         ▼
+    structured output: tokens the row's grammar disallows -> -inf (engine/grammar_mask.py)
+        │
+        ▼
     penalties: repetition over prompt ∪ output, then frequency, presence over output
         │
         ├─ temperature == 0 ─► argmax (ties -> lowest token id)
@@ -37,6 +40,7 @@ from typing import NamedTuple
 
 import torch
 
+from engine.grammar_mask import AllowedTokens, apply_grammar_masks
 from engine.sampling_params import SamplingParams
 
 log = logging.getLogger("duet.sampler")
@@ -53,6 +57,7 @@ class SamplingRow:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]  # tokens generated so far
     proposed_token_ids: Sequence[int] = ()  # a proposer's guesses to verify (see `Sampler.sample`)
+    grammar: AllowedTokens | None = None  # structured output: only the tokens it allows may be drawn
 
     @property
     def step(self) -> int:
@@ -148,7 +153,8 @@ class Sampler:
             raise ValueError(f"logits dtype {logits.dtype} is invalid: must be torch.float32")
         if not rows:
             return SamplerOutput([], [])
-        token_ids = self._select(apply_penalties(logits, rows), rows)
+        constrained = apply_grammar_masks(logits, [row.grammar for row in rows])  # logits itself if none
+        token_ids = self._select(apply_penalties(constrained, rows), rows)
         check_token_ids(token_ids, logits.shape[1])
         return SamplerOutput(token_ids.tolist(), compute_logprobs(logits, rows, token_ids))
 

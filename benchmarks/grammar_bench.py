@@ -97,7 +97,9 @@ class XGrammar:
 
     def matcher(self, schema: str | None):
         compiler = self.xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
-        compiled = compiler.compile_json_schema(schema) if schema is not None else compiler.compile_builtin_json_grammar()
+        if schema is None:
+            return self.xgr.GrammarMatcher(compiler.compile_builtin_json_grammar())
+        compiled = compiler.compile_json_schema(schema)
         return self.xgr.GrammarMatcher(compiled)
 
     def fill(self, m) -> None:

@@ -40,7 +40,9 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from cluster import grpc_plumbing
 from duet.v1 import generation_pb2 as pb
 from duet.v1 import generation_pb2_grpc as pb_grpc
+from engine.errors import InvalidRequestError
 from router.openai_schema import ChatCompletionRequest, CompletionRequest, to_generate_request
+from router.structured_request import ToolPlan, apply_structured_fields, chat_message
 
 log = logging.getLogger("duet.http")
 
@@ -271,14 +273,19 @@ class OpenAIHTTPServer:
         except pydantic.ValidationError as e:
             return _validation_error(e)
         msg = to_generate_request(parsed)
+        try:
+            tool_plan = apply_structured_fields(parsed, msg)
+        except InvalidRequestError as e:
+            return error_response(400, "invalid_request_error", e.field, str(e))
         # one id: the response's "id" is the request_id the router and the workers log
         msg.request_id = msg.request_id or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         call = stub.Generate(msg, timeout=parsed.timeout, metadata=self._metadata)
         if parsed.stream:
             return await self._stream(request, call, msg.request_id, chat)
-        return await self._complete(request, call, msg.request_id, chat)
+        return await self._complete(request, call, msg.request_id, chat, tool_plan)
 
-    async def _complete(self, request: Request, call, request_id: str, chat: bool) -> Response:
+    async def _complete(self, request: Request, call, request_id: str, chat: bool,
+                        tool_plan: ToolPlan | None = None) -> Response:
         """Collect the answer; a client that disconnects first cancels the call at once."""
         collect = asyncio.ensure_future(_collect(call))
         while not collect.done():
@@ -293,7 +300,7 @@ class OpenAIHTTPServer:
             return rpc_error_response(e)
         choice: dict = {"index": 0, "finish_reason": finish}
         if chat:
-            choice["message"] = {"role": "assistant", "content": text}
+            choice["message"], choice["finish_reason"] = chat_message(text, finish, tool_plan)
         else:
             choice["text"] = text
         return JSONResponse({

@@ -14,6 +14,7 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict, Field
 
 from duet.v1 import generation_pb2 as pb
+from router.structured_request import ResponseFormat
 
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 UInt64 = Annotated[int, Field(ge=0, le=2**64 - 1)]
@@ -41,6 +42,7 @@ class _Request(BaseModel):
     ignore_eos: bool = False  # vLLM's extension
     request_id: str | None = None  # duet's: the id the router and workers log, and the response's "id"
     timeout: Annotated[float, Field(gt=0, le=MAX_TIMEOUT_S)] | None = None  # duet's: seconds, the deadline
+    response_format: ResponseFormat | None = None  # router/structured_request.py
 
 
 class CompletionRequest(_Request):
@@ -56,6 +58,8 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Request):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    tools: list[dict] | None = None  # router/structured_request.py
+    tool_choice: str | dict | None = None
 
 
 def to_generate_request(body: CompletionRequest | ChatCompletionRequest) -> pb.GenerateRequest:

@@ -1,5 +1,7 @@
 """xgrammar vs llguidance on the default model's tokenizer (SmolLM2, 49152 tokens), in the same run.
 
+    .venv/bin/pip install --no-deps xgrammar==0.2.8 apache-tvm-ffi  # benchmark only: its pip metadata would
+                                                                   # pull torch, transformers and triton
     PYTHONPATH=$PWD .venv/bin/python benchmarks/grammar_bench.py [--repeats 10]
 
 Two figures per library, each repeated (min / median / max):

@@ -10,6 +10,7 @@ from duet.v1 import generation_pb2 as pb
 from engine.errors import InvalidRequestError
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
+from engine.structured_output import StructuredOutput
 
 _OPTIONAL = (
     "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
@@ -27,9 +28,28 @@ def sampling_from_proto(msg: pb.SamplingParams, prefix: str = "sampling.") -> Sa
         logit_bias=dict(msg.logit_bias),
     )
     try:
+        if msg.HasField("structured_output"):
+            kwargs["structured_output"] = structured_output_from_proto(msg.structured_output)
         return SamplingParams(**kwargs)
     except InvalidRequestError as e:
         raise InvalidRequestError(prefix + e.field, e.value, e.allowed) from None
+
+
+def structured_output_from_proto(msg: pb.StructuredOutput) -> StructuredOutput:
+    """InvalidRequestError (field `structured_output...`) when no kind is set or the one set is invalid."""
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        raise InvalidRequestError("structured_output", "{}", "one of json_schema, json_object, regex, choice, "
+                                  "grammar must be set")
+    if kind == "choice":
+        return StructuredOutput(choice=tuple(msg.choice.choices))
+    return StructuredOutput(**{kind: getattr(msg, kind)})
+
+
+def structured_output_to_proto(spec: StructuredOutput) -> pb.StructuredOutput:
+    if spec.choice is not None:
+        return pb.StructuredOutput(choice=pb.Choice(choices=spec.choice))
+    return pb.StructuredOutput(**{spec.kind: getattr(spec, spec.kind)})
 
 
 def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
@@ -54,6 +74,8 @@ def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
         msg.seed = params.seed
     if params.logprobs is not None:
         msg.logprobs = params.logprobs
+    if params.structured_output is not None:
+        msg.structured_output.CopyFrom(structured_output_to_proto(params.structured_output))
     return msg
 
 

@@ -88,6 +88,8 @@ class DecodeWorker(WorkerProcess, wpb_grpc.DecodeWorkerServicer):
             check_request(prompt, params, vocab_size=self.rt.model_config.vocab_size,
                           max_model_len=self.rt.max_model_len, max_logprobs=self.rt.config.max_logprobs, routed=True)
             check_token_ids_fast("output_token_ids", history, self.rt.model_config.vocab_size)
+            if params.structured_output is not None:  # compiled here, not on the engine thread
+                self.rt.grammar_compiler.prepare(params.structured_output)
         except ExceedsContextError as e:  # the router's limit is above this worker's: another may hold it
             abort_with(context, grpc.StatusCode.FAILED_PRECONDITION, f"decode worker {self.worker_id}: {e}")
         except InvalidRequestError as e:

@@ -16,6 +16,7 @@ _EXPORTS = {
     "EngineConfig": "engine.config",
     "ModelConfig": "engine.config",
     "SamplingParams": "engine.sampling_params",
+    "StructuredOutput": "engine.structured_output",
     "RequestOutput": "engine.outputs",
     "InvalidRequestError": "engine.errors",
     "ModelLoadError": "engine.errors",

@@ -8,6 +8,7 @@
       runner.execute(chunks, on_layer_done) ─▶ tokens per sampled request
                                            (raised: hooks.on_execute_failed: re-raise, or abort them)
       a request whose own sampling failed ─▶ FINISHED_ERROR, freed; the others go on
+      structured requests' grammars advance by their sampled tokens (a rejection: FINISHED_ERROR alone)
       scheduler.update_from_output      ─▶ appended, stopped requests freed
       ─▶ [NewTokens]: per request, the tokens it gained (a list), their logprobs, its status
 
@@ -21,10 +22,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from engine.errors import InvalidRequestError
+from engine.grammar_compiler import GrammarCompiler
 from engine.model_runner import ModelRunner
 from engine.request import Request, RequestStatus
 from engine.runtime import Runtime
-from engine.sampler import TokenLogprobs, refuse_proposed_tokens
+from engine.sampler import SampledTokens, TokenLogprobs, refuse_proposed_tokens
 from engine.scheduler import ScheduledChunk, Scheduler
 
 LayerCallback = Callable[[int], None]  # on_layer_done(i): layer i's K/V for every chunk is in the cache
@@ -77,26 +80,45 @@ class EngineCore:
     FINISHED_ERROR.
     """
 
-    def __init__(self, scheduler: Scheduler, runner: ModelRunner, hooks: StepHooks | None = None):
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, hooks: StepHooks | None = None,
+                 grammar_compiler: GrammarCompiler | None = None):
         self.scheduler = scheduler
         self.runner = runner
         self.hooks = hooks or StepHooks()
         self.last_step_num_tokens = 0  # tokens computed by the last step (metrics: iteration tokens)
+        self.grammar_compiler = grammar_compiler  # None: structured output is refused (InvalidRequestError)
 
     @classmethod
     def from_runtime(cls, runtime: Runtime, hooks: StepHooks | None = None) -> EngineCore:
-        return cls(runtime.scheduler, runtime.runner, hooks)
+        return cls(runtime.scheduler, runtime.runner, hooks, runtime.grammar_compiler)
 
     # -- requests (between steps) ----------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        """Queue a validated request; ValueError if its id is live."""
+        """Queue a validated request; ValueError if its id is live, InvalidRequestError if its structured
+        output cannot be served (or its earlier output, replayed, breaks it)."""
+        self._attach_grammar(request)
         self.scheduler.add_request(request)
 
     def add_transferred(self, request: Request, block_ids: list[int]) -> None:
         """KV arrived: a request whose KV for all but its last token is in `block_ids` (allocated from this
-        pool) joins the running batch; its next step computes the last token and samples the one after."""
+        pool) joins the running batch; its next step computes the last token and samples the one after.
+        Raises as `add_request` (nothing is taken then)."""
+        self._attach_grammar(request)
         self.scheduler.add_transferred(request, block_ids)
+
+    def _attach_grammar(self, request: Request) -> None:
+        """A structured request's grammar state, having replayed the tokens it generated elsewhere (the
+        prefill worker's first token, a migrated request's output). A copy of a cached matcher when the
+        server `prepare`d the spec on its own thread; compiled here (~1 ms) otherwise."""
+        spec = request.sampling_params.structured_output
+        if spec is None or request.grammar is not None:
+            return
+        if self.grammar_compiler is None:
+            raise InvalidRequestError("structured_output", spec.kind, "is not served by this engine (it has no "
+                                      "grammar compiler: build it with EngineCore.from_runtime)")
+        request.grammar = self.grammar_compiler.new_state(
+            spec, request.sampling_params.stop_token_ids, request.output_token_ids)
 
     def finish_request(self, request_id: str, status: RequestStatus, stop_reason: int | str | None = None) -> bool:
         """End a live request with a finished `status` now and free its blocks; False if it is not live."""
@@ -170,6 +192,7 @@ class EngineCore:
             return []
         failed = [NewTokens(request_id, [], None, RequestStatus.FINISHED_ERROR, s.error)
                   for request_id, s in sampled.items() if s.error is not None]
+        failed += self._advance_grammars(sampled)
         for new in failed:  # freed before the update, which then skips their chunks (no longer running)
             self.scheduler.finish_request(new.request_id, RequestStatus.FINISHED_ERROR)
         updates = self.scheduler.update_from_output(
@@ -182,3 +205,17 @@ class EngineCore:
                 logprobs = logprobs[: len(update.token_ids)]  # those of tokens past a stop were dropped too
             results.append(NewTokens(update.request_id, update.token_ids, logprobs, update.status))
         return results + failed
+
+    def _advance_grammars(self, sampled: dict[str, SampledTokens]) -> list[NewTokens]:
+        """Feed each structured request's sampled tokens to its grammar (they were drawn under its mask, so
+        a rejection is the library's or a replay's fault): one rejected fails that request alone."""
+        failed = []
+        requests = self.scheduler.requests
+        for request_id, s in sampled.items():
+            request = requests.get(request_id)
+            if s.error is not None or request is None or request.grammar is None:
+                continue
+            if not all(request.grammar.accept(token_id) for token_id in s.token_ids):
+                failed.append(NewTokens(request_id, [], None, RequestStatus.FINISHED_ERROR,
+                                        f"structured output: {request.grammar.error}"))
+        return failed

@@ -82,6 +82,8 @@ class LLMEngine:
             token_ids, params, vocab_size=self.model_config.vocab_size, max_model_len=self.max_model_len,
             max_logprobs=self.config.max_logprobs,
         )
+        if params.structured_output is not None:  # compiled on the caller's thread, not inside a step
+            self.core.grammar_compiler.prepare(params.structured_output)
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
         elif request_id in self._tracked:

@@ -11,8 +11,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.grammar_state import GrammarState
 
 
 class RequestStatus(enum.Enum):
@@ -49,6 +53,9 @@ class Request:
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    # structured output: where the output is in its grammar; the engine core sets it on admission (replaying
+    # output_token_ids) and advances it with every accepted token
+    grammar: GrammarState | None = None
 
     def __post_init__(self) -> None:
         assert self.prompt_token_ids, "a request needs at least one prompt token"

@@ -19,6 +19,7 @@ from engine.config import EngineConfig, ModelConfig, parse_dtype, resolve_device
 from engine.cpu_allocator import reuse_freed_memory
 from engine.cuda_graphs import SCRATCH_BLOCKS, make_graph_replayer, static_decode_enabled
 from engine.errors import ModelLoadError
+from engine.grammar_compiler import GrammarCompiler
 from engine.kernels.cpu_native import native_library
 from engine.kv_cache_manager import KVCacheManager, cdiv
 from engine.linear_fast import fast_linears
@@ -54,6 +55,7 @@ class Runtime:
     runner: ModelRunner
     followers: list = field(default_factory=list)  # tensor-parallel ranks 1..N-1 (processes)
     tp_driver: TPDriver | None = None  # rank 0's control link to `followers` (None at tp_size 1)
+    grammar_compiler: GrammarCompiler | None = None  # structured output (rank 0 samples, so only it needs one)
 
     @property
     def block_size(self) -> int:
@@ -174,5 +176,5 @@ def build_runtime(model_dir: str | Path, config: EngineConfig, follower_module: 
         config=config, model_dir=model_dir, model_config=model_config, model_id=model_id, dtype=dtype,
         tokenizer=tokenizer, model=model, max_model_len=max_model_len, num_kv_blocks=num_blocks,
         block_pool=block_pool, kv_cache=kv_cache, scheduler=scheduler, kv_caches=kv_caches, runner=runner,
-        followers=followers, tp_driver=tp_driver,
+        followers=followers, tp_driver=tp_driver, grammar_compiler=GrammarCompiler(tokenizer, model_config.vocab_size),
     )

@@ -9,6 +9,9 @@ Each row follows the vLLM / HF pipeline with its own parameters:
     raw logits ──► log_softmax ─────────────────────────────────────────► logprobs (vLLM default)
         │
         ▼
+    structured output: tokens the row's grammar disallows -> -inf (engine/grammar_mask.py)
+        │
+        ▼
     logit_bias added; eos and stop ids -inf while the row is under min_tokens
         │
         ▼
@@ -40,6 +43,7 @@ from typing import NamedTuple
 
 import torch
 
+from engine.grammar_mask import AllowedTokens, apply_grammar_masks
 from engine.sampling_params import SamplingParams
 
 log = logging.getLogger("duet.sampler")
@@ -57,6 +61,7 @@ class SamplingRow:
     output_token_ids: Sequence[int]  # tokens generated so far
     proposed_token_ids: Sequence[int] = ()  # a proposer's guesses to verify (see `Sampler.sample`)
     eos_token_ids: frozenset[int] = frozenset()  # masked with stop_token_ids while under params.min_tokens
+    grammar: AllowedTokens | None = None  # structured output: only the tokens it allows may be drawn
 
     @property
     def step(self) -> int:
@@ -152,7 +157,8 @@ class Sampler:
             raise ValueError(f"logits dtype {logits.dtype} is invalid: must be torch.float32")
         if not rows:
             return SamplerOutput([], [])
-        token_ids = self._select(apply_penalties(apply_logit_bias(logits, rows), rows), rows)
+        constrained = apply_grammar_masks(logits, [row.grammar for row in rows])  # logits itself if none
+        token_ids = self._select(apply_penalties(apply_logit_bias(constrained, rows), rows), rows)
         check_token_ids(token_ids, logits.shape[1])
         return SamplerOutput(token_ids.tolist(), compute_logprobs(logits, rows, token_ids))
 

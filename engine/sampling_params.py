@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidRequestError
+from engine.structured_output import StructuredOutput
 
 MAX_SEED = 2**64 - 1
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: -100 bans a token, +100 all but forces it
@@ -39,6 +40,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-n logprobs per generated token (and the sampled token's)
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit, in [-100, 100]
+    structured_output: StructuredOutput | None = None  # the output must match it (checked when it is made)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -94,6 +96,9 @@ class SamplingParams:
             _check_int(f"stop_token_ids[{i}]", token_id)
             if token_id < 0:
                 raise InvalidRequestError(f"stop_token_ids[{i}]", token_id, "must be a token id >= 0")
+        if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
+            raise InvalidRequestError("structured_output", self.structured_output,
+                                      "must be a StructuredOutput (engine/structured_output.py)")
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs)
             if self.logprobs < 0:

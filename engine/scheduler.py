@@ -17,11 +17,14 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the scheduler never imports torch: it only passes the request's grammar state along
+    from engine.grammar_state import GrammarState
 
 
 @dataclass(slots=True)
@@ -43,6 +46,7 @@ class ScheduledChunk:
     # any (engine/engine_core.py) until verification exists.
     proposed_token_ids: list[int] = field(default_factory=list)
     eos_token_ids: frozenset[int] = frozenset()  # the request's: the sampler masks them under min_tokens
+    grammar: GrammarState | None = None  # structured output: the request's grammar state (engine thread only)
 
 
 @dataclass
@@ -227,6 +231,7 @@ class Scheduler:
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
             eos_token_ids=request.eos_token_ids,
+            grammar=request.grammar,
         )
 
     def _preempt(self, request: Request) -> None:

@@ -52,7 +52,19 @@ QWEN2_SPLIT = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
+# ChatML, with Hermes-style tools (as Qwen2.5's template has them): with `tools`, a system turn lists them in
+# <tools></tools> and asks for calls as <tool_call>{"name": ..., "arguments": ...}</tool_call>; without, the
+# rendering is plain ChatML.
 CHAT_TEMPLATE = r"""{{- bos_token }}
+{%- if tools %}
+    {{- '<|im_start|>system\nYou may call one or more functions. Function signatures are within '
+        + '<tools></tools>:\n<tools>' }}
+    {%- for tool in tools %}
+        {{- '\n' + (tool | tojson) }}
+    {%- endfor %}
+    {{- '\n</tools>\nFor each call return <tool_call>{"name": <function-name>, "arguments": '
+        + '<args-json-object>}</tool_call><|im_end|>\n' }}
+{%- endif %}
 {%- for message in messages %}
     {%- if message['role'] not in ('system', 'user', 'assistant', 'tool') %}
         {{- raise_exception("unknown role '" + message['role'] + "': expected system, user, assistant or tool") }}

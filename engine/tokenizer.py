@@ -214,6 +214,17 @@ class Tokenizer:
         up to 3 bytes to 1, e.g. Hangul jamo), hence the factor 4 when there is one."""
         return num_tokens * self.max_token_bytes * (4 if self._backend.normalizer is not None else 1)
 
+    @property
+    def supports_tools(self) -> bool:
+        """The chat template renders tool definitions: it reads the `tools` variable (transformers' test too)."""
+        source = self._chat_template_source
+        return source is not None and "tools" in source
+
+    def backend_json(self) -> str:
+        """The whole `tokenizers` pipeline as tokenizer.json text (what grammar libraries build their
+        vocabulary view from)."""
+        return self._backend.to_str()
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`; an incomplete UTF-8 sequence (at the end or anywhere) comes out as U+FFFD."""
         text = self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -108,6 +108,8 @@ class PrefillWorker(WorkerProcess, wpb_grpc.PrefillWorkerServicer):
                           max_model_len=self.rt.max_model_len, max_logprobs=self.rt.config.max_logprobs, routed=True)
             history = list(request.output_token_ids)  # a migrated request's earlier output
             check_token_ids_fast("output_token_ids", history, self.rt.model_config.vocab_size)
+            if params.structured_output is not None:  # compiled here, not on the engine thread
+                self.rt.grammar_compiler.prepare(params.structured_output)
         except ExceedsContextError as e:  # the router's limit is above this worker's
             abort_with(context, grpc.StatusCode.FAILED_PRECONDITION, f"prefill worker {self.worker_id}: {e}")
         except InvalidRequestError as e:

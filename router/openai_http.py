@@ -55,6 +55,7 @@ from router.openai_schema import (
     to_generate_requests,
 )
 from router.request_builder import RequestBuilder
+from router.structured_request import apply_structured_fields
 
 log = logging.getLogger("duet.http")
 DUET_VERSION = package_version("duet")
@@ -350,8 +351,14 @@ class OpenAIHTTPServer:
         # one id: the response's "id" is the request_id the router and the workers log (`-k` per choice if several)
         prefix = "chatcmpl" if kind is ChatCompletionRequest else "cmpl"
         request_id = body.request_id or f"{prefix}-{uuid.uuid4().hex[:24]}"
-        choices = make_choices(to_generate_requests(body), body.n, request_id)
-        reply = Reply(body, request_id, self.model_id, self.token_texts)
+        templates = to_generate_requests(body)
+        try:
+            for msg in templates:  # response_format (and a chat's tools) into each prompt's request
+                tool_plan = apply_structured_fields(body, msg)
+        except InvalidRequestError as e:
+            return error_response(400, "invalid_request_error", e.field, str(e))
+        choices = make_choices(templates, body.n, request_id)
+        reply = Reply(body, request_id, self.model_id, self.token_texts, tool_plan)
         events = run_choices(lambda msg: stub.Generate(msg, timeout=body.timeout, metadata=self._metadata),
                              choices, body.n)
         if body.stream:

@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from duet.v1 import generation_pb2 as pb
 from router.openai_choices import Choice
 from router.openai_schema import ChatCompletionRequest, CompletionRequest
+from router.structured_request import ToolPlan, chat_message
 
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf: a token the model rules out gets this logprob (as vLLM)
 
@@ -34,8 +35,9 @@ class Reply:
     choice has ended (not streaming); both record the message in its `Choice`."""
 
     def __init__(self, body: CompletionRequest | ChatCompletionRequest, request_id: str, model_id: str,
-                 texts: TokenTexts):
+                 texts: TokenTexts, tool_plan: ToolPlan | None = None):
         self.body, self.request_id, self.model_id, self.texts = body, request_id, model_id, texts
+        self.tool_plan = tool_plan  # chat with tools: answers parsed into tool_calls (never streamed)
         self.chat = isinstance(body, ChatCompletionRequest)
         self.created = int(time.time())
         self.top_n = body.top_logprobs_wanted()  # None: no logprobs
@@ -49,13 +51,14 @@ class Reply:
         for choice in choices:
             text = "".join(choice.text)
             entry: dict = {"index": choice.index}
+            finish_reason = choice.finish_reason
             if self.chat:
-                entry["message"] = {"role": "assistant", "content": text}
+                entry["message"], finish_reason = chat_message(text, finish_reason, self.tool_plan)
                 entry["logprobs"] = self._chat_logprobs(choice.logprobs)
             else:
                 entry["text"] = self._echoed(choice) + text
                 entry["logprobs"] = self._completion_logprobs(choice, choice.logprobs, len(self._echoed(choice)))
-            entry.update(finish_reason=choice.finish_reason, stop_reason=choice.stop_reason)
+            entry.update(finish_reason=finish_reason, stop_reason=choice.stop_reason)
             out.append(entry)
         return {"id": self.request_id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model_id, "choices": out,

@@ -6,8 +6,8 @@ only for an assistant, `stream_options` only when streaming). Value ranges (temp
 ...) are judged once, by the engine's `SamplingParams` behind the router's Generate, for every entry point alike.
 
 Every parameter OpenAI documents is either a field here, implemented as OpenAI and vLLM define it, or refused:
-the models forbid unknown fields, so a parameter duet does not implement (`suffix`, `audio`, `tools` before tool
-support, ...) is a 400 that names it, never silently dropped. `user` is accepted (OpenAI's end-user id for abuse
+the models forbid unknown fields, so a parameter duet does not implement (`suffix`, `audio`, `parallel_tool_calls`,
+...) is a 400 that names it, never silently dropped. `user` is accepted (OpenAI's end-user id for abuse
 monitoring: nothing for duet to do with it). vLLM's extensions that map to duet's sampling parameters (top_k,
 min_p, repetition_penalty, min_tokens, stop_token_ids, ignore_eos, ...) and `cache_salt` are accepted too.
 """
@@ -19,6 +19,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from duet.v1 import generation_pb2 as pb
+from router.structured_request import ResponseFormat
 
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 UInt64 = Annotated[int, Field(ge=0, le=2**64 - 1)]
@@ -64,6 +65,7 @@ class _Request(_Body):
     cache_salt: str | None = None  # vLLM's: isolates prefix-cache reuse (e.g. per tenant)
     request_id: str | None = None  # duet's: the id the router and workers log, and the response's "id"
     timeout: Annotated[float, Field(gt=0, le=MAX_TIMEOUT_S)] | None = None  # duet's: seconds, the deadline
+    response_format: ResponseFormat | None = None  # structured outputs: router/structured_request.py
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
@@ -160,6 +162,8 @@ class ChatMessage(_Body):
 class ChatCompletionRequest(_Request):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Int64 | None = None
+    tools: list[dict] | None = None  # router/structured_request.py: the template renders them, calls are parsed
+    tool_choice: str | dict | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     add_generation_prompt: bool = True  # vLLM's

@@ -20,6 +20,7 @@ from engine.errors import ExceedsContextError, InvalidRequestError
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import LONG_TEXT_CHARS, Tokenizer
 from engine.validation import check_request
+from router.tool_definitions import parse_tools
 
 MAX_REQUEST_ID_CHARS = 256
 
@@ -101,7 +102,8 @@ class RequestBuilder:
             return list(msg.token_ids.ids), "token_ids.ids"
         if kind == "chat":
             messages, add_generation_prompt = self._chat_messages(msg.chat)
-            return self._tokenize(lambda: _render_chat(self.tokenizer, messages, add_generation_prompt),
+            tools = self._chat_tools(msg.chat.tools_json)
+            return self._tokenize(lambda: _render_chat(self.tokenizer, messages, add_generation_prompt, tools),
                                   sum(len(m["content"]) for m in messages), timeout_s), "chat"
         raise InvalidRequestError("prompt", None, "must be set: one of text, token_ids or chat")
 
@@ -139,9 +141,21 @@ class RequestBuilder:
         add_generation_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
         return messages, add_generation_prompt
 
+    def _chat_tools(self, tools_json: str) -> list[dict] | None:
+        """The tool definitions the chat template renders (None: no tools)."""
+        if not tools_json:
+            return None
+        if not self.tokenizer.supports_tools:
+            raise InvalidRequestError("chat.tools_json", tools_json, "this model's chat template has no tool support "
+                                      "(it never reads `tools`), so tools cannot be offered to it: send the request "
+                                      "without tools")
+        self._check_text_bytes("chat.tools_json", len(tools_json.encode()))
+        return parse_tools(tools_json)
 
-def _render_chat(tokenizer: Tokenizer, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+
+def _render_chat(tokenizer: Tokenizer, messages: list[dict], add_generation_prompt: bool,
+                 tools: list[dict] | None = None) -> list[int]:
     try:
-        return tokenizer.apply_chat_template_ids(messages, add_generation_prompt=add_generation_prompt)
+        return tokenizer.apply_chat_template_ids(messages, add_generation_prompt=add_generation_prompt, tools=tools)
     except Exception as e:  # a template's raise_exception(), e.g. roles out of order
         raise InvalidRequestError("chat.messages", "conversation", f"rejected by the chat template: {e}") from None

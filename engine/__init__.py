@@ -2,6 +2,7 @@
 
     from engine import LLM, SamplingParams
     outputs = LLM(model_dir).generate(["Hello"], SamplingParams(max_tokens=32, temperature=0))
+    print(outputs[0].outputs[0].text)
 
 Names load lazily so that light users (the router hashes and tokenizes) do not import torch.
 """
@@ -17,6 +18,10 @@ _EXPORTS = {
     "ModelConfig": "engine.config",
     "SamplingParams": "engine.sampling_params",
     "RequestOutput": "engine.outputs",
+    "CompletionOutput": "engine.outputs",
+    "Logprob": "engine.logprob",
+    "TextPrompt": "engine.prompt",
+    "TokensPrompt": "engine.prompt",
     "InvalidRequestError": "engine.errors",
     "ModelLoadError": "engine.errors",
 }

@@ -72,7 +72,7 @@ def test_up_then_client_then_sigterm_leaves_nothing_behind(tiny_llama_dir, tmp_p
         )
         record = json.loads(out.stdout)
         ref = LLM(tiny_llama_dir, num_kv_blocks=128).generate(
-            [[5, 6, 7, 8]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
+            [[5, 6, 7, 8]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0].outputs[0]
         assert record["token_ids"] == ref.token_ids and record["text"] == ref.text
         assert record["finish_reason"] == "length" and record["cached_tokens"] == 0
         text = subprocess.run([sys.executable, "-m", "duet", "client", "--addr", address, "--prompt", "Hi there",
@@ -92,7 +92,7 @@ def test_up_restarts_a_killed_worker_and_keeps_serving(tiny_llama_dir, tmp_path)
     up, address = start_up(tiny_llama_dir, tmp_path)
     kids = children_of(up.pid)
     ref = LLM(tiny_llama_dir, num_kv_blocks=128).generate(
-        [[5, 6, 7, 8]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
+        [[5, 6, 7, 8]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0].outputs[0]
     lines: list[str] = []
     try:
         for role in ("prefill", "decode"):

@@ -327,8 +327,8 @@ class Run:
 
     def router_counters(self, name: str) -> dict[str, float]:
         text = httpx.get(self.metrics_url, timeout=10).text
-        return {next(iter(s.labels.values()), ""): s.value for family in text_string_to_metric_families(text)
-                for s in family.samples if s.name == name}
+        return {next((v for k, v in s.labels.items() if k != "model_name"), ""): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples if s.name == name}
 
     def migrations_by_request(self) -> dict[str, list[str]]:
         """request id -> the reasons it migrated, from the router's log (one line per migration)."""

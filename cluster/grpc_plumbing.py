@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hmac
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent import futures
 from pathlib import Path
 
@@ -18,6 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from cluster import cluster_secret as cluster_secret_module
+from cluster import reflection_v1
 
 log = logging.getLogger("duet.grpc")
 
@@ -32,6 +33,9 @@ KEEPALIVE_TIMEOUT_MS = 4000
 SERVER_KEEPALIVE_MS = 10000
 PUBLIC_MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # a 32k-token prompt as ids is ~0.3 MB
 INTERNAL_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# the public bearer token, where `duet router` and `duet up` read it when --auth-token is not given (`duet up`
+# hands it to its router there: a command line is readable by every local user)
+AUTH_TOKEN_ENV_VAR = "DUET_AUTH_TOKEN"
 _UNAUTHENTICATED_PATHS = ("/grpc.health.v1.Health/", "/grpc.reflection.")  # probes carry no token
 # Trailing metadata by which a worker's error says whose fault it is, when not the worker's own:
 #   request    the request's own (its sampling failed): the router fails that request (retrying elsewhere
@@ -52,10 +56,12 @@ def is_kv_target_fault(error: grpc.RpcError) -> bool:
 
 
 class BearerTokenInterceptor(grpc.ServerInterceptor):
-    """Refuse calls without `authorization: Bearer <token>` (UNAUTHENTICATED), except health and reflection."""
+    """Refuse calls without `authorization: Bearer <token>` (UNAUTHENTICATED), except health and reflection;
+    `on_denied(method)` is told of each refused call (the router counts refused requests)."""
 
-    def __init__(self, token: str):
+    def __init__(self, token: str, on_denied: Callable[[str], None] | None = None):
         self._expected = f"Bearer {token}".encode()
+        self._on_denied = on_denied
 
         def deny(request, context):
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token in 'authorization'")
@@ -69,6 +75,8 @@ class BearerTokenInterceptor(grpc.ServerInterceptor):
         for key, value in handler_call_details.invocation_metadata or ():
             if key == "authorization" and hmac.compare_digest(value.encode(), self._expected):
                 return continuation(handler_call_details)
+        if self._on_denied is not None:
+            self._on_denied(handler_call_details.method)
         handler = continuation(handler_call_details)
         if handler is not None and handler.response_streaming:
             return self._deny_stream
@@ -112,10 +120,12 @@ class DecodeErrorInterceptor(grpc.ServerInterceptor):
         return handler._replace(request_deserializer=decode_or_mark, **{kind: guarded(getattr(handler, kind))})
 
 
-def make_server(max_workers: int, max_message_bytes: int, auth_token: str | None = None) -> grpc.Server:
+def make_server(max_workers: int, max_message_bytes: int, auth_token: str | None = None,
+                on_denied: Callable[[str], None] | None = None) -> grpc.Server:
+    """A server; with `auth_token`, calls without it are refused (`on_denied(method)` told of each)."""
     interceptors = [DecodeErrorInterceptor()]
     if auth_token:
-        interceptors.insert(0, BearerTokenInterceptor(auth_token))
+        interceptors.insert(0, BearerTokenInterceptor(auth_token, on_denied))
     return grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers),
         interceptors=interceptors,
@@ -149,13 +159,15 @@ def bind(server: grpc.Server, host: str, port: int, tls_cert: Path | None = None
 
 
 def add_health_and_reflection(server: grpc.Server, service_names: Iterable[str]) -> health.HealthServicer:
-    """Serve grpc.health.v1 (NOT_SERVING until `set_serving`) and server reflection."""
+    """Serve grpc.health.v1 (NOT_SERVING until `set_serving`) and server reflection, v1 and v1alpha."""
     servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     names = [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
     for name in ["", *names]:
         servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    reflection.enable_server_reflection([*names, reflection.SERVICE_NAME], server)
+    reflected = [*names, reflection.SERVICE_NAME, reflection_v1.SERVICE_NAME]
+    reflection.enable_server_reflection(reflected, server)
+    reflection_v1.enable_server_reflection_v1(reflected, server)
     return servicer
 
 

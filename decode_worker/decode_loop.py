@@ -72,10 +72,12 @@ class ReservedRequest:
 
 class DecodeLoop:
     def __init__(self, runtime: Runtime, reservations: ReservationTable,
-                 on_token_gap: Callable[[float], None] | None = None):
+                 on_token_gap: Callable[[float], None] | None = None,
+                 on_step_tokens: Callable[[int], None] | None = None):
         self.rt = runtime
         self.core = EngineCore.from_runtime(runtime)
         self._on_token_gap = on_token_gap  # seconds between a request's consecutive tokens (metrics)
+        self._on_step_tokens = on_step_tokens  # tokens each step computed (metrics)
         self._last_token_s: dict[str, float] = {}
         self.reservations = reservations
         self._followers = DecodeFollowers(runtime)
@@ -182,6 +184,8 @@ class DecodeLoop:
     def _step(self) -> None:
         new_tokens = self.core.step()
         now = time.monotonic()
+        if self._on_step_tokens is not None:
+            self._on_step_tokens(self.core.last_step_num_tokens)
         for new in new_tokens:
             request, sink = self._live[new.request_id]
             if new.error is not None:  # this request's own sampling failed; the others go on

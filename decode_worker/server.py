@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import time
 
 import grpc
 
@@ -43,13 +44,14 @@ class DecodeWorker(WorkerProcess, wpb_grpc.DecodeWorkerServicer):
         super().__init__(config)
         self.reservations = ReservationTable(self.layout.num_layers)
         self.receiver = KVReceiver(self.layout, self.rt.kv_caches, self.reservations, host=config.host,
-                                   handshake_key=self.kv_handshake_key)
+                                   port=config.kv_port, handshake_key=self.kv_handshake_key)
         self.rank_kv_addresses: list[str] = []  # tensor parallelism: ranks 1..N-1's receivers, in rank order
         if self.tp_store is not None:
             from decode_worker.tp_rank import kv_address_key
 
             self.rank_kv_addresses = [self.tp_store.get(kv_address_key(r)).decode() for r in range(1, self.tp_size)]
-        self.loop = DecodeLoop(self.rt, self.reservations, on_token_gap=self.metrics.inter_token_s.observe)
+        self.loop = DecodeLoop(self.rt, self.reservations, on_token_gap=self.metrics.inter_token_s.observe,
+                               on_step_tokens=self.metrics.observe_step)
 
     def add_services(self, server: grpc.Server) -> None:
         wpb_grpc.add_DecodeWorkerServicer_to_server(self, server)
@@ -144,6 +146,7 @@ class DecodeWorker(WorkerProcess, wpb_grpc.DecodeWorkerServicer):
         except ValueError as e:
             self.loop.thread.post(self.loop.release, reservation_id)
             abort_with(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        started_s = time.monotonic()  # its decode phase: the KV and the first token are here
         if not context.add_callback(lambda: self.loop.thread.post(self.loop.abort, request_id)):
             self.loop.thread.post(self.loop.abort, request_id)  # cancelled before we got here
             return
@@ -181,6 +184,8 @@ class DecodeWorker(WorkerProcess, wpb_grpc.DecodeWorkerServicer):
                         reply.logprobs.append(logprobs_to_proto(ev.logprobs))
                 if ev.stop_token_id is not None:
                     reply.stop_token_id = ev.stop_token_id
+            if reply.finish_reason:
+                self.metrics.decode_s.observe(time.monotonic() - started_s)
             yield reply
             if reply.finish_reason:
                 return

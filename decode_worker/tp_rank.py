@@ -50,10 +50,10 @@ class DecodeRankHooks(FollowerHooks):
 
     @classmethod
     def build(cls, rank: int, layout, kv_caches, store, host: str, advertise_host: str,
-              handshake_key: bytes | None = None) -> DecodeRankHooks:
+              handshake_key: bytes | None = None, port: int = 0) -> DecodeRankHooks:
         table = ReservationTable(layout.num_layers, complete_grace_s=COMMIT_LEASE_S + FOLLOWER_TTL_MARGIN_S)
-        return cls(rank, KVReceiver(layout, kv_caches, table, host=host, handshake_key=handshake_key), store,
-                   advertise_host)
+        return cls(rank, KVReceiver(layout, kv_caches, table, host=host, port=port, handshake_key=handshake_key),
+                   store, advertise_host)
 
     def handlers(self) -> Mapping[type, OpHandler]:
         return {ReserveBlocks: self.reserve, ReleaseReservation: self.release, CommitReservation: self.commit}
@@ -84,7 +84,8 @@ def make_hooks(args: argparse.Namespace, store: TCPStore, layout: KVLayout, kv_c
     """This rank's share of a decode worker's KV transfer (worker/tp_rank.py's `run_follower` calls it)."""
     secret = load_cluster_secret(args.cluster_secret_file)
     return DecodeRankHooks.build(args.rank, layout, kv_caches, store, args.host, args.advertise_host,
-                                 kv_handshake_key(secret) if secret is not None else None)
+                                 kv_handshake_key(secret) if secret is not None else None,
+                                 port=args.kv_port + args.rank if args.kv_port else 0)  # rank 0 has kv_port
 
 
 if __name__ == "__main__":  # a follower rank of a tensor-parallel decode worker

@@ -6,10 +6,13 @@
       ├─ decode-0..M    gRPC :port
       └─ router         gRPC :port       ← clients
 
-Start order: redis, workers, router; ready when every gRPC component answers grpc.health.v1 Check("") with
-SERVING. Stop order: router, then workers (which can still deregister from Redis), then redis; a component
-that ignores SIGTERM for timeout_s is SIGKILLed together with its whole process group, so nothing it spawned
-(e.g. tensor-parallel ranks) is left behind.
+Start order: first a check that the router's requested ports (gRPC, HTTP, metrics) are free (PortInUseError
+before anything starts), then redis, workers, router; ready when every gRPC component answers grpc.health.v1
+Check("") with SERVING (a TLS router: when it prints that it serves, as the probe cannot verify its
+certificate); deploy/startup_progress.py says what is loading meanwhile. Stop order: router, then workers
+(which can still deregister from Redis), then redis; a component that ignores SIGTERM for timeout_s is
+SIGKILLed together with its whole process group, so nothing it spawned (e.g. tensor-parallel ranks) is left
+behind.
 
 Supervision: wait() restarts a component that dies (a worker, the router, redis), on its port, after a backoff
 that grows with its recent restarts; the others keep serving. Only a signal (or a redis that cannot be
@@ -42,10 +45,12 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cluster.cluster_secret import ENV_VAR, generate_cluster_secret
+from cluster.grpc_plumbing import AUTH_TOKEN_ENV_VAR
 from deploy.redis_server import RedisServer, tail_file
 from deploy.restarts import RestartBackoff, death_line, describe_returncode, restarted_line, signal_name
+from deploy.startup_progress import StartupProgress
 from engine.child_process import parent_death_preexec
-from engine.ports import pick_free_ports
+from engine.ports import is_port_free, pick_free_ports
 
 log = logging.getLogger(__name__)
 
@@ -57,10 +62,19 @@ _PROBE_CHANNEL_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 500),
 ]
+ROUTER_LIVENESS_SERVICE = "grpc.health.v1.Health"  # SERVING while the router process serves (router/server.py)
+_ROUTER_SERVING_LINE = b"router serving at "  # `duet router` prints it once its health says SERVING
+PORT_IN_USE_EXIT_CODE = 2  # run_up: a port the command line asked for is taken (as argparse's usage errors)
+# ClusterConfig's router ports and the `duet up` flags that set them
+_ROUTER_PORT_FLAGS = {"port": "--port", "http_port": "--http-port", "metrics_port": "--metrics-port"}
 
 
 class ClusterInterrupted(RuntimeError):
     """start() was interrupted by SIGINT/SIGTERM (or request_stop()); everything has been stopped."""
+
+
+class PortInUseError(OSError):
+    """A router port the config asks for by number is taken; raised by start() before anything starts."""
 
 
 @dataclass
@@ -74,7 +88,12 @@ class ClusterConfig:
     worker_args: list[str] = field(default_factory=list)  # extra args for prefill+decode
     prefill_args: list[str] = field(default_factory=list)  # extra args for prefill workers only (after worker_args)
     decode_args: list[str] = field(default_factory=list)  # ... decode workers only
-    router_args: list[str] = field(default_factory=list)
+    router_args: list[str] = field(default_factory=list)  # extra router args (after the settings below)
+    http_port: int | None = None  # the router's OpenAI HTTP API; 0 = a free one, None = off
+    metrics_port: int | None = None  # the router's Prometheus /metrics; 0 = a free one, None = off
+    auth_token: str | None = None  # the router's bearer token, handed over in its environment, not its argv
+    tls_cert: Path | None = None  # the router's gRPC TLS (both or neither)
+    tls_key: Path | None = None
     ready_timeout_s: float = 180.0
     log_dir: str | None = None  # component stdout/stderr go to files here (default: inside the cluster's temp dir)
 
@@ -82,8 +101,21 @@ class ClusterConfig:
         if self.num_prefill < 0 or self.num_decode < 0 or self.num_prefill + self.num_decode < 1:
             raise ValueError(f"num_prefill={self.num_prefill}, num_decode={self.num_decode} are invalid: "
                              "each must be >= 0 and together >= 1")
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port={self.port} is invalid: must be in [0, 65535] (0 picks a free one)")
+        for name in _ROUTER_PORT_FLAGS:
+            port = getattr(self, name)
+            if port is not None and not 0 <= port <= 65535:
+                raise ValueError(f"{name}={port} is invalid: must be in [0, 65535] (0 picks a free one)")
+        asked = [(name, getattr(self, name)) for name in _ROUTER_PORT_FLAGS if getattr(self, name)]
+        for i, (name, port) in enumerate(asked):
+            for other, other_port in asked[i + 1:]:
+                if port == other_port:
+                    raise ValueError(f"{name}={port} and {other}={other_port} are invalid: must differ")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError(f"tls_cert={self.tls_cert}, tls_key={self.tls_key} are invalid: give both or neither")
+        for name in ("tls_cert", "tls_key"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"{name}={path} is invalid: no such file")
         if self.ready_timeout_s <= 0:
             raise ValueError(f"ready_timeout_s={self.ready_timeout_s} is invalid: must be > 0")
 
@@ -103,11 +135,12 @@ class _Process:
     so its process group id) cannot be reused, so killpg() in kill_group_and_reap() can never hit a stranger.
     """
 
-    def __init__(self, name: str, address: str, log_path: Path, popen: subprocess.Popen):
+    def __init__(self, name: str, address: str, log_path: Path, popen: subprocess.Popen, log_start_bytes: int = 0):
         self.name = name
         self.address = address
         self.log_path = log_path
         self.popen = popen
+        self.log_start_bytes = log_start_bytes  # where this run's output begins in the (appended) log
         self._exit: os.waitid_result | None = None
 
     @property
@@ -146,9 +179,9 @@ def _probe_address(address: str) -> str:
     return f"127.0.0.1:{port}" if host in ("0.0.0.0", "::", "[::]", "") else address
 
 
-def _is_serving(channel: grpc.Channel) -> bool:
+def _is_serving(channel: grpc.Channel, service: str = "") -> bool:
     try:
-        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""),
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
                                                           timeout=_HEALTH_RPC_TIMEOUT_S)
     except grpc.RpcError:
         return False
@@ -165,7 +198,7 @@ class LocalCluster:
         self._workers: list[_Process] = []
         self._router: _Process | None = None
         self._tmp_dir: Path | None = None
-        self._router_port: int | None = None
+        self._router_ports: dict[str, int] = {}  # ClusterConfig's router port fields, 0s resolved; off ones absent
         self._started = False
         self._stopped = False
         # the internal plane's secret, handed to every component in its environment (never on a command line);
@@ -175,16 +208,21 @@ class LocalCluster:
 
     # ------------------------------------------------------------------------------------------------ start
 
-    def start(self) -> LocalCluster:
-        """Start redis, the workers, then the router, and wait until every component reports SERVING.
+    def start(self, print_fn: Callable[[str], None] | None = None) -> LocalCluster:
+        """Start redis, the workers, then the router, and wait until every component reports SERVING, saying
+        what loads through `print_fn` meanwhile (deploy/startup_progress.py; None: silent).
 
-        On failure everything is stopped and RuntimeError names the component and shows its log tail; on
+        A router port asked for by number that is taken raises PortInUseError before anything starts. On
+        failure everything is stopped and RuntimeError names the component and shows its log tail; on
         request_stop() (e.g. from a signal handler) during the wait, ClusterInterrupted is raised instead.
         """
         if self._started:
             raise RuntimeError("LocalCluster.start() called twice: make a new LocalCluster")
         self._started = True
         cfg = self.config
+        self._check_ports_free()
+        model_name = Path(cfg.model_dir).name if cfg.model_dir is not None else "the default model"
+        progress = StartupProgress(print_fn, model_name)
         try:
             self._tmp_dir = Path(tempfile.mkdtemp(prefix="duet-cluster-"))
             log_dir = Path(cfg.log_dir) if cfg.log_dir is not None else self._tmp_dir / "logs"
@@ -194,19 +232,30 @@ class LocalCluster:
             self._redis_info = ComponentInfo("redis", self._redis.pid, f"{self._redis.host}:{self._redis.port}",
                                              str(self._redis.log_path))
             roles = ["prefill"] * cfg.num_prefill + ["decode"] * cfg.num_decode
-            ports = pick_free_ports(len(roles) + (cfg.port == 0))
-            self._router_port = cfg.port or ports.pop()
+            asked = {name: getattr(cfg, name) for name in _ROUTER_PORT_FLAGS if getattr(cfg, name) is not None}
+            ports = pick_free_ports(len(roles) + sum(port == 0 for port in asked.values()))
+            self._router_ports = {name: port or ports.pop() for name, port in asked.items()}
             counts = {"prefill": 0, "decode": 0}
             for role, port in zip(roles, ports):
                 name = f"{role}-{counts[role]}"
                 counts[role] += 1
                 self._workers.append(self._launch(name, role, "127.0.0.1", port, log_dir))
-            self._router = self._launch("router", "router", cfg.host, self._router_port, log_dir)
-            self._wait_serving()
+                progress.started(name)
+            self._router = self._launch("router", "router", cfg.host, self._router_ports["port"], log_dir)
+            progress.started("router")
+            self._wait_serving(progress)
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _check_ports_free(self) -> None:
+        cfg = self.config
+        for name, flag in _ROUTER_PORT_FLAGS.items():
+            port = getattr(cfg, name)
+            if port and not is_port_free(port, cfg.host):
+                raise PortInUseError(f"port {port} on {cfg.host} ({flag}) is in use: stop what listens there or "
+                                     f"choose another port ({flag} 0 picks a free one)")
 
     def component_command(self, role: str, host: str, port: int, redis_url: str) -> list[str]:
         """The command line of one component (tests override it to run stand-ins)."""
@@ -214,6 +263,11 @@ class LocalCluster:
         if self.config.model_dir is not None:
             cmd += ["--model", str(self.config.model_dir)]
         if role == "router":
+            for name in ("http_port", "metrics_port"):
+                if name in self._router_ports:
+                    cmd += [_ROUTER_PORT_FLAGS[name], str(self._router_ports[name])]
+            if self.config.tls_cert is not None:
+                cmd += ["--tls-cert", str(self.config.tls_cert), "--tls-key", str(self.config.tls_key)]
             return cmd + list(self.config.router_args)
         own = self.config.prefill_args if role == "prefill" else self.config.decode_args
         return cmd + list(self.config.worker_args) + list(own)
@@ -222,13 +276,27 @@ class LocalCluster:
         log_path = log_dir / f"{name}.log"
         cmd = self.component_command(role, host, port, self.redis_url)
         env = dict(os.environ, PYTHONUNBUFFERED="1", **{ENV_VAR: self.cluster_secret})
+        env.pop(AUTH_TOKEN_ENV_VAR, None)  # the config is the one source: the router gets its token or none
+        if role == "router" and self.config.auth_token:
+            env[AUTH_TOKEN_ENV_VAR] = self.config.auth_token
         with open(log_path, "ab") as log_file:
+            log_start_bytes = log_file.tell()
             popen = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
                                      env=env, start_new_session=True, preexec_fn=parent_death_preexec())
         log.info("local_cluster: started %s pid=%d address=%s:%d log=%s", name, popen.pid, host, port, log_path)
-        return _Process(name, f"{host}:{port}", log_path, popen)
+        return _Process(name, f"{host}:{port}", log_path, popen, log_start_bytes)
 
-    def _wait_serving(self) -> None:
+    def _reports_serving(self, proc: _Process, channel: grpc.Channel) -> bool:
+        if proc.name == "router" and self.config.tls_cert is not None:
+            # a plaintext probe cannot reach a TLS port, nor can this one verify a certificate whose CA and
+            # names are the user's: the router's own line (printed once its health says SERVING) tells
+            with open(proc.log_path, "rb") as f:
+                f.seek(proc.log_start_bytes)
+                return _ROUTER_SERVING_LINE in f.read()
+        # the router's "" is NOT_SERVING while no worker of a role is up; its process health says it serves
+        return _is_serving(channel, ROUTER_LIVENESS_SERVICE if proc.name == "router" else "")
+
+    def _wait_serving(self, progress: StartupProgress) -> None:
         timeout_s = self.config.ready_timeout_s
         pending = {p.name: p for p in self._grpc_processes()}
         channels = {name: grpc.insecure_channel(_probe_address(p.address), options=_PROBE_CHANNEL_OPTIONS)
@@ -245,9 +313,11 @@ class LocalCluster:
                     if proc.exited():
                         raise RuntimeError(f"{name} {proc.describe_exit()} before reporting SERVING; "
                                            f"{self._log_tail(proc)}")
-                    if _is_serving(channels[name]):
+                    if self._reports_serving(proc, channels[name]):
                         log.info("local_cluster: %s is SERVING at %s", name, proc.address)
+                        progress.serving(name)
                         del pending[name]
+                progress.waiting(list(pending))
                 if pending and time.monotonic() > deadline:
                     tails = "\n".join(self._log_tail(p) for p in pending.values())
                     raise RuntimeError(f"{', '.join(pending)} did not report SERVING within {timeout_s} s; "
@@ -269,9 +339,25 @@ class LocalCluster:
 
     @property
     def router_address(self) -> str:
-        if self._router_port is None:
+        if not self._router_ports:
             raise RuntimeError("the cluster has not been started")
-        return f"{self.config.host}:{self._router_port}"
+        return f"{self.config.host}:{self._router_ports['port']}"
+
+    @property
+    def http_url(self) -> str | None:
+        """http://host:port of the router's OpenAI API (its routes under /v1), None when off."""
+        if not self._router_ports:
+            raise RuntimeError("the cluster has not been started")
+        port = self._router_ports.get("http_port")
+        return None if port is None else f"http://{_url_host(self.config.host)}:{port}"
+
+    @property
+    def metrics_url(self) -> str | None:
+        """The router's Prometheus endpoint, None when off."""
+        if not self._router_ports:
+            raise RuntimeError("the cluster has not been started")
+        port = self._router_ports.get("metrics_port")
+        return None if port is None else f"http://{_url_host(self.config.host)}:{port}/metrics"
 
     @property
     def redis_url(self) -> str:
@@ -409,6 +495,10 @@ class LocalCluster:
         self.stop()
 
 
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
 def _terminate_stage(procs: list[_Process], timeout_s: float) -> None:
     """SIGTERM all, wait up to timeout_s for them together, then SIGKILL every process group and reap."""
     for proc in procs:
@@ -424,14 +514,23 @@ def _terminate_stage(procs: list[_Process], timeout_s: float) -> None:
 
 
 def run_up(config: ClusterConfig, print_fn: Callable[[str], None] = print) -> int:
-    """`duet up`: start the cluster, print one line containing `ready` and the router address, supervise it
-    (dead components restarted, see `LocalCluster.wait`) until SIGINT/SIGTERM, stop everything. Returns the
-    exit code (0 after a signal, 1 if a component failed to start or redis could not be restarted)."""
+    """`duet up`: start the cluster (saying what loads), print one line containing `ready` and the router's
+    addresses, supervise it (dead components restarted, see `LocalCluster.wait`) until SIGINT/SIGTERM, stop
+    everything. Returns the exit code: 0 after a signal, PORT_IN_USE_EXIT_CODE (2) when a port asked for is
+    taken (one line naming it and its flag, nothing started), 1 if a component failed to start or redis could
+    not be restarted.
+
+        duet ready: router at 127.0.0.1:50051, OpenAI API at http://127.0.0.1:8000/v1 (1 prefill, 1 decode,
+        redis at 127.0.0.1:40123)
+    """
     cluster = LocalCluster(config)
     with cluster.handle_stop_signals():
         try:
             try:
-                cluster.start()
+                cluster.start(print_fn)
+            except PortInUseError as e:
+                print_fn(f"duet up failed: {e}")
+                return PORT_IN_USE_EXIT_CODE
             except ClusterInterrupted:
                 print_fn("duet: interrupted during startup; everything stopped")
                 return 0
@@ -439,8 +538,13 @@ def run_up(config: ClusterConfig, print_fn: Callable[[str], None] = print) -> in
                 print_fn(f"duet up failed: {e}")
                 return 1
             redis_address = cluster.components[0].address
-            print_fn(f"duet ready: router at {cluster.router_address} ({config.num_prefill} prefill, "
-                     f"{config.num_decode} decode, redis at {redis_address})")
+            served = [f"router at {cluster.router_address}"]
+            if cluster.http_url is not None:
+                served.append(f"OpenAI API at {cluster.http_url}/v1")
+            if cluster.metrics_url is not None:
+                served.append(f"metrics at {cluster.metrics_url}")
+            print_fn(f"duet ready: {', '.join(served)} ({config.num_prefill} prefill, {config.num_decode} decode, "
+                     f"redis at {redis_address})")
             code = cluster.wait(print_fn=print_fn)
             if code == 0:
                 print_fn(f"duet: stopping ({signal_name(cluster._stop_signal or signal.SIGTERM)})")

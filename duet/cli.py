@@ -22,6 +22,8 @@ from duet.cli_ray import add_ray_commands
 from duet.cli_serving import add_serving_commands
 from engine.errors import InvalidRequestError, ModelLoadError
 
+DEBUG_ENV_VAR = "DUET_DEBUG"
+
 
 def cmd_make_tiny_model(args: argparse.Namespace) -> int:
     from engine.tiny_model import make_tiny_model
@@ -83,6 +85,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="duet", description="duet: disaggregated LLM serving")
     parser.add_argument("-v", "--verbose", action="store_true")
+    parser.add_argument("--debug", action="store_true",
+                        help=f"let an error end in its traceback instead of one line (or set {DEBUG_ENV_VAR}=1)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("make-tiny-model", help="write a tiny random Hugging Face checkpoint with a tokenizer")
@@ -114,15 +118,38 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def describe_error(error: Exception) -> tuple[str, int]:
+    """The one line `duet` prints for an error that ends a command, and its exit status: 2 for what the user
+    asked wrongly (as argparse's usage errors), 1 for what failed (a call, a file, a bug)."""
+    grpc = sys.modules.get("grpc")  # loaded by whichever command made a call; not imported here for others
+    if grpc is not None and isinstance(error, grpc.RpcError) and hasattr(error, "code"):
+        return f"{error.code().name}: {error.details()}", 1
+    if isinstance(error, (InvalidRequestError, ModelLoadError, ValueError)):
+        return str(error), 2
+    if isinstance(error, OSError):
+        return str(error), 1
+    return f"{type(error).__name__}: {error} (a bug in duet? `duet --debug ...` or {DEBUG_ENV_VAR}=1 shows where)", 1
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one `duet` command. An error ends it with one line on stderr (`describe_error`), not a traceback,
+    unless --debug or $DUET_DEBUG=1 asks for the traceback; Ctrl-C ends it quietly with status 130."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    debug = args.debug or os.environ.get(DEBUG_ENV_VAR, "") not in ("", "0")
     try:
         return args.func(args)
-    except (InvalidRequestError, ModelLoadError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except Exception as e:  # noqa: BLE001 - every error becomes one line; --debug re-raises
+        if debug:
+            raise
+        line, code = describe_error(e)
+        print(f"error: {line}", file=sys.stderr)
+        return code
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        return 130
 
 
 if __name__ == "__main__":

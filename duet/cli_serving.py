@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -34,6 +35,42 @@ def add_cluster_secret_arg(p: argparse.ArgumentParser) -> None:
                         "registry entries ($DUET_CLUSTER_SECRET overrides it; `duet up` generates one)")
 
 
+DEFAULT_HTTP_PORT = 8000  # `duet up`'s OpenAI API, where vLLM serves it
+
+
+def add_router_args(p: argparse.ArgumentParser, *, up: bool) -> None:
+    """The router's public options, defined once for `duet router` and `duet up` (which hands them to the router
+    it starts; there 0 picks a free port and the OpenAI HTTP API is on unless --no-http)."""
+    g = p.add_argument_group("router")
+    free = " (0: a free one)" if up else ""
+    g.add_argument("--model-id", default=None, help="the name clients request the model by (default: its dir name)")
+    g.add_argument("--host", default="127.0.0.1", help="address the router's gRPC, HTTP and metrics ports bind")
+    g.add_argument("--port", type=int, default=50051, help=f"router gRPC port{free}")
+    g.add_argument("--auth-token", default=None,
+                   help="require 'authorization: Bearer TOKEN' on every call, gRPC and HTTP (or set "
+                        "$DUET_AUTH_TOKEN, which keeps it off the process list)")
+    g.add_argument("--auth-token-file", type=Path, default=None,
+                   help="as --auth-token, the token read from this file (e.g. a mounted Kubernetes Secret)")
+    g.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate: serve gRPC with TLS")
+    g.add_argument("--tls-key", type=Path, default=None, help="PEM private key of --tls-cert")
+    g.add_argument("--metrics-port", type=int, default=None, help=f"serve Prometheus /metrics on this port{free}")
+    if up:
+        http = g.add_mutually_exclusive_group()
+        http.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT,
+                          help="port of the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+                               f"/v1/models; default {DEFAULT_HTTP_PORT}; 0: a free one)")
+        http.add_argument("--no-http", action="store_true", help="serve gRPC only")
+    else:
+        g.add_argument("--http-port", type=int, default=None,
+                       help="serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions) on this "
+                            "port")
+    g.add_argument("--worker-wait-s", type=float, default=20.0,
+                   help="how long a request waits (within its deadline) for a restarting worker before UNAVAILABLE")
+    g.add_argument("--shutdown-grace", type=float, default=None,
+                   help="seconds requests in flight get after SIGTERM/SIGINT before they are cut (default 5); the "
+                        "router has exited 3 s after it at the latest")
+
+
 def cmd_worker(args: argparse.Namespace) -> int:
     from worker.process import WorkerConfig
 
@@ -42,7 +79,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         engine=engine_config(args, model_id=args.model_id), kv_transport=args.kv_transport,
         kv_checksum=args.kv_checksum, layer_group_size=args.layer_group_size, heartbeat_ttl_s=args.heartbeat_ttl,
         advertise_host=args.advertise_host, metrics_port=args.metrics_port, metrics_host=args.metrics_host,
-        cluster_secret_file=args.cluster_secret_file,
+        cluster_secret_file=args.cluster_secret_file, kv_port=getattr(args, "kv_port", 0),  # decode only
     )
     if args.command == "prefill":
         from prefill_worker.server import PrefillWorker as Worker
@@ -54,7 +91,6 @@ def cmd_worker(args: argparse.Namespace) -> int:
 def cmd_router(args: argparse.Namespace) -> int:
     import faulthandler
     import logging
-    import os
     import signal
 
     from engine.stop_signals import StopSignals
@@ -63,7 +99,7 @@ def cmd_router(args: argparse.Namespace) -> int:
     grace = {} if args.shutdown_grace is None else {"shutdown_grace_s": args.shutdown_grace}
     server = RouterServer(RouterConfig(
         redis_url=args.redis_url, model_dir=args.model, model_id=args.model_id, host=args.host, port=args.port,
-        max_model_len=args.max_model_len, auth_token=args.auth_token, tls_cert=args.tls_cert, tls_key=args.tls_key,
+        max_model_len=args.max_model_len, auth_token=auth_token(args), tls_cert=args.tls_cert, tls_key=args.tls_key,
         metrics_port=args.metrics_port, http_port=args.http_port, cluster_secret_file=args.cluster_secret_file,
         worker_wait_s=args.worker_wait_s, **grace,
     ))
@@ -87,6 +123,25 @@ def cmd_router(args: argparse.Namespace) -> int:
     os._exit(0)
 
 
+def auth_token(args: argparse.Namespace) -> str | None:
+    """The router's bearer token: --auth-token, the contents of --auth-token-file (one trailing newline dropped),
+    or $DUET_AUTH_TOKEN; the last two keep a token (e.g. from a Kubernetes Secret) off pod specs and the process
+    list."""
+    from cluster.grpc_plumbing import AUTH_TOKEN_ENV_VAR
+
+    if args.auth_token_file is None:
+        return args.auth_token or os.environ.get(AUTH_TOKEN_ENV_VAR) or None
+    if args.auth_token is not None:
+        raise ValueError("--auth-token and --auth-token-file both give the token: give one")
+    try:
+        token = args.auth_token_file.read_text().removesuffix("\n").removesuffix("\r")
+    except OSError as e:
+        raise ValueError(f"--auth-token-file={str(args.auth_token_file)!r} cannot be read: {e.strerror}") from None
+    if not token.strip():
+        raise ValueError(f"--auth-token-file={str(args.auth_token_file)!r} is invalid: the file is empty")
+    return token
+
+
 def resolve_model(args: argparse.Namespace) -> Path:
     """`--model`, or the embedded default's GGUF file (`ModelLoadError` with the install hint where it is
     missing: `duet` prints it). Resolved here, once, so `duet up` / `duet demo` fail at once instead of in every
@@ -100,9 +155,18 @@ def cmd_up(args: argparse.Namespace) -> int:
     from deploy.local_cluster import ClusterConfig, run_up
 
     model = resolve_model(args)
-    worker_args = engine_config(args).to_flags() + ["--kv-transport", args.kv_transport]
-    config = ClusterConfig(model_dir=str(model), num_prefill=args.prefill, num_decode=args.decode, port=args.port,
-                           worker_args=worker_args)
+    model_id = ["--model-id", args.model_id] if args.model_id is not None else []
+    worker_args = engine_config(args).to_flags() + ["--kv-transport", args.kv_transport] + model_id
+    # the router judges requests by the context the workers hold (--max-model-len is an engine flag here)
+    router_args = model_id + (["--max-model-len", str(args.max_model_len)] if args.max_model_len else [])
+    router_args += ["--worker-wait-s", f"{args.worker_wait_s:g}"]
+    if args.shutdown_grace is not None:
+        router_args += ["--shutdown-grace", f"{args.shutdown_grace:g}"]
+    config = ClusterConfig(
+        model_dir=str(model), num_prefill=args.prefill, num_decode=args.decode, host=args.host, port=args.port,
+        http_port=None if args.no_http else args.http_port, metrics_port=args.metrics_port,
+        auth_token=auth_token(args), tls_cert=args.tls_cert,
+        tls_key=args.tls_key, worker_args=worker_args, router_args=router_args)
     return run_up(config)
 
 
@@ -164,27 +228,17 @@ def add_serving_commands(sub: argparse._SubParsersAction) -> None:
         p = sub.add_parser(role, help=f"run a {role} worker")
         add_worker_args(p)
         p.add_argument("--model-id", default=None, help="the name routers know the model by (default: dir name)")
+        if role == "decode":
+            p.add_argument("--kv-port", type=int, default=0,
+                           help="port the KV receiver listens on (tensor-parallel rank r: this + r); 0: a free one")
         p.set_defaults(func=cmd_worker)
 
     p = sub.add_parser("router", help="run the router (public gRPC API)")
     p.add_argument("--model", type=Path, default=None,
                    help="checkpoint dir or .gguf file for tokenizer and limits (default: the embedded SmolLM2)")
-    p.add_argument("--model-id", default=None)
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=50051)
     p.add_argument("--redis-url", required=True)
-    p.add_argument("--auth-token", default=None, help="require 'authorization: Bearer TOKEN' on every call")
-    p.add_argument("--tls-cert", type=Path, default=None)
-    p.add_argument("--tls-key", type=Path, default=None)
-    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
-    p.add_argument("--http-port", type=int, default=None,
-                   help="serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions) on this port")
-    p.add_argument("--worker-wait-s", type=float, default=20.0,
-                   help="how long a request waits (within its deadline) for a restarting worker before UNAVAILABLE")
-    p.add_argument("--shutdown-grace", type=float, default=None,
-                   help="seconds requests in flight get after SIGTERM/SIGINT before they are cut (default 5); the "
-                        "router has exited 3 s after it at the latest")
+    add_router_args(p, up=False)
     add_cluster_secret_arg(p)
     p.set_defaults(func=cmd_router)
 
@@ -197,12 +251,16 @@ def add_serving_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_route_explain)
 
-    p = sub.add_parser("up", help="start a local cluster: redis, router, prefill and decode workers")
+    p = sub.add_parser("up", help="start a local cluster: redis, router, prefill and decode workers",
+                       description="Start redis-server, the workers and the router as processes, print one "
+                                   "'duet ready: ...' line with the addresses, restart what dies, stop on Ctrl-C. "
+                                   "A --port, --http-port or --metrics-port that is in use exits with status 2 "
+                                   "(deploy/local_cluster.py's PORT_IN_USE_EXIT_CODE) before anything starts.")
     add_engine_args(p)
     p.add_argument("--prefill", type=int, default=1, help="prefill workers")
     p.add_argument("--decode", type=int, default=1, help="decode workers")
-    p.add_argument("--port", type=int, default=50051, help="router port (0: a free one)")
     p.add_argument("--kv-transport", choices=["tcp", "torch"], default="tcp")
+    add_router_args(p, up=True)
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("client", help="stream one request from a router")

@@ -40,7 +40,10 @@ class EngineConfig:
     dtype: str | None = None  # None: the checkpoint's dtype
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: as many as kv_cache_bytes holds, capped by need
-    kv_cache_bytes: int = 2 * 1024**3
+    kv_cache_bytes: int = 2 * 1024**3  # the KV cache's budget unless kv_cache_memory_fraction is set
+    # fraction of the device's memory this engine may fill with weights + KV cache; the KV cache gets the rest of
+    # it after the weights (engine/memory_budget.py; vLLM's gpu_memory_utilization). None: kv_cache_bytes
+    kv_cache_memory_fraction: float | None = None
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None: the model's max_position_embeddings
@@ -64,6 +67,13 @@ class EngineConfig:
                 raise ValueError(f"{name}={getattr(self, name)} is invalid: must be >= 1")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks} is invalid: must be >= 1")
+        fraction = self.kv_cache_memory_fraction
+        if fraction is not None:
+            if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+                raise ValueError(f"kv_cache_memory_fraction={fraction!r} is invalid: must be in (0, 1]")
+            if self.num_kv_blocks is not None:
+                raise ValueError(f"num_kv_blocks={self.num_kv_blocks} and kv_cache_memory_fraction={fraction} "
+                                 "both size the KV cache: give one")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len={self.max_model_len} is invalid: must be >= 2")
         if self.device not in DEVICES:
@@ -131,9 +141,9 @@ class EngineFlag:
 
     @property
     def kind(self) -> str:
-        """"switch", "ints", "int" or "str", from the field's annotation."""
+        """"switch", "ints", "int", "float" or "str", from the field's annotation."""
         hint = str(typing.get_type_hints(EngineConfig)[self.field])
-        for kind, mark in (("switch", "bool"), ("ints", "tuple"), ("int", "int"), ("str", "str")):
+        for kind, mark in (("switch", "bool"), ("ints", "tuple"), ("int", "int"), ("float", "float"), ("str", "str")):
             if mark in hint:
                 return kind
         raise TypeError(f"EngineConfig.{self.field}: {hint} has no command-line spelling")
@@ -151,7 +161,13 @@ class EngineFlag:
 ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag("dtype", "--dtype", "float32|float16|bfloat16 (default: the checkpoint's)"),
     EngineFlag("block_size", "--block-size", "KV block size in tokens"),
-    EngineFlag("num_kv_blocks", "--num-kv-blocks", "KV cache size in blocks (default: from memory)"),
+    EngineFlag("num_kv_blocks", "--num-kv-blocks", "KV cache size in blocks (default: from memory: "
+               "--kv-cache-memory-fraction, else a 2 GiB budget, capped by what --max-num-seqs sequences of "
+               "--max-model-len can use)"),
+    EngineFlag("kv_cache_memory_fraction", "--kv-cache-memory-fraction",
+               "fraction (0, 1] of the device's memory (the GPU's; on CPU the container's limit or RAM) this worker "
+               "may fill with weights and KV cache; the KV cache gets what the weights leave of it (vLLM's "
+               "--gpu-memory-utilization; default: a 2 GiB KV cache)"),
     EngineFlag("max_num_seqs", "--max-num-seqs"),
     EngineFlag("max_num_batched_tokens", "--max-num-batched-tokens", "token budget per step (prefill chunk)"),
     EngineFlag("max_model_len", "--max-model-len"),
@@ -192,5 +208,5 @@ def add_engine_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup) 
             assert default is True, f"{f.flag} turns {f.field} off, so its default must be True"
             parser.add_argument(f.flag, dest=f.field, action="store_false", help=f.help)
             continue
-        parse = {"ints": parse_batch_sizes, "int": int, "str": str}[kind]
+        parse = {"ints": parse_batch_sizes, "int": int, "float": float, "str": str}[kind]
         parser.add_argument(f.flag, dest=f.field, type=parse, default=default, choices=f.choices, help=f.help)

@@ -81,6 +81,7 @@ class EngineCore:
         self.scheduler = scheduler
         self.runner = runner
         self.hooks = hooks or StepHooks()
+        self.last_step_num_tokens = 0  # tokens computed by the last step (metrics: iteration tokens)
 
     @classmethod
     def from_runtime(cls, runtime: Runtime, hooks: StepHooks | None = None) -> EngineCore:
@@ -130,6 +131,22 @@ class EngineCore:
         return self.scheduler.num_prefix_hit_tokens
 
     @property
+    def num_preemptions(self) -> int:
+        """Requests preempted so far (their KV dropped, to be recomputed)."""
+        return self.scheduler.num_preemptions
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Prompt tokens of requests whose first token was sampled here (not a request whose KV arrived, nor a
+        migrated one: their prompt counted where it was first prefilled)."""
+        return self.scheduler.num_prompt_tokens
+
+    @property
+    def num_generation_tokens(self) -> int:
+        """Tokens sampled and kept (a prefill worker's first token included)."""
+        return self.scheduler.num_generation_tokens
+
+    @property
     def max_num_seqs(self) -> int:
         return self.scheduler.config.max_num_seqs
 
@@ -141,6 +158,7 @@ class EngineCore:
 
     def step(self) -> list[NewTokens]:
         scheduled = self.scheduler.schedule()
+        self.last_step_num_tokens = scheduled.num_batched_tokens
         for chunk in scheduled.chunks:
             if chunk.proposed_token_ids:  # (tested first: no message is formatted on the per-step path)
                 refuse_proposed_tokens(f"request {chunk.request_id!r}", chunk.proposed_token_ids)

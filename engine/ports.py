@@ -52,3 +52,14 @@ def pick_free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
 
 def pick_free_port(host: str = "127.0.0.1") -> int:
     return pick_free_ports(1, host)[0]
+
+
+def is_port_free(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether a server could listen on host:port now. Bound as servers bind (SO_REUSEADDR), so a connection
+    of a past listener lingering in TIME_WAIT does not count; only a socket bound there does."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.create_server((host, port), family=family):
+            return True
+    except OSError:
+        return False

@@ -22,6 +22,7 @@ from engine.errors import ModelLoadError
 from engine.kernels.cpu_native import native_library
 from engine.kv_cache_manager import KVCacheManager, cdiv
 from engine.linear_fast import fast_linears
+from engine.memory_budget import device_memory, kv_cache_budget_bytes, weight_bytes
 from engine.model import KVCache, LlamaForCausalLM
 from engine.model_runner import ModelRunner, allocate_kv_caches, kv_bytes_per_block
 from engine.sampler import Sampler
@@ -80,6 +81,18 @@ class Runtime:
         self.followers = []
 
 
+def kv_cache_bytes(config: EngineConfig, layer_config: ModelConfig, dtype: torch.dtype, device: torch.device) -> int:
+    """The KV cache's budget: `kv_cache_bytes`, or what `kv_cache_memory_fraction` of the device leaves after the
+    weights of `layer_config` (this rank's shard). Raises ModelLoadError when the fraction leaves nothing."""
+    if config.kv_cache_memory_fraction is None:
+        return config.kv_cache_bytes
+    try:
+        return kv_cache_budget_bytes(config.kv_cache_memory_fraction, device_memory(device),
+                                     weight_bytes(layer_config, dtype))
+    except ValueError as e:
+        raise ModelLoadError(str(e)) from None
+
+
 def build_runtime(model_dir: str | Path, config: EngineConfig, follower_module: str = "engine.tp_worker",
                   follower_argv: list[str] | tuple = ()) -> Runtime:
     """Load the checkpoint at `model_dir` (a Hugging Face checkpoint directory or a .gguf file) and size the
@@ -114,7 +127,8 @@ def build_runtime(model_dir: str | Path, config: EngineConfig, follower_module: 
     block_bytes = 2 * layer_config.num_layers * config.block_size * layer_config.num_kv_heads * \
         layer_config.head_dim * element_bytes  # this rank's shard of one block
     num_blocks = config.num_kv_blocks or max(
-        1, min(config.kv_cache_bytes // block_bytes, config.max_num_seqs * cdiv(max_model_len, config.block_size))
+        1, min(kv_cache_bytes(config, layer_config, dtype, device) // block_bytes,
+               config.max_num_seqs * cdiv(max_model_len, config.block_size))
     )
     if num_blocks * config.block_size < max_model_len:
         max_model_len = num_blocks * config.block_size  # one sequence must always fit

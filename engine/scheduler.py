@@ -85,6 +85,9 @@ class Scheduler:
         self.num_prefix_query_tokens = 0  # prompt tokens looked up in the prefix cache
         self.num_prefix_hit_tokens = 0
         self.num_preemptions = 0
+        # what the engine computed, for metrics (plain ints: read from any thread at scrape time)
+        self.num_prompt_tokens = 0  # a request's prompt counts once, in the step that samples its first token
+        self.num_generation_tokens = 0  # tokens sampled and kept
 
     # -- requests --------------------------------------------------------------------------------
 
@@ -196,6 +199,8 @@ class Scheduler:
             token_ids = sampled_token_ids[chunk.request_id]
             if not token_ids:
                 raise ValueError(f"request {chunk.request_id!r} sampled no token: a sampled chunk gains >= 1")
+            if not request.output_token_ids:  # (KV that arrived, or a migrated request, brings output tokens)
+                self.num_prompt_tokens += request.num_prompt_tokens
             kept: list[int] = []
             for token_id in token_ids:
                 request.append_output_token(token_id)
@@ -204,6 +209,7 @@ class Scheduler:
                 if status is not None:
                     self.finish_request(request.request_id, status)
                     break
+            self.num_generation_tokens += len(kept)
             updates.append(TokenUpdate(request.request_id, kept, request.status))
         return updates
 

@@ -238,6 +238,7 @@ def follower_settings(config: EngineConfig, dtype: torch.dtype, num_blocks: int,
     (so every rank's shard has the same blocks), the positions the model covers (as `max_model_len`) and
     the device kind ("cuda": rank r runs on cuda:r)."""
     return dataclasses.replace(config, dtype=str(dtype).removeprefix("torch."), num_kv_blocks=num_blocks,
+                               kv_cache_memory_fraction=None,  # rank 0 sized the cache in blocks already
                                max_model_len=max_positions, device=device.type)
 
 

@@ -94,7 +94,7 @@ class _Send:
 
 class PrefillLoop(StepHooks):
     def __init__(self, runtime: Runtime, send: SendFn | None, kv_bytes_per_block_layer: int, layer_group_size: int = 4,
-                 acks: FollowerAcks | None = None):
+                 acks: FollowerAcks | None = None, on_step_tokens: Callable[[int], None] | None = None):
         if layer_group_size < 1:
             raise ValueError(f"layer_group_size={layer_group_size} is invalid: must be >= 1")
         self.rt = runtime
@@ -102,6 +102,7 @@ class PrefillLoop(StepHooks):
         self._block_layer_bytes = kv_bytes_per_block_layer
         self.layer_group_size = layer_group_size
         self._acks = acks  # tensor parallelism: the follower ranks' reports that they sent their shards
+        self._on_step_tokens = on_step_tokens  # tokens each step computed (metrics)
         self._followers = PrefillFollowers(runtime)
         self._jobs: dict[str, _Job] = {}
         self._step_chunks: Sequence[ScheduledChunk] = ()  # the current step's, set by `before_execute`
@@ -205,7 +206,10 @@ class PrefillLoop(StepHooks):
         if self._step_failed:
             return
         now = time.monotonic()
-        self._measure(sum(len(c.token_ids) for c in self._step_chunks), now - self._execute_start_s)
+        num_tokens = self.core.last_step_num_tokens
+        self._measure(num_tokens, now - self._execute_start_s)
+        if self._on_step_tokens is not None:
+            self._on_step_tokens(num_tokens)
         for new in new_tokens:
             if new.error is not None:  # this request's own sampling failed; the others go on
                 self._abort(new.request_id, RequestFailed(f"request {new.request_id}: {new.error}"))

@@ -72,7 +72,7 @@ class PrefillWorker(WorkerProcess, wpb_grpc.PrefillWorkerServicer):
                                checksum=config.kv_checksum, handshake_key=self.kv_handshake_key)
         self.acks = FollowerAcks(self.tp_store, list(range(1, self.tp_size))) if self.tp_store is not None else None
         self.loop = PrefillLoop(self.rt, self.sender.send, 2 * self.layout.block_bytes(), config.layer_group_size,
-                                self.acks)
+                                self.acks, on_step_tokens=self.metrics.observe_step)
 
     def add_services(self, server: grpc.Server) -> None:
         wpb_grpc.add_PrefillWorkerServicer_to_server(self, server)
@@ -149,6 +149,8 @@ class PrefillWorker(WorkerProcess, wpb_grpc.PrefillWorkerServicer):
             abort_with(context, grpc.StatusCode.INTERNAL, f"prefill of {request.request_id} failed: {e!r}")
 
         computed_s = time.monotonic()
+        self.metrics.queue_s.observe(result.queue_s)
+        self.metrics.prefill_s.observe(result.prefill_s)
         for transfer in result.transfers:
             try:
                 transfer.result(timeout=remaining_s(context, DEFAULT_TIMEOUT_S))

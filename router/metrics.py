@@ -1,20 +1,38 @@
 """The router's Prometheus metrics (one registry per router, so several can live in one process).
 
-    duet_router_requests_total{status}                  finished Generate calls by gRPC status
-    duet_router_migrations_total{reason}                requests continued elsewhere: decode_lost | prefill_lost
-                                                        | kv_transfer
-    duet_router_worker_restarts_total{role}             a worker registered again at an address with a new
-                                                        worker id (restarted by `duet up`, Kubernetes, Ray)
-    duet_router_routing_decisions_total{branch}         prefix | load | guardrail | load_only
-    duet_router_prefix_lookup_seconds                   one index round trip
-    duet_router_routing_decision_seconds                hashing + lookup + policy
-    duet_router_predicted_cached_tokens_total           what the index said the chosen worker holds
-    duet_router_actual_cached_tokens_total              what that worker reported it reused
-    duet_router_prompt_tokens_total
-    duet_router_index_available                         1 when the last lookup reached Redis
-    duet_router_index_block_keys                        index size (refreshed periodically)
-    duet_router_speculative_dropped_total               speculative index entries dropped (writer queue full)
-    duet_router_time_to_first_token_seconds, duet_router_e2e_request_latency_seconds
+The router sees each request whole, as vLLM's API server does, so the request-level metrics vLLM keeps are
+kept here, under vLLM's names with `duet_router_` for `vllm:` and vLLM's `model_name` label (the model id
+the router serves) on every metric. The engine-level ones (queue, prefill and decode time, preemptions,
+iteration tokens, cache config) are the workers' (worker/metrics.py).
+
+    duet_router_...{model_name}                 vLLM's                            duet's meaning
+    prompt_tokens_total                counter  vllm:prompt_tokens                prompt tokens of requests whose
+                                                                                  first token came back
+    generation_tokens_total            counter  vllm:generation_tokens            tokens sent to clients (the
+                                                                                  usage's completion_tokens)
+    request_success_total{finished_reason} counter vllm:request_success           requests that ended with a finish
+                                                                                  reason: stop | length | abort
+    time_to_first_token_seconds        histogram vllm:time_to_first_token_seconds request received -> first token sent
+    e2e_request_latency_seconds        histogram vllm:e2e_request_latency_seconds request received -> last token
+                                                                                  sent (stop or length)
+    requests_total{status}             counter  -   every Generate call, once, by final gRPC status name: OK,
+                                                CANCELLED (the client left), and the rejected ones by their code
+                                                (INVALID_ARGUMENT, UNAUTHENTICATED, RESOURCE_EXHAUSTED,
+                                                FAILED_PRECONDITION, UNAVAILABLE, DEADLINE_EXCEEDED, ...). Not
+                                                counted: calls gRPC itself refuses before duet's code runs (over
+                                                --max-concurrent-streams, a message over the size limit)
+    migrations_total{reason}           counter  -   requests continued elsewhere: decode_lost | prefill_lost
+                                                    | kv_transfer
+    worker_restarts_total{role}        counter  -   a worker registered again at an address with a new worker id
+                                                    (restarted by `duet up`, Kubernetes, Ray)
+    routing_decisions_total{branch}    counter  -   prefix | load | guardrail | load_only
+    prefix_lookup_seconds              histogram -  one index round trip
+    routing_decision_seconds           histogram -  hashing + lookup + policy
+    predicted_cached_tokens_total      counter  -   what the index said the chosen worker holds
+    actual_cached_tokens_total         counter  -   what that worker reported it reused
+    index_available                    gauge    -   1 when the last lookup reached Redis
+    index_block_keys                   gauge    -   index size (refreshed periodically)
+    speculative_dropped_total          counter  -   speculative index entries dropped (writer queue full)
 """
 
 from __future__ import annotations
@@ -23,39 +41,50 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 _TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+FINISH_REASONS = ("stop", "length", "abort")  # vLLM's FinishReason values (as the public API sends them)
 
 
 class RouterMetrics:
-    def __init__(self) -> None:
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
         self.registry = r = CollectorRegistry()
-        self.requests = Counter("duet_router_requests", "Generate calls by final status", ["status"], registry=r)
-        self.migrations = Counter("duet_router_migrations", "Requests continued on another worker, by reason",
-                                  ["reason"], registry=r)
-        self.worker_restarts = Counter("duet_router_worker_restarts",
-                                       "Workers seen registered again at their address under a new id", ["role"],
-                                       registry=r)
-        self.decisions = Counter("duet_router_routing_decisions", "Prefill choices by branch", ["branch"],
-                                 registry=r)
-        self.lookup_s = Histogram("duet_router_prefix_lookup_seconds", "Prefix index lookup (one round trip)",
-                                  buckets=_LATENCY_BUCKETS, registry=r)
-        self.decision_s = Histogram("duet_router_routing_decision_seconds", "Hashing + lookup + policy",
-                                    buckets=_LATENCY_BUCKETS, registry=r)
-        self.predicted_cached = Counter("duet_router_predicted_cached_tokens",
-                                        "Cached prompt tokens the index predicted on the chosen worker", registry=r)
-        self.actual_cached = Counter("duet_router_actual_cached_tokens",
-                                     "Cached prompt tokens the chosen prefill worker reported reusing", registry=r)
-        self.prompt_tokens = Counter("duet_router_prompt_tokens", "Prompt tokens routed", registry=r)
-        self.index_available = Gauge("duet_router_index_available", "1 if the prefix index answered last time",
-                                     registry=r)
-        self.index_block_keys = Gauge("duet_router_index_block_keys", "Block entries in the prefix index",
-                                      registry=r)
-        self.speculative_dropped = Counter("duet_router_speculative_dropped",
-                                           "Speculative index entries dropped because the writer queue was full",
-                                           registry=r)
+        m = ["model_name"]
+
+        def counter(name: str, help_text: str, *labels: str) -> Counter:
+            c = Counter(name, help_text, [*m, *labels], registry=r)
+            return c if labels else c.labels(model_name)
+
+        self.requests = counter("duet_router_requests", "Generate calls by final status", "status")
+        self.success = counter("duet_router_request_success", "Requests ended with a finish reason",
+                                "finished_reason")
+        for reason in FINISH_REASONS:  # present at zero from the start, as vLLM's
+            self.success.labels(model_name, reason)
+        self.migrations = counter("duet_router_migrations", "Requests continued on another worker, by reason",
+                                   "reason")
+        self.worker_restarts = counter("duet_router_worker_restarts",
+                                        "Workers seen registered again at their address under a new id", "role")
+        self.decisions = counter("duet_router_routing_decisions", "Prefill choices by branch", "branch")
+        self.lookup_s = Histogram("duet_router_prefix_lookup_seconds", "Prefix index lookup (one round trip)", m,
+                                  buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
+        self.decision_s = Histogram("duet_router_routing_decision_seconds", "Hashing + lookup + policy", m,
+                                    buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
+        self.predicted_cached = counter("duet_router_predicted_cached_tokens",
+                                        "Cached prompt tokens the index predicted on the chosen worker")
+        self.actual_cached = counter("duet_router_actual_cached_tokens",
+                                     "Cached prompt tokens the chosen prefill worker reported reusing")
+        self.prompt_tokens = counter("duet_router_prompt_tokens",
+                                     "Prompt tokens of requests whose first token came back")
+        self.generation_tokens = counter("duet_router_generation_tokens", "Tokens sent to clients")
+        self.index_available = Gauge("duet_router_index_available", "1 if the prefix index answered last time", m,
+                                     registry=r).labels(model_name)
+        self.index_block_keys = Gauge("duet_router_index_block_keys", "Block entries in the prefix index", m,
+                                      registry=r).labels(model_name)
+        self.speculative_dropped = counter("duet_router_speculative_dropped",
+                                           "Speculative index entries dropped because the writer queue was full")
         self.ttft_s = Histogram("duet_router_time_to_first_token_seconds", "Request received -> first token sent",
-                                buckets=_TTFT_BUCKETS, registry=r)
-        self.e2e_s = Histogram("duet_router_e2e_request_latency_seconds", "Request received -> last token sent",
-                               buckets=_TTFT_BUCKETS + (60.0, 120.0), registry=r)
+                                m, buckets=_TTFT_BUCKETS, registry=r).labels(model_name)
+        self.e2e_s = Histogram("duet_router_e2e_request_latency_seconds", "Request received -> last token sent", m,
+                               buckets=_TTFT_BUCKETS + (60.0, 120.0), registry=r).labels(model_name)
         self.index_available.set(1)
 
     # -- one request's stages (the orchestrator reports each once, when it happens) ------------------
@@ -69,16 +98,32 @@ class RouterMetrics:
     def first_token_sent(self, ttft_s: float) -> None:
         self.ttft_s.observe(ttft_s)
 
-    def request_completed(self, e2e_s: float) -> None:
-        """The last token went out (a finish reason or a stop string; not an abort or a failure)."""
+    def tokens_sent(self, num_tokens: int) -> None:
+        if num_tokens:
+            self.generation_tokens.inc(num_tokens)
+
+    def request_completed(self, finish_reason: str, e2e_s: float) -> None:
+        """The last token went out with a finish reason (or a stop string: "stop"); not an abort."""
+        self.success.labels(self.model_name, finish_reason).inc()
         self.e2e_s.observe(e2e_s)
 
+    def request_aborted(self) -> None:
+        """`Abort` ended the request: its last message carried finish reason "abort"."""
+        self.success.labels(self.model_name, "abort").inc()
+
     def request_migrated(self, reason: str) -> None:
-        self.migrations.labels(reason).inc()
+        self.migrations.labels(self.model_name, reason).inc()
+
+    def worker_restarted(self, role: str) -> None:
+        self.worker_restarts.labels(self.model_name, role).inc()
+
+    def routing_decided(self, branch: str, decision_s: float) -> None:
+        self.decisions.labels(self.model_name, branch).inc()
+        self.decision_s.observe(decision_s)
 
     def request_ended(self, status: str) -> None:
-        """Every Generate call that reached the orchestrator, once, by final gRPC status name."""
-        self.requests.labels(status).inc()
+        """Every Generate call, once, by final gRPC status name (a rejected one too, before any routing)."""
+        self.requests.labels(self.model_name, status).inc()
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
         """Expose /metrics over HTTP; returns the port (0 picks a free one)."""

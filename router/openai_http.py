@@ -1,7 +1,8 @@
 """OpenAI-compatible HTTP on the router: /v1/completions, /v1/chat/completions (JSON or SSE streaming),
-/v1/models, /health and /metrics. Each request becomes one call of the router's own gRPC Generate, so both
-APIs share validation, routing, deadlines and cancellation: a client that disconnects, streaming or not,
-cancels the call at once, and the router aborts the request on every worker.
+/v1/models, and vLLM's /tokenize, /detokenize and /version, plus /health (GET and HEAD) and /metrics. Each choice
+of a request (prompts x n) is one call of the router's own gRPC Generate (`openai_choices.py`), so both APIs
+share validation, routing, deadlines and cancellation: a client that disconnects, streaming or not, cancels the
+calls at once, and the router aborts them on every worker. The JSON sent back is built in `openai_reply.py`.
 
 The stack is FastAPI on uvicorn (h11), as vLLM's API server: one event loop, no thread per connection, the
 router reached through grpc.aio. Request bodies are pydantic models (`openai_schema.py`): types and the wire's
@@ -25,8 +26,9 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import asynccontextmanager
+from importlib.metadata import version as package_version
 
 import grpc
 import pydantic
@@ -40,9 +42,21 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from cluster import grpc_plumbing
 from duet.v1 import generation_pb2 as pb
 from duet.v1 import generation_pb2_grpc as pb_grpc
-from router.openai_schema import ChatCompletionRequest, CompletionRequest, to_generate_request
+from engine.errors import InvalidRequestError
+from engine.validation import check_token_ids
+from router.openai_choices import Choice, make_choices, run_choices
+from router.openai_reply import Reply, TokenTexts
+from router.openai_schema import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    to_generate_requests,
+)
+from router.request_builder import RequestBuilder
 
 log = logging.getLogger("duet.http")
+DUET_VERSION = package_version("duet")
 
 _HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
@@ -74,7 +88,13 @@ def rpc_error_response(e: grpc.aio.AioRpcError) -> JSONResponse:
     for key, value in e.trailing_metadata() or ():
         if key == "grpc-retry-pushback-ms":
             headers["Retry-After"] = str(max(1, round(int(value) / 1000)))
-    return error_response(status, kind, None, e.details() or e.code().name, headers)
+    message = e.details() or e.code().name
+    # the router names the proto path (`sampling.top_p=...`); over HTTP the parameter is the body's (`top_p`)
+    field = message.split("=", 1)[0] if e.code() == grpc.StatusCode.INVALID_ARGUMENT else ""
+    param = field.removeprefix("sampling.") if field.startswith("sampling.") and field[9:].isidentifier() else None
+    if param is not None:
+        message = message.removeprefix("sampling.")
+    return error_response(status, kind, param, message, headers)
 
 
 class HeadTimeoutH11(H11Protocol):
@@ -162,10 +182,11 @@ class OpenAIHTTPServer:
     and idle keep-alive connections closed at once, requests in flight cut after `shutdown_grace_s` (+
     HTTP_CUT_AFTER_S)."""
 
-    def __init__(self, grpc_address: str, model_id: str, registry, host: str, port: int,
+    def __init__(self, grpc_address: str, model_id: str, builder: RequestBuilder, registry, host: str, port: int,
                  auth_token: str | None = None, max_body_bytes: int = grpc_plumbing.PUBLIC_MAX_MESSAGE_BYTES,
                  read_timeout_s: float = READ_TIMEOUT_S, *, shutdown_grace_s: float):
-        self.model_id, self.registry = model_id, registry
+        self.model_id, self.builder, self.registry = model_id, builder, registry
+        self.token_texts = TokenTexts(builder.tokenizer.decode)
         self._grpc_address = grpc_address
         self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
         self._expected = f"Bearer {auth_token}".encode() if auth_token else None
@@ -221,9 +242,13 @@ class OpenAIHTTPServer:
             kind = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code, "invalid_request_error")
             return error_response(e.status_code, kind, None, f"{request.method} {request.url.path}: {e.detail}")
 
-        @app.get("/health")
+        @app.api_route("/health", methods=["GET", "HEAD"])
         async def health() -> JSONResponse:
             return JSONResponse({"status": "ok"})
+
+        @app.get("/version")
+        async def version() -> JSONResponse:
+            return JSONResponse({"version": DUET_VERSION})
 
         @app.get("/metrics")
         async def metrics() -> Response:
@@ -233,18 +258,35 @@ class OpenAIHTTPServer:
         async def models(request: Request) -> JSONResponse:
             if not server._authorized(request):
                 return _unauthorized()
-            return JSONResponse({"object": "list", "data": [
-                {"id": server.model_id, "object": "model", "owned_by": "duet", "created": 0}]})
+            return JSONResponse({"object": "list", "data": [server._model_card()]})
+
+        @app.get("/v1/models/{model:path}")
+        async def model(request: Request, model: str) -> JSONResponse:
+            if not server._authorized(request):
+                return _unauthorized()
+            return JSONResponse(server._model_card()) if model == server.model_id else _unknown_model(model)
 
         @app.post("/v1/completions")
         async def completions(request: Request) -> Response:
-            return await server._generate(request, stub["generate"], chat=False)
+            return await server._generate(request, stub["generate"], CompletionRequest)
 
         @app.post("/v1/chat/completions")
         async def chat_completions(request: Request) -> Response:
-            return await server._generate(request, stub["generate"], chat=True)
+            return await server._generate(request, stub["generate"], ChatCompletionRequest)
+
+        @app.post("/tokenize")
+        async def tokenize(request: Request) -> Response:
+            return await server._tokenize(request)
+
+        @app.post("/detokenize")
+        async def detokenize(request: Request) -> Response:
+            return await server._detokenize(request)
 
         return app
+
+    def _model_card(self) -> dict:
+        return {"id": self.model_id, "object": "model", "owned_by": "duet", "created": 0,
+                "max_model_len": self.builder.limits.max_model_len}
 
     def _authorized(self, request: Request) -> bool:
         if self._expected is None:
@@ -252,7 +294,8 @@ class OpenAIHTTPServer:
         given = dict(request.scope["headers"]).get(b"authorization", b"")  # raw bytes: any octets compare
         return hmac.compare_digest(given, self._expected)
 
-    async def _generate(self, request: Request, stub: pb_grpc.GenerationStub, chat: bool) -> Response:
+    async def _parse(self, request: Request, model: type[pydantic.BaseModel]) -> pydantic.BaseModel | Response:
+        """The body as `model`, or the response to send instead: 401, 400, or 404 for a model not served."""
         if not self._authorized(request):
             return _unauthorized()
         raw = await request.body()
@@ -265,85 +308,113 @@ class OpenAIHTTPServer:
         if not isinstance(body, dict):
             return error_response(400, "invalid_request_error", None,
                                   f"body is invalid: must be a JSON object, not {type(body).__name__}")
-        model = ChatCompletionRequest if chat else CompletionRequest
         try:
             parsed = model.model_validate(body)
         except pydantic.ValidationError as e:
             return _validation_error(e)
-        msg = to_generate_request(parsed)
-        # one id: the response's "id" is the request_id the router and the workers log
-        msg.request_id = msg.request_id or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        call = stub.Generate(msg, timeout=parsed.timeout, metadata=self._metadata)
-        if parsed.stream:
-            return await self._stream(request, call, msg.request_id, chat)
-        return await self._complete(request, call, msg.request_id, chat)
+        if getattr(parsed, "model", None) not in (None, self.model_id):
+            return _unknown_model(parsed.model)
+        return parsed
 
-    async def _complete(self, request: Request, call, request_id: str, chat: bool) -> Response:
-        """Collect the answer; a client that disconnects first cancels the call at once."""
-        collect = asyncio.ensure_future(_collect(call))
-        while not collect.done():
-            await asyncio.wait({collect}, timeout=0.25)
-            if not collect.done() and await request.is_disconnected():
-                call.cancel()  # the router aborts the request on every worker
-                collect.cancel()
-                return Response(status_code=499)  # nobody reads it: the connection is gone
+    async def _generate(self, request: Request, stub: pb_grpc.GenerationStub,
+                        kind: type[CompletionRequest | ChatCompletionRequest]) -> Response:
+        body = await self._parse(request, kind)
+        if isinstance(body, Response):
+            return body
+        # one id: the response's "id" is the request_id the router and the workers log (`-k` per choice if several)
+        prefix = "chatcmpl" if kind is ChatCompletionRequest else "cmpl"
+        request_id = body.request_id or f"{prefix}-{uuid.uuid4().hex[:24]}"
+        choices = make_choices(to_generate_requests(body), body.n, request_id)
+        reply = Reply(body, request_id, self.model_id, self.token_texts)
+        events = run_choices(lambda msg: stub.Generate(msg, timeout=body.timeout, metadata=self._metadata),
+                             choices, body.n)
+        if body.stream:
+            return await self._stream(events, reply, choices)
+        return await self._complete(request, events, reply, choices)
+
+    async def _complete(self, request: Request, events: AsyncGenerator, reply: Reply, choices: list[Choice]
+                        ) -> Response:
+        """Collect every choice; a client that disconnects first cancels the calls at once."""
+
+        async def collect() -> None:
+            async for choice, msg in events:
+                choice.add(msg)
+
+        collecting = asyncio.ensure_future(collect())
         try:
-            text, finish, usage = collect.result()
+            while not collecting.done():
+                await asyncio.wait({collecting}, timeout=0.25)
+                if not collecting.done() and await request.is_disconnected():
+                    return Response(status_code=499)  # nobody reads it: the connection is gone
+            collecting.result()
         except grpc.aio.AioRpcError as e:
             return rpc_error_response(e)
-        choice: dict = {"index": 0, "finish_reason": finish}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        return JSONResponse({
-            "id": request_id, "object": "chat.completion" if chat else "text_completion",
-            "created": int(time.time()), "model": self.model_id, "choices": [choice],
-            "usage": {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-                      "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-                      "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}})
+        finally:
+            collecting.cancel()
+            await events.aclose()  # cancels every call still running: the router aborts them on every worker
+        return JSONResponse(reply.whole(choices))
 
-    async def _stream(self, request: Request, call, request_id: str, chat: bool) -> Response:
+    async def _stream(self, events: AsyncGenerator, reply: Reply, choices: list[Choice]) -> Response:
         """SSE: the first message decides the status (an error before any token is a plain error response);
-        after it, an error is an `error` event. A disconnect cancels the call (Starlette cancels the body)."""
-        messages = call.__aiter__()
+        after it, an error is an `error` event. A disconnect cancels the calls (Starlette cancels the body)."""
         try:
-            first = await messages.__anext__()
+            first = await anext(events, None)
         except grpc.aio.AioRpcError as e:
+            await events.aclose()
             return rpc_error_response(e)
-        except StopAsyncIteration:
-            first = None
-        kind = "chat.completion.chunk" if chat else "text_completion"
 
-        async def events() -> AsyncIterator[bytes]:
+        async def chunks() -> AsyncIterator[bytes]:
             try:
-                msg = first
-                while msg is not None:
-                    choice = {"index": 0, "finish_reason": msg.finish_reason or None}
-                    if chat:
-                        choice["delta"] = {"content": msg.text}
-                    else:
-                        choice["text"] = msg.text
-                    yield _event({"id": request_id, "object": kind, "created": int(time.time()),
-                                  "model": self.model_id, "choices": [choice]})
-                    msg = await anext(messages, None)
+                item = first
+                while item is not None:
+                    for chunk in reply.chunks(*item):
+                        yield _event(chunk)
+                    item = await anext(events, None)
+                usage = reply.usage_chunk(choices)
+                if usage is not None:
+                    yield _event(usage)
                 yield b"data: [DONE]\n\n"
             except grpc.aio.AioRpcError as e:
                 yield _event({"error": {"message": e.details(), "type": _HTTP_STATUS.get(
                     e.code(), (500, "internal_error"))[1], "param": None, "code": e.code().name}})
             finally:
-                call.cancel()  # no-op once it ended; a disconnect lands here, and the router aborts the request
+                await events.aclose()  # a disconnect lands here: every call is cancelled, and aborted downstream
 
-        return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return StreamingResponse(chunks(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    async def _tokenize(self, request: Request) -> Response:
+        """vLLM's /tokenize: a prompt (`add_special_tokens`, default true) or chat messages (the template applied
+        as for a chat completion) -> {count, max_model_len, tokens, token_strs}."""
+        body = await self._parse(request, TokenizeRequest)
+        if isinstance(body, Response):
+            return body
+        if body.prompt is not None:
+            msg = pb.GenerateRequest(text=body.prompt)
+        else:
+            msg = to_generate_requests(ChatCompletionRequest(messages=body.messages,
+                                                             add_generation_prompt=body.add_generation_prompt))[0]
+        try:
+            token_ids, _ = await asyncio.to_thread(self.builder.tokenize, msg, None, body.add_special_tokens)
+        except InvalidRequestError as e:
+            return error_response(400, "invalid_request_error", e.field, str(e))
+        token_strs = self.builder.tokenizer.convert_ids_to_tokens(token_ids) if body.return_token_strs else None
+        return JSONResponse({"count": len(token_ids), "max_model_len": self.builder.limits.max_model_len,
+                             "tokens": token_ids, "token_strs": token_strs})
+
+    async def _detokenize(self, request: Request) -> Response:
+        """vLLM's /detokenize: {tokens} -> {prompt}, special tokens kept."""
+        body = await self._parse(request, DetokenizeRequest)
+        if isinstance(body, Response):
+            return body
+        try:
+            check_token_ids("tokens", body.tokens, self.builder.limits.vocab_size)
+        except InvalidRequestError as e:
+            return error_response(400, "invalid_request_error", e.field, str(e))
+        return JSONResponse({"prompt": await asyncio.to_thread(self.token_texts.prompt, body.tokens)})
 
 
-async def _collect(call) -> tuple[str, str, pb.Usage]:
-    text, finish, usage = [], None, pb.Usage()
-    async for msg in call:
-        text.append(msg.text)
-        if msg.finish_reason:
-            finish, usage = msg.finish_reason, msg.usage
-    return "".join(text), finish, usage
+def _unknown_model(model: str) -> JSONResponse:
+    return error_response(404, "NotFoundError", "model", f"The model `{model}` does not exist.")
 
 
 def _event(obj: dict) -> bytes:
@@ -367,5 +438,8 @@ def _validation_error(e: pydantic.ValidationError) -> JSONResponse:
     value = json.dumps(first.get("input"), default=str)
     if len(value) > 80:
         value = value[:77] + "..."
+    reason = first["msg"]
+    if first["type"] == "extra_forbidden":
+        reason = "duet does not implement this parameter (refused rather than silently ignored)"
     return error_response(400, "invalid_request_error", param or None,
-                          f"{param or 'body'}={value} is invalid: {first['msg']}")
+                          f"{param or 'body'}={value} is invalid: {reason}")

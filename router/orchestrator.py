@@ -181,7 +181,9 @@ class RequestOrchestrator:
         a cancelled client ends the stream quietly. Reports the request's final status to the metrics."""
         status = "OK"
         try:
-            yield from self._run(request, live)
+            for message in self._run(request, live):
+                self.metrics.tokens_sent(len(message.token_ids))
+                yield message
         except Failed as f:
             status = f.code.name
             log.info("request=%s event=failed status=%s message=%s", request.request_id, f.code.name, f.message)
@@ -404,6 +406,7 @@ class RequestOrchestrator:
             raise WorkerLost(DECODE_LOST, f"decode worker {decode.worker_id} ended the stream early")
         except grpc.RpcError as e:
             if live.aborted:
+                self.metrics.request_aborted()
                 yield client.aborted()
                 return
             if live.cancelled:
@@ -418,7 +421,7 @@ class RequestOrchestrator:
 
     def _finish(self, client: ClientStream, message: pb.GenerateResponse) -> pb.GenerateResponse:
         last = client.finish(message)
-        self.metrics.request_completed(client.timing.e2e_s)
+        self.metrics.request_completed(last.finish_reason, client.timing.e2e_s)
         return last
 
     # -- helpers ---------------------------------------------------------------------------------

@@ -93,8 +93,7 @@ class PrefillChooser:
         if speculate and held is not None and hashes:
             self.speculative.submit(worker.worker_id, hashes)
         decision_s = time.perf_counter() - start_s
-        self.metrics.decisions.labels(decision.branch).inc()
-        self.metrics.decision_s.observe(decision_s)
+        self.metrics.routing_decided(decision.branch, decision_s)
         return PrefillChoice(worker, decision, hashes, block_size, held is not None, lookup_s, decision_s)
 
     def _lookup(self, hashes: list[int], worker_ids: list[str]) -> tuple[dict[str, int] | None, float]:

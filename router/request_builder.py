@@ -60,8 +60,7 @@ class RequestBuilder:
         if len(msg.request_id) > MAX_REQUEST_ID_CHARS:
             raise InvalidRequestError("request_id", f"{len(msg.request_id)} chars",
                                       f"must be <= {MAX_REQUEST_ID_CHARS}")
-        kind = msg.WhichOneof("prompt")
-        if kind is None:
+        if msg.WhichOneof("prompt") is None:
             raise InvalidRequestError("prompt", None, "must be set: one of text, token_ids or chat")
         limits = self.limits
         sampling = msg.sampling
@@ -71,21 +70,7 @@ class RequestBuilder:
             sampling.CopyFrom(msg.sampling)
             sampling.max_tokens = limits.max_model_len
         params = sampling_from_proto(sampling)  # cheap checks first: a bad field costs no tokenizing
-        if kind == "text":
-            if not msg.text:
-                raise InvalidRequestError("text", "", "must be a non-empty string")
-            self._check_text_bytes("text", len(msg.text.encode()))
-            token_ids = self._tokenize(lambda: self.tokenizer.encode(msg.text), len(msg.text), timeout_s)
-            field = "text"
-        elif kind == "token_ids":
-            token_ids = list(msg.token_ids.ids)
-            field = "token_ids.ids"
-        else:
-            messages, add_generation_prompt = self._chat_messages(msg.chat)
-            token_ids = self._tokenize(
-                lambda: _render_chat(self.tokenizer, messages, add_generation_prompt),
-                sum(len(m["content"]) for m in messages), timeout_s)
-            field = "chat"
+        token_ids, field = self.tokenize(msg, timeout_s)
         if not token_ids:
             raise InvalidRequestError(field, [], "must encode to at least one token")
         if default_max_tokens:
@@ -99,6 +84,26 @@ class RequestBuilder:
         check_request(token_ids, params, vocab_size=limits.vocab_size, max_model_len=limits.max_model_len,
                       max_logprobs=limits.max_logprobs, prompt_field=field)
         return BuiltRequest(token_ids, params, sampling)
+
+    def tokenize(self, msg: pb.GenerateRequest, timeout_s: float | None = None,
+                 add_special_tokens: bool = True) -> tuple[list[int], str]:
+        """The prompt's token ids, as the workers will see them (the chat template applied as offline), and the
+        field they came from; `InvalidRequestError` for a prompt that is absent, empty or too long to fit, and
+        `TokenizeTimeout` as in `build`. Nothing else is judged (the length against max_model_len is `build`'s)."""
+        kind = msg.WhichOneof("prompt")
+        if kind == "text":
+            if not msg.text:
+                raise InvalidRequestError("text", "", "must be a non-empty string")
+            self._check_text_bytes("text", len(msg.text.encode()))
+            return self._tokenize(lambda: self.tokenizer.encode(msg.text, add_special_tokens), len(msg.text),
+                                  timeout_s), "text"
+        if kind == "token_ids":
+            return list(msg.token_ids.ids), "token_ids.ids"
+        if kind == "chat":
+            messages, add_generation_prompt = self._chat_messages(msg.chat)
+            return self._tokenize(lambda: _render_chat(self.tokenizer, messages, add_generation_prompt),
+                                  sum(len(m["content"]) for m in messages), timeout_s), "chat"
+        raise InvalidRequestError("prompt", None, "must be set: one of text, token_ids or chat")
 
     def _check_text_bytes(self, field: str, num_bytes: int) -> None:
         if num_bytes > self.max_prompt_bytes:

@@ -10,6 +10,8 @@
 from __future__ import annotations
 
 import logging
+import shutil
+import tempfile
 import threading
 import time
 import uuid
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+from grpc_health.v1 import health_pb2
 
 from cluster import grpc_plumbing
 from cluster.cluster_secret import ENV_VAR, load_cluster_secret
@@ -36,10 +39,13 @@ from router.prefix_policy import PolicyConfig
 from router.request_builder import ModelLimits, RequestBuilder, TokenizeTimeout
 from router.request_stream import Failed, Live
 from router.speculative_writer import SpeculativeWriter
-from router.worker_view import WorkerView
+from router.worker_view import NoWorkers, WorkerView
 
 log = logging.getLogger("duet.router")
 SERVICE_NAME = "duet.v1.Generation"
+GENERATE_METHOD = f"/{SERVICE_NAME}/Generate"
+HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name  # SERVING while the process is up
+HEALTH_POLL_S = 0.5  # how often the router checks that a worker of each role is up (its health follows)
 SHUTDOWN_GRACE_S = 5.0  # on stop, requests in flight get this long to finish, then are cut (--shutdown-grace)
 STOP_MARGIN_S = 3.0  # past the grace: the HTTP cut, closing, flushing; `duet router` has exited by grace + this
 
@@ -92,7 +98,7 @@ class Router(pb_grpc.GenerationServicer):
             log.warning("router event=internal_plane_open: no cluster secret (--cluster-secret-file or %s): "
                         "calls to workers are unauthenticated and any registry entry is trusted", ENV_VAR)
         self.registry = WorkerRegistry.from_url(config.redis_url, cluster_secret=self.cluster_secret)
-        self.metrics = RouterMetrics()
+        self.metrics = RouterMetrics(self.model_id)
         self.index = PrefixIndex(self.registry.client, self.model_id)
         self.speculative = SpeculativeWriter(self.index, on_drop=self.metrics.speculative_dropped.inc)
         self.chooser = PrefillChooser(self.index, self.model_id, self.metrics, self.speculative, config.policy)
@@ -113,17 +119,19 @@ class Router(pb_grpc.GenerationServicer):
         try:
             built = self.builder.build(request, context.time_remaining())
         except InvalidRequestError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            self.reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except TokenizeTimeout as e:
-            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
+            self.reject(context, grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
         request_id = request.request_id or f"req-{uuid.uuid4().hex}"
         remaining_s = context.time_remaining()  # None, or a huge number, when the client set no deadline
         live = Live(request_id, None if remaining_s is None else received_s + remaining_s)
         with self._lock:
-            if request_id in self._live:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"request_id={request_id!r} is invalid: must not be the id of a live request")
-            self._live[request_id] = live
+            duplicate = request_id in self._live
+            if not duplicate:
+                self._live[request_id] = live
+        if duplicate:
+            self.reject(context, grpc.StatusCode.INVALID_ARGUMENT,
+                        f"request_id={request_id!r} is invalid: must not be the id of a live request")
         if not context.add_callback(lambda: live.cancel(abort=False)):
             live.cancel(abort=False)  # the client is gone already
         try:
@@ -135,6 +143,11 @@ class Router(pb_grpc.GenerationServicer):
         finally:
             with self._lock:
                 self._live.pop(request_id, None)
+
+    def reject(self, context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> None:
+        """End a Generate call refused before routing (counted by status); never returns."""
+        self.metrics.request_ended(code.name)
+        context.abort(code, message)
 
     def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext) -> pb.AbortResponse:
         with self._lock:
@@ -168,18 +181,30 @@ class Router(pb_grpc.GenerationServicer):
 
 
 class RouterServer:
-    """The router process: the Generation service with health, reflection, optional auth and TLS."""
+    """The router process: the Generation service with health, reflection (v1 and v1alpha), optional auth and TLS.
+
+    Health (grpc.health.v1, Check and Watch): "" and duet.v1.Generation are SERVING while the worker registry
+    lists at least one prefill and one decode worker for the model (checked every HEALTH_POLL_S), NOT_SERVING
+    otherwise and from stop() on: a readiness probe or load balancer sends no request to a router that could
+    not serve it. grpc.health.v1.Health is SERVING from start() to stop(): the process is up (a liveness probe
+    that must not restart a router only because the workers are away)."""
 
     def __init__(self, config: RouterConfig):
         self.config = config
         self.router = Router(config)
         self.server = grpc_plumbing.make_server(config.max_concurrent_streams,
-                                                grpc_plumbing.PUBLIC_MAX_MESSAGE_BYTES, config.auth_token)
+                                                grpc_plumbing.PUBLIC_MAX_MESSAGE_BYTES, config.auth_token,
+                                                on_denied=self._denied)
         pb_grpc.add_GenerationServicer_to_server(self.router, self.server)
         self.health = grpc_plumbing.add_health_and_reflection(self.server, [SERVICE_NAME])
+        self._serving = False  # what health says for "" and SERVICE_NAME (a prefill and a decode worker are up)
+        self._stopping = threading.Event()
+        self._health_lock = threading.Lock()  # a last update never undoes stop()'s NOT_SERVING
+        self._health_watch = threading.Thread(target=self._watch_workers, name="router-health", daemon=True)
         self.port = grpc_plumbing.bind(self.server, config.host, config.port, config.tls_cert, config.tls_key)
         self.address = f"{config.host}:{self.port}"
         self.metrics_port = None
+        self._bridge_dir: Path | None = None
         if config.metrics_port is not None:
             self.metrics_port = self.router.metrics.serve(config.metrics_port, config.host)
         self.http = None
@@ -187,16 +212,54 @@ class RouterServer:
             from router.openai_http import OpenAIHTTPServer
 
             local = f"127.0.0.1:{self.port}" if config.host in ("0.0.0.0", "::") else self.address
-            self.http = OpenAIHTTPServer(local, self.router.model_id, self.router.metrics.registry, config.host,
-                                         config.http_port, config.auth_token,
+            if config.tls_cert is not None:
+                # The HTTP API calls this gRPC server from inside the process; over the TLS port it would have to
+                # verify a certificate whose CA and names it need not know, so it gets a plaintext unix socket in
+                # a directory only this user can enter (who can read the key anyway). Bearer tokens still apply.
+                self._bridge_dir = Path(tempfile.mkdtemp(prefix="duet-router-"))
+                local = f"unix:{self._bridge_dir / 'grpc.sock'}"
+                if self.server.add_insecure_port(local) == 0:
+                    raise OSError(f"cannot listen on {local} for the HTTP API's calls")
+            self.http = OpenAIHTTPServer(local, self.router.model_id, self.router.builder, self.router.metrics.registry,
+                                         config.host, config.http_port, config.auth_token,
                                          shutdown_grace_s=config.shutdown_grace_s)
+
+    def _denied(self, method: str) -> None:
+        if method == GENERATE_METHOD:  # a request refused for its missing or wrong token
+            self.router.metrics.request_ended(grpc.StatusCode.UNAUTHENTICATED.name)
 
     def start(self) -> None:
         self.server.start()
         if self.http is not None:
             self.http.start()
-        grpc_plumbing.set_serving(self.health, [SERVICE_NAME], True)
-        log.info("router address=%s model=%s event=serving", self.address, self.router.model_id)
+        self.health.set(HEALTH_SERVICE, health_pb2.HealthCheckResponse.SERVING)  # the process is up (liveness)
+        self._update_health()
+        self._health_watch.start()
+        log.info("router address=%s model=%s event=started", self.address, self.router.model_id)
+
+    def _watch_workers(self) -> None:
+        while not self._stopping.wait(HEALTH_POLL_S):
+            try:
+                self._update_health()
+            except Exception:  # noqa: BLE001 - keep watching; the state stays as last known
+                log.exception("router event=health_update_failed")
+
+    def _update_health(self) -> None:
+        """SERVING ("" and duet.v1.Generation) while the registry lists a prefill and a decode worker."""
+        try:
+            self.router.view.workers()
+            serving, why = True, ""
+        except NoWorkers as e:
+            serving, why = False, str(e)
+        with self._health_lock:
+            if self._stopping.is_set() or serving == self._serving:
+                return
+            self._serving = serving
+            grpc_plumbing.set_serving(self.health, [SERVICE_NAME], serving)
+        if serving:
+            log.info("router address=%s model=%s event=serving", self.address, self.router.model_id)
+        else:
+            log.warning("router event=not_serving reason=%s", why)
 
     def stop(self) -> None:
         """Take no new request from now on (health NOT_SERVING, both listeners closed); requests in flight, gRPC
@@ -204,11 +267,17 @@ class RouterServer:
         an HTTP client its error response or SSE error event. Every wait here is bounded (the HTTP side's by the
         grace + 1.5 s); `duet router` holds the whole stop to the grace + STOP_MARGIN_S."""
         grace_s = self.config.shutdown_grace_s
-        grpc_plumbing.set_serving(self.health, [SERVICE_NAME], False)
+        with self._health_lock:
+            self._stopping.set()
+            grpc_plumbing.set_serving(self.health, [SERVICE_NAME, HEALTH_SERVICE], False)
         # returns at once, so both APIs' graces run side by side; HTTP requests are gRPC calls in flight here
         stopped = self.server.stop(grace_s)
         if self.http is not None:
             self.http.stop()
         stopped.wait(grace_s + 1)
+        if self._health_watch.is_alive():
+            self._health_watch.join(HEALTH_POLL_S + 1)
         self.router.close()
+        if self._bridge_dir is not None:
+            shutil.rmtree(self._bridge_dir, ignore_errors=True)
 

@@ -114,7 +114,7 @@ class WorkerView:
                 if before is not None:
                     log.info("router event=worker_restarted address=%s role=%s was=%s now=%s", w.info.address,
                              w.info.role, before, w.worker_id)
-                    self.metrics.worker_restarts.labels(w.info.role).inc()
+                    self.metrics.worker_restarted(w.info.role)
                 self._id_at[w.info.address] = w.worker_id
 
     def _maintain_index(self, workers: list[LiveWorker], now: float) -> None:

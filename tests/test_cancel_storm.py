@@ -129,14 +129,14 @@ def run_grpc(client: Client, req: StormRequest) -> StormOutcome:
     return out
 
 
-def run_http(http: openai.OpenAI, req: StormRequest) -> StormOutcome:
+def run_http(http: openai.OpenAI, model: str, req: StormRequest) -> StormOutcome:
     p = req.params
     extra = {"ignore_eos": True, "request_id": req.request_id}
     if req.timeout_s is not None:
         extra["timeout"] = req.timeout_s  # duet's field: the request's deadline on the router
     out = StormOutcome("OK")
     try:
-        stream = http.completions.create(model="tiny", prompt=req.prompt, max_tokens=p.max_tokens,
+        stream = http.completions.create(model=model, prompt=req.prompt, max_tokens=p.max_tokens,
                                          temperature=p.temperature, top_p=p.top_p, seed=p.seed, stream=True,
                                          extra_body=extra)
         for chunk in stream:
@@ -159,13 +159,14 @@ def run_storm(cluster, requests: list[StormRequest]) -> dict[str, StormOutcome]:
     errors: list[BaseException] = []
     start = threading.Event()
     http = openai.OpenAI(base_url=cluster.http_base + "/v1", api_key="none", max_retries=0, timeout=60)
+    model = http.models.list().data[0].id  # the served id: any other name is a 404
 
     with Client(cluster.router_address) as client:
         def one(req: StormRequest) -> None:
             start.wait()
             time.sleep(req.start_delay_s)
             try:
-                outcomes[req.request_id] = (run_http(http, req) if req.kind.startswith("http")
+                outcomes[req.request_id] = (run_http(http, model, req) if req.kind.startswith("http")
                                             else run_grpc(client, req))
             except BaseException as e:  # noqa: BLE001 - reported by the test
                 errors.append(e)
@@ -191,8 +192,8 @@ def undisturbed(offline: LLM, reqs: list[StormRequest], lengths: list[int]) -> l
 
 def router_counters(cluster, name: str) -> dict[str, float]:
     text = httpx.get(cluster.http_base + "/metrics", timeout=10).text
-    return {next(iter(s.labels.values())): s.value for family in text_string_to_metric_families(text)
-            for s in family.samples if s.name == name}
+    return {next(v for k, v in s.labels.items() if k != "model_name"): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples if s.name == name}
 
 
 def test_a_storm_of_cancels_and_deadlines_leaves_every_worker_idle_and_intact(cluster, offline):

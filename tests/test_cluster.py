@@ -409,7 +409,7 @@ def test_openai_http_api(cluster, tiny_llama_dir, offline):
         assert chat["choices"][0]["message"] == {"role": "assistant", "content": chat_ref.outputs[0].text}
         models = json.load(urllib.request.urlopen(base + "/v1/models", timeout=10))
         assert [m["id"] for m in models["data"]] == [offline.engine.model_id]
-        for bad, param in (({"prompt": "x", "temperature": -1}, "sampling.temperature"),
+        for bad, param in (({"prompt": "x", "temperature": -1}, "temperature"),
                            ({"prompt": 5}, "prompt"), ({"prompt": "x", "max_tokens": "ten"}, "max_tokens")):
             with pytest.raises(urllib.error.HTTPError) as err:
                 post("/v1/completions", bad)

@@ -31,7 +31,8 @@ flag_settings = st.fixed_dictionaries({
     "device": st.sampled_from(DEVICES),
     "cuda_graphs": st.booleans(),
     "cuda_graph_batch_sizes": st.none() | st.lists(st.integers(1, 512), min_size=1, max_size=6).map(tuple),
-})
+    "kv_cache_memory_fraction": st.none() | st.floats(0, 1, exclude_min=True),
+}).filter(lambda s: s["num_kv_blocks"] is None or s["kv_cache_memory_fraction"] is None)  # one sizes the cache
 other_settings = st.fixed_dictionaries({
     "kv_cache_bytes": st.integers(1, 1 << 40),
     "max_logprobs": st.integers(0, 100),

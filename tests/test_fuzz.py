@@ -162,11 +162,22 @@ VALID_BODY = {
     "timeout": st.floats(0.5, 60),
     "ignore_eos": st.booleans(),
     "request_id": texts,
+    "n": st.integers(1, 3),
+    "logit_bias": st.dictionaries(st.integers(0, 600).map(str), st.floats(-100, 100), max_size=3),
+    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
+    "user": texts,
 }
-PROMPTS = {"/v1/completions": ("prompt", st.one_of(texts.filter(bool), st.lists(st.integers(0, 511), min_size=1,
-                                                                                  max_size=16))),
+token_ids = st.lists(st.integers(0, 511), min_size=1, max_size=16)
+PROMPTS = {"/v1/completions": ("prompt", st.one_of(texts.filter(bool), token_ids,
+                                                   st.lists(texts.filter(bool), min_size=1, max_size=3),
+                                                   st.lists(token_ids, min_size=1, max_size=3))),
            "/v1/chat/completions": ("messages", st.lists(st.fixed_dictionaries(
-               {"role": st.sampled_from(["user", "system", "assistant"]), "content": texts}), min_size=1, max_size=3))}
+               {"role": st.sampled_from(["user", "system", "assistant", "developer"]),
+                "content": st.one_of(texts, st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": texts}),
+                                                     max_size=2))}), min_size=1, max_size=3))}
+ENDPOINT_BODY = {"/v1/completions": {"echo": st.booleans(), "logprobs": st.integers(0, 5)},
+                 "/v1/chat/completions": {"logprobs": st.booleans(), "top_logprobs": st.integers(0, 5),
+                                          "max_completion_tokens": st.integers(1, 24)}}
 
 
 @st.composite
@@ -174,10 +185,11 @@ def http_bodies(draw, path: str) -> dict:
     """A valid body, then (often) one field replaced by any JSON value or dropped."""
     prompt_field, prompt = PROMPTS[path]
     body = {prompt_field: draw(prompt)}
-    for name in draw(st.lists(st.sampled_from(sorted(VALID_BODY)), unique=True)):
-        body[name] = draw(VALID_BODY[name])
+    valid = {**VALID_BODY, **ENDPOINT_BODY[path]}
+    for name in draw(st.lists(st.sampled_from(sorted(valid)), unique=True)):
+        body[name] = draw(valid[name])
     if draw(st.integers(0, 2)) == 0:
-        name = draw(st.sampled_from(sorted([*VALID_BODY, prompt_field])))
+        name = draw(st.sampled_from(sorted([*valid, prompt_field])))
         if draw(st.booleans()):
             body[name] = draw(json_values)
         else:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import gguf
 import numpy as np
+import openai
 import pytest
 import torch
 import transformers
@@ -398,12 +399,22 @@ def test_smollm2_cluster_returns_the_offline_tokens():
         llm.tokenizer.encode("The quick brown fox")]
     params = SamplingParams(max_tokens=16, temperature=0)
     offline = [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
+    # issue 17: a logit_bias ban of "Paris" was silently ignored over HTTP
+    paris = {llm.tokenizer.encode(word, add_special_tokens=False)[0] for word in ("Paris", " Paris")}
+    banned = llm.chat(chats[0], SamplingParams(max_tokens=16, temperature=0,
+                                               logit_bias={t: -100.0 for t in paris}))[0].outputs[0]
+    assert "Paris" not in banned.text and not paris & set(banned.token_ids)
     config = ClusterConfig(model_dir=str(path), worker_args=["--max-model-len", "512", "--num-kv-blocks", "96"],
-                           router_args=["--max-model-len", "512"])
+                           router_args=["--max-model-len", "512"], http_port=0)
     with LocalCluster(config).start() as cluster, Client(cluster.router_address) as client:
         served = [stream_to_record(client.generate(prompt, params, timeout_s=120)) for prompt in prompts]
         assert [record["token_ids"] for record in served] == offline
         assert "Paris" in served[0]["text"]
+        http = openai.OpenAI(base_url=cluster.http_url + "/v1", api_key="none", max_retries=0, timeout=120)
+        model = http.models.list().data[0].id
+        answer = http.chat.completions.create(model=model, messages=chats[0], max_tokens=16, temperature=0,
+                                              logit_bias={str(t): -100 for t in paris})
+        assert answer.choices[0].message.content == banned.text
         wait_idle(cluster)
 
 

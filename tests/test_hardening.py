@@ -271,7 +271,8 @@ def test_50_stalled_connections_do_not_stop_a_normal_request(http):
         stalled.append(s)
     try:
         client = openai.OpenAI(base_url=http.base + "/v1", api_key="none", max_retries=0, timeout=30)
-        answer = client.completions.create(model="tiny", prompt="Hello", max_tokens=3, temperature=0,
+        model = client.models.list().data[0].id
+        answer = client.completions.create(model=model, prompt="Hello", max_tokens=3, temperature=0,
                                            extra_body={"ignore_eos": True})
         assert answer.choices[0].finish_reason == "length" and answer.usage.completion_tokens == 3
     finally:
@@ -283,7 +284,9 @@ def test_a_non_streaming_client_that_disconnects_aborts_its_request_at_once(clus
     import socket
 
     def ended(status: str) -> float:
-        return http.router.metrics.registry.get_sample_value("duet_router_requests_total", {"status": status}) or 0
+        metrics = http.router.metrics
+        return metrics.registry.get_sample_value("duet_router_requests_total",
+                                                 {"model_name": metrics.model_name, "status": status}) or 0
 
     cancelled, completed = ended("CANCELLED"), ended("OK")
     body = json.dumps({"prompt": [3, 4, 5], "max_tokens": 1000, "ignore_eos": True}).encode()

@@ -7,9 +7,15 @@ No cluster runs here, so this is what can be verified honestly:
 - every rendered object validates against the Kubernetes 1.30 OpenAPI schemas in strict mode (unknown fields
   rejected, kubernetes-validate --strict), and ScaledObject / ServiceMonitor / PodMonitor against the CRD
   schemas vendored in tests/golden/helm/crds/ (their metadata against Kubernetes' ObjectMeta);
+- Gateway API routes (HTTPRoute, GRPCRoute) against a structural schema of the fields the chart writes
+  (ROUTE_SCHEMA: kubernetes-validate has no Gateway API CRDs);
 - semantic checks no schema makes: autoscaled Deployments have no `replicas`, /dev/shm exactly when tp > 1,
   probes on the container's gRPC port with a startup budget covering the load time, one selector per role,
-  every $(VAR) in args defined, KEDA/HPA metrics naming their role;
+  every $(VAR) in args defined, KEDA/HPA metrics naming their role; every container that requests GPUs runs
+  with --device=cuda; every flag the chart passes is accepted by duet's own argument parser (and the engine
+  settings it spells are valid); the HTTP port reaches the Service, Ingress and routes; NetworkPolicies admit
+  exactly the peers each port needs; topology spread constraints select their own role's pods; the auth token
+  and TLS key come from mounted Secrets, never from the pod spec;
 - `helm lint --strict` passes; values.schema.json and the chart's own checks reject bad values with a message
   that names the key.
 Plus the Grafana dashboard (deploy/grafana/duet.json) parses and every panel has a query, and the Dockerfiles
@@ -44,6 +50,7 @@ CASES = {
     "single-gpu-node": ROOT / "deploy" / "examples" / "single-gpu-node.yaml",
     "multi-node-tp": ROOT / "deploy" / "examples" / "multi-node-tp.yaml",
     "hpa": GOLDEN / "values" / "hpa.yaml",
+    "tls": GOLDEN / "values" / "tls.yaml",
 }
 WORKER_ROLES = ("prefill", "decode")
 ROLES = ("router", *WORKER_ROLES)
@@ -178,21 +185,70 @@ def test_generated_redis_password_and_cluster_secret_are_random():
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_every_container_holds_the_cluster_secret_and_the_internal_plane_is_fenced(case):
+def test_every_container_holds_the_cluster_secret(case):
     objs = objects(case)
     for role in ROLES:
         env = {e["name"]: e for e in container(deployment(objs, role))["env"]}
         assert env["DUET_CLUSTER_SECRET"]["valueFrom"]["secretKeyRef"] == {"name": f"{RELEASE}-duet-cluster",
                                                                             "key": "secret"}
+
+
+def _pod_selector(objs: list[dict], role: str) -> dict:
+    return {"podSelector": {"matchLabels": deployment(objs, role)["spec"]["selector"]["matchLabels"]}}
+
+
+def _port_numbers(c: dict, rule_ports: list[dict]) -> set[int]:
+    """The container ports a NetworkPolicy rule's ports admit (named or numbered, with endPort ranges)."""
+    named = {p["name"]: p["containerPort"] for p in c["ports"]}
+    admitted = set()
+    for p in rule_ports:
+        first = named[p["port"]] if isinstance(p["port"], str) else p["port"]
+        admitted |= set(range(first, p.get("endPort", first) + 1))
+    return admitted
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_network_policies_admit_exactly_the_peers_each_port_needs(case):
+    objs, values = objects(case), merged_values(case)
     policies = {p["metadata"]["name"]: p["spec"] for p in find(objs, "NetworkPolicy")}
-    internal = merged_values(case)["redis"]["internal"]["enabled"]
-    assert set(policies) == {f"{RELEASE}-duet-{c}" for c in ("prefill", "decode", *(["redis"] if internal else []))}
-    for spec in policies.values():
-        peers = spec["ingress"][0]["from"][0]["podSelector"]["matchLabels"]
-        assert peers == {"app.kubernetes.io/name": "duet", "app.kubernetes.io/instance": RELEASE}
-        for role in ROLES:  # each of the release's pods is a peer
-            pod_labels = deployment(objs, role)["spec"]["template"]["metadata"]["labels"]
-            assert _matches(peers, pod_labels)
+    internal = values["redis"]["internal"]["enabled"]
+    assert set(policies) == {f"{RELEASE}-duet-{c}" for c in (*ROLES, *(["redis"] if internal else []))}
+    metrics_from = values["networkPolicy"]["metricsFrom"]
+    torch = values["engine"]["kvTransport"] == "torch"
+    for role in ROLES:
+        c = container(deployment(objs, role))
+        spec = policies[f"{RELEASE}-duet-{role}"]
+        assert spec["podSelector"] == _pod_selector(objs, role)["podSelector"]
+        # who may reach which port of this role's pods: {port: [peers]} (None = anyone), all ports: "*"
+        reach: dict[object, list | None] = {}
+        for rule in spec["ingress"]:
+            ports = _port_numbers(c, rule["ports"]) if "ports" in rule else {"*"}
+            for port in ports:
+                reach.setdefault(port, [])
+                reach[port] = None if "from" not in rule or reach[port] is None else reach[port] + rule["from"]
+        named = {p["name"]: p["containerPort"] for p in c["ports"]}
+        expected: dict[object, list | None] = {}
+        if role == "router":
+            for name in ("grpc", "http"):
+                if name in named:
+                    expected[named[name]] = values["networkPolicy"]["routerFrom"] or None
+        else:
+            expected[named["grpc"]] = [_pod_selector(objs, "router")]
+            peer = {"prefill": "decode", "decode": "prefill"}[role]
+            if torch:  # gloo / NCCL groups between the pools pick their own ports
+                expected["*"] = [_pod_selector(objs, peer)]
+            elif role == "decode":
+                kv = [p["containerPort"] for p in c["ports"] if p["name"].startswith("kv")]
+                assert kv == [values["decode"]["kvPort"] + r for r in range(values["decode"]["tp"])]
+                assert f"--kv-port={values['decode']['kvPort']}" in c["args"]
+                expected.update({port: [_pod_selector(objs, "prefill")] for port in kv})
+        if metrics_from:
+            expected[named["metrics"]] = metrics_from
+        assert reach == expected, role
+    if internal:
+        redis = policies[f"{RELEASE}-duet-redis"]["ingress"]
+        assert redis == [{"ports": [{"port": "redis", "protocol": "TCP"}],
+                          "from": [_pod_selector(objs, r) for r in ROLES]}]
 
 
 # -- schemas --------------------------------------------------------------------------------------------------
@@ -236,6 +292,12 @@ def validate_object(obj: dict) -> None:
     key = (obj["apiVersion"], obj["kind"])
     if key in CRD_SCHEMA_FILES:
         _crd_validator(*key).validate(obj)
+        _object_meta_validator().validate(obj["metadata"])
+        return
+    if key[0] == "gateway.networking.k8s.io/v1":
+        import jsonschema
+
+        jsonschema.Draft202012Validator(ROUTE_SCHEMA).validate(obj)
         _object_meta_validator().validate(obj["metadata"])
         return
     import kubernetes_validate
@@ -327,7 +389,8 @@ def test_probes_use_the_grpc_port_and_cover_model_loading(case):
         assert f"--port={ports['grpc']}" in c["args"]
         assert f"--metrics-port={ports['metrics']}" in c["args"]
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-            assert c[probe]["grpc"]["port"] == ports["grpc"], f"{role} {probe}"
+            check = c[probe].get("grpc") or c[probe]["tcpSocket"]  # TCP on a TLS port
+            assert check["port"] == ports["grpc"], f"{role} {probe}"
         startup = c["startupProbe"]
         budget_s = startup["failureThreshold"] * startup["periodSeconds"]
         assert values[role]["startupTimeoutSeconds"] <= budget_s < values[role]["startupTimeoutSeconds"] + \
@@ -456,6 +519,200 @@ def test_model_sources():
     assert model_parts({"model": {"source": "existingClaim", "existingClaim": "w"}}) == (["--model=/models"], ["w"], [])
 
 
+def _all_containers(objs: list[dict]):
+    for obj in objs:
+        pod = obj.get("spec", {}).get("template", {}).get("spec")
+        for c in (pod or {}).get("containers", []):
+            yield obj, c
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_container_that_requests_gpus_runs_on_cuda(case):
+    objs, values = objects(case), merged_values(case)
+    gpu_requests = 0
+    for obj, c in _all_containers(objs):
+        resources = c.get("resources", {})
+        wants_gpus = any(re.fullmatch(r"[\w.-]+/gpu", key) and int(count) > 0
+                         for part in ("limits", "requests") for key, count in resources.get(part, {}).items())
+        devices = [a for a in c.get("args", []) if a.startswith("--device")]
+        if wants_gpus:
+            gpu_requests += 1
+            assert devices == ["--device=cuda"], f"{obj['metadata']['name']} requests GPUs but runs with {devices}"
+        else:
+            assert devices == [], f"{obj['metadata']['name']} asks for {devices} without requesting a GPU"
+    assert gpu_requests == (len(WORKER_ROLES) if values["gpu"]["enabled"] else 0)
+
+
+def _expand_env(arg: str) -> str:
+    return re.sub(r"\$\((\w+)\)", lambda m: f"<{m.group(1)}>", arg)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_flag_the_chart_passes_is_accepted_by_duet(case):
+    """The rendered args parsed by the real `duet` argument parser: an unknown or misspelled flag, or a bad value,
+    fails here, not in a pod. Workers' engine flags must also make a valid EngineConfig."""
+    from duet.cli import build_parser
+    from duet.cli_common import engine_config
+    from worker.process import WorkerConfig
+
+    parser = build_parser()
+    for role in ROLES:
+        args = [_expand_env(a) for a in container(deployment(objects(case), role))["args"]]
+        assert args[0] == role
+        try:
+            parsed = parser.parse_args(args)
+        except SystemExit:
+            pytest.fail(f"duet {role} refuses the chart's args {args}", pytrace=False)
+        if role in WORKER_ROLES:
+            engine = engine_config(parsed, model_id=parsed.model_id)
+            WorkerConfig(role=role, redis_url=parsed.redis_url, engine=engine, kv_port=getattr(parsed, "kv_port", 0))
+            fraction = merged_values(case)[role]["engine"]["kvCacheMemoryFraction"]
+            assert engine.kv_cache_memory_fraction == (fraction or None)
+            assert engine.device == ("cuda" if merged_values(case)["gpu"]["enabled"] else "cpu")
+
+
+def test_no_assumed_flags_are_left_in_the_chart():
+    for path in CHART.rglob("*"):
+        if path.is_file():
+            assert "ASSUMED FLAG" not in path.read_text(), path
+
+
+# Gateway API routes as the chart writes them. kubernetes-validate carries no Gateway API CRDs, so this is a
+# structural schema of the fields used, with the constraints gateway.networking.k8s.io/v1 puts on them.
+_HOSTNAME = r"^(\*\.)?[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+_NAME = {"type": "string", "minLength": 1, "maxLength": 253}
+ROUTE_SCHEMA = {
+    "type": "object", "additionalProperties": False, "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "apiVersion": {"const": "gateway.networking.k8s.io/v1"},
+        "kind": {"enum": ["HTTPRoute", "GRPCRoute"]},
+        "metadata": {"type": "object"},
+        "spec": {"type": "object", "additionalProperties": False, "required": ["parentRefs", "rules"], "properties": {
+            "parentRefs": {"type": "array", "minItems": 1, "maxItems": 32, "items": {
+                "type": "object", "additionalProperties": False, "required": ["name"], "properties": {
+                    "group": {"type": "string"}, "kind": {"type": "string", "minLength": 1}, "name": _NAME,
+                    "namespace": {"type": "string", "minLength": 1, "maxLength": 63},
+                    "sectionName": {"type": "string", "minLength": 1, "maxLength": 253},
+                    "port": {"type": "integer", "minimum": 1, "maximum": 65535}}}},
+            "hostnames": {"type": "array", "maxItems": 16, "items": {"type": "string", "pattern": _HOSTNAME}},
+            "rules": {"type": "array", "minItems": 1, "maxItems": 16, "items": {
+                "type": "object", "additionalProperties": False, "properties": {
+                    "backendRefs": {"type": "array", "minItems": 1, "items": {
+                        "type": "object", "additionalProperties": False, "required": ["name", "port"],
+                        "properties": {"name": _NAME, "port": {"type": "integer", "minimum": 1, "maximum": 65535}}}}}}},
+        }},
+    },
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_http_api_reaches_the_service_ingress_and_routes(case):
+    import jsonschema
+
+    objs, values = objects(case), merged_values(case)
+    router = values["router"]
+    c = container(deployment(objs, "router"))
+    (service,) = find(objs, "Service", f"{RELEASE}-duet-router")
+    service_ports = {p["name"]: p for p in service["spec"]["ports"]}
+    http_args = [a for a in c["args"] if a.startswith("--http-port")]
+    if router["httpPort"]:
+        assert http_args == [f"--http-port={router['httpPort']}"]
+        assert {p["name"]: p["containerPort"] for p in c["ports"]}["http"] == router["httpPort"]
+        assert service_ports["http"]["port"] == router["httpPort"] and service_ports["http"]["targetPort"] == "http"
+    else:
+        assert not http_args and "http" not in service_ports
+    ingresses = find(objs, "Ingress")
+    assert len(ingresses) == int(router["ingress"]["enabled"])
+    for ingress in ingresses:
+        (rule,) = ingress["spec"]["rules"]
+        assert rule.get("host", "") == router["ingress"]["host"]
+        assert rule["http"]["paths"][0]["backend"]["service"] == {"name": service["metadata"]["name"],
+                                                                  "port": {"name": "http"}}
+    routes = {o["kind"]: o for o in objs if o["kind"] in ("HTTPRoute", "GRPCRoute")}
+    gateway = router["gateway"]
+    assert set(routes) == {kind for kind, key in (("HTTPRoute", "httpRoute"), ("GRPCRoute", "grpcRoute"))
+                           if gateway[key]["enabled"]}
+    for kind, route in routes.items():
+        jsonschema.Draft202012Validator(ROUTE_SCHEMA).validate(route)
+        _object_meta_validator().validate(route["metadata"])
+        assert route["spec"]["parentRefs"] == gateway["parentRefs"]
+        assert route["spec"].get("hostnames", []) == gateway["hostnames"]
+        (backend,) = route["spec"]["rules"][0]["backendRefs"]
+        port_name = {"HTTPRoute": "http", "GRPCRoute": "grpc"}[kind]
+        assert backend == {"name": service["metadata"]["name"], "port": service_ports[port_name]["port"]}
+
+
+def test_route_schema_is_not_vacuous():
+    import jsonschema
+
+    route = copy.deepcopy(find(objects("multi-node-tp"), "GRPCRoute")[0])
+    route["spec"]["rules"][0]["backendRefs"][0]["prot"] = 1
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.Draft202012Validator(ROUTE_SCHEMA).validate(route)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_topology_spread_selects_the_roles_own_pods(case):
+    objs, values = objects(case), merged_values(case)
+    deps = find(objs, "Deployment")
+    for role in ROLES:
+        dep = deployment(objs, role)
+        constraints = dep["spec"]["template"]["spec"].get("topologySpreadConstraints", [])
+        given = values[role]["topologySpreadConstraints"]
+        assert [(t["topologyKey"], t["maxSkew"], t["whenUnsatisfiable"]) for t in constraints] == \
+            [(t["topologyKey"], t["maxSkew"], t["whenUnsatisfiable"]) for t in given]
+        for t in constraints:
+            owners = [d["metadata"]["name"] for d in deps
+                      if _matches(t["labelSelector"]["matchLabels"], d["spec"]["template"]["metadata"]["labels"])]
+            assert owners == [dep["metadata"]["name"]]
+            assert t["matchLabelKeys"] == ["pod-template-hash"]
+
+
+def test_default_spreads_every_role_over_nodes_then_zones():
+    for role in ROLES:
+        constraints = deployment(objects("default"), role)["spec"]["template"]["spec"]["topologySpreadConstraints"]
+        assert [(t["topologyKey"], t["whenUnsatisfiable"]) for t in constraints] == [
+            ("kubernetes.io/hostname", "ScheduleAnyway"), ("topology.kubernetes.io/zone", "ScheduleAnyway")]
+
+
+def _mounted_secret_file(dep: dict, c: dict, path: str) -> tuple[str, str]:
+    """(Secret name, key) of the file at `path` in container `c`, through its secret volume's items."""
+    volumes = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
+    for mount in c["volumeMounts"]:
+        if path.startswith(mount["mountPath"] + "/"):
+            assert mount["readOnly"]
+            secret = volumes[mount["name"]]["secret"]
+            (key,) = [i["key"] for i in secret["items"] if i["path"] == path[len(mount["mountPath"]) + 1:]]
+            return secret["secretName"], key
+    raise AssertionError(f"{path} is in no mounted volume")
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_auth_token_and_tls_come_from_mounted_secrets(case):
+    objs, values = objects(case), merged_values(case)
+    router = values["router"]
+    dep = deployment(objs, "router")
+    c = container(dep)
+    flags = dict(a.split("=", 1) for a in c["args"] if a.startswith("--"))
+    assert "--auth-token" not in flags  # a token value would sit in the pod spec (and in argv)
+    assert not any("TOKEN" in e["name"] for e in c["env"])
+    if router["authTokenSecret"]["name"]:
+        assert _mounted_secret_file(dep, c, flags["--auth-token-file"]) == (router["authTokenSecret"]["name"],
+                                                                              router["authTokenSecret"]["key"])
+    else:
+        assert "--auth-token-file" not in flags
+    tls = router["tls"]["secretName"]
+    if tls:
+        assert _mounted_secret_file(dep, c, flags["--tls-cert"]) == (tls, "tls.crt")
+        assert _mounted_secret_file(dep, c, flags["--tls-key"]) == (tls, "tls.key")
+    else:
+        assert "--tls-cert" not in flags and "--tls-key" not in flags
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):  # kubelet's gRPC probe speaks no TLS
+        assert set(c[probe]) & {"grpc", "tcpSocket"} == {"tcpSocket" if tls else "grpc"}
+        if not tls:  # the process's health: "" is NOT_SERVING while workers are away, which requests wait out
+            assert c[probe]["grpc"]["service"] == "grpc.health.v1.Health"
+
+
 # -- lint and bad values --------------------------------------------------------------------------------------
 
 
@@ -492,6 +749,16 @@ BAD_VALUES = [
     ({"engine": {"kvTransport": "rdma"}}, "/engine/kvTransport"),
     ({"gpu": {"resourceName": "nvidia gpu"}}, "/gpu/resourceName"),
     ({"metrics": {"serviceMonitor": {"interval": "15 seconds"}}}, "/metrics/serviceMonitor/interval"),
+    ({"decode": {"engine": {"kvCacheMemoryFraction": 1.5}}}, "/decode/engine/kvCacheMemoryFraction"),
+    ({"decode": {"kvPort": 0}}, "/decode/kvPort"),
+    ({"router": {"httpPort": 70000}}, "/router/httpPort"),
+    ({"router": {"ingress": {"host": "LLM example"}}}, "/router/ingress/host"),
+    ({"router": {"gateway": {"parentRefs": [{"namespace": "gw"}]}}}, "/router/gateway/parentRefs/0"),
+    ({"router": {"gateway": {"hostnames": ["https://llm.example.com"]}}}, "/router/gateway/hostnames/0"),
+    ({"router": {"tls": {"secret": "x"}}}, "additional properties 'secret' not allowed"),
+    ({"prefill": {"topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "zone"}]}},
+     "/prefill/topologySpreadConstraints/0"),
+    ({"networkPolicy": {"metricsFrom": [{}]}}, "/networkPolicy/metricsFrom/0"),
 ]
 
 
@@ -510,6 +777,18 @@ def test_schema_rejects_bad_values(values, names):
      "prefill.autoscaling.minReplicas (5) must not exceed prefill.autoscaling.maxReplicas (2)"),
     ({"metrics": {"serviceMonitor": {"enabled": True}, "podMonitor": {"enabled": True}}},
      "metrics.serviceMonitor.enabled and metrics.podMonitor.enabled are both true"),
+    ({"decode": {"engine": {"numKvBlocks": 100, "kvCacheMemoryFraction": 0.9}}},
+     "decode.engine.numKvBlocks (100) and decode.engine.kvCacheMemoryFraction (0.9) both size the KV cache"),
+    ({"router": {"httpPort": 0, "ingress": {"enabled": True}}},
+     "router.ingress.enabled / router.gateway.httpRoute.enabled route the HTTP API, which router.httpPort 0 turns off"),
+    ({"router": {"gateway": {"grpcRoute": {"enabled": True}}}},
+     "router.gateway.httpRoute / grpcRoute need router.gateway.parentRefs"),
+    ({"metrics": {"podMonitor": {"enabled": True}}},
+     "metrics.serviceMonitor / podMonitor scrape the pods, which networkPolicy.enabled closes"),
+    ({"decode": {"tp": 4, "kvPort": 50050}},
+     "decode.port and decode.kvPort + 3 (tensor-parallel rank 3) are both 50053"),
+    ({"router": {"httpPort": 9100}}, "metrics.port and router.httpPort are both 9100"),
+    ({"decode": {"tp": 2, "kvPort": 65535}}, "decode.kvPort (65535) + decode.tp (2) - 1 exceeds 65535"),
 ])
 def test_chart_rejects_what_the_schema_cannot_express(values, message):
     helm = _helm()

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -16,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from cluster import grpc_plumbing
-from deploy.local_cluster import ClusterConfig, LocalCluster, run_up
+from deploy.local_cluster import PORT_IN_USE_EXIT_CODE, ClusterConfig, LocalCluster, run_up
+from deploy.startup_progress import StartupProgress
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,13 +30,15 @@ FAKE_COMPONENT = textwrap.dedent('''
 
     p = argparse.ArgumentParser()
     p.add_argument("role")
-    for flag in ("--host", "--redis-url", "--model", "--events", "--grandchild-pidfile"):
+    for flag in ("--host", "--redis-url", "--model", "--events", "--grandchild-pidfile", "--http-port",
+                 "--metrics-port"):
         p.add_argument(flag)
     p.add_argument("--port", type=int)
     for flag in ("--fail", "--never-serving", "--ignore-sigterm"):
         p.add_argument(flag, action="store_true")
     args = p.parse_args()
-    print("argv", sys.argv[1:], "unbuffered", os.environ.get("PYTHONUNBUFFERED"))
+    print("argv", sys.argv[1:], "unbuffered", os.environ.get("PYTHONUNBUFFERED"),
+          "auth", os.environ.get("DUET_AUTH_TOKEN"))
     if args.fail:
         print("boom: cannot load the model")
         sys.exit(3)
@@ -114,6 +118,14 @@ def test_config_is_validated():
         ClusterConfig(num_prefill=0, num_decode=0)
     with pytest.raises(ValueError, match="port=70000 is invalid"):
         ClusterConfig(port=70000)
+    with pytest.raises(ValueError, match=r"http_port=-1 is invalid: must be in \[0, 65535\]"):
+        ClusterConfig(http_port=-1)
+    with pytest.raises(ValueError, match="port=8000 and http_port=8000 are invalid: must differ"):
+        ClusterConfig(port=8000, http_port=8000)
+    with pytest.raises(ValueError, match="tls_cert=c.pem, tls_key=None are invalid: give both or neither"):
+        ClusterConfig(tls_cert=Path("c.pem"))
+    with pytest.raises(ValueError, match="tls_cert=/nonexistent/c.pem is invalid: no such file"):
+        ClusterConfig(tls_cert=Path("/nonexistent/c.pem"), tls_key=Path("/nonexistent/k.pem"))
 
 
 def test_start_serves_then_stops_in_order_without_orphans(fake_path, tmp_path):
@@ -209,18 +221,88 @@ def test_run_up_names_a_failing_component_with_its_log_tail(fake_path, monkeypat
     started = []
 
     class RecordingCluster(FakeCluster):
-        def start(self):
+        def start(self, print_fn=None):
             started.append(self)
-            return super().start()
+            return super().start(print_fn)
 
     monkeypatch.setattr("deploy.local_cluster.LocalCluster", RecordingCluster)
     printed = []
     config = ClusterConfig(num_prefill=1, num_decode=0, worker_args=["--fail"], ready_timeout_s=30)
     assert run_up(config, print_fn=printed.append) == 1
-    assert len(printed) == 1
+    assert printed[:2] == ["duet: loading the default model in prefill-0 ...", "duet: starting the router ..."]
+    assert len(printed) == 3 or (len(printed) == 4 and re.fullmatch(r"duet: router serving \(\d+\.\d s\)", printed[2]))
     assert re.match(r"(?s)duet up failed: prefill-0 exited with code 3 before reporting SERVING; prefill-0 log tail:"
-                    r".*boom: cannot load the model", printed[0])
+                    r".*boom: cannot load the model", printed[-1])
     _wait_dead([c.pid for c in started[0].components])
+
+
+def test_run_up_says_what_loads_then_prints_every_address(fake_path, monkeypatch, tmp_path):
+    """The router's HTTP and metrics ports (0: picked here) reach its command line, its bearer token its
+    environment only; one line as each component starts and one as it serves, then the ready line."""
+    monkeypatch.setattr("deploy.local_cluster.LocalCluster", FakeCluster)
+    monkeypatch.setenv("DUET_AUTH_TOKEN", "from-the-launcher-env")  # the config, not the environment, decides
+    printed = []
+
+    def print_fn(line):
+        printed.append(line)
+        if line.startswith("duet ready"):
+            threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()
+
+    config = ClusterConfig(model_dir="/models/tiny", http_port=0, metrics_port=0, auth_token="s3cret",
+                           log_dir=str(tmp_path), ready_timeout_s=30)
+    assert run_up(config, print_fn=print_fn) == 0
+    assert printed[:3] == ["duet: loading tiny in prefill-0 ...", "duet: loading tiny in decode-0 ...",
+                           "duet: starting the router ..."]
+    serving = [re.fullmatch(r"duet: (\S+) serving \(\d+\.\d s\)", line) for line in printed[3:6]]
+    assert sorted(m.group(1) for m in serving) == ["decode-0", "prefill-0", "router"]
+    ready = re.fullmatch(r"duet ready: router at 127\.0\.0\.1:\d+, OpenAI API at http://127\.0\.0\.1:(\d+)/v1, "
+                         r"metrics at http://127\.0\.0\.1:(\d+)/metrics \(1 prefill, 1 decode, redis at "
+                         r"127\.0\.0\.1:\d+\)", printed[6])
+    assert ready, printed
+    assert printed[7:] == ["duet: stopping (SIGTERM)"]
+    router_log = (tmp_path / "router.log").read_text()
+    assert f"'--http-port', '{ready.group(1)}', '--metrics-port', '{ready.group(2)}'" in router_log
+    assert "auth s3cret" in router_log and "s3cret'" not in router_log  # in its environment, not its argv
+    assert "auth None" in (tmp_path / "prefill-0.log").read_text()
+
+
+def test_startup_progress_reminds_once_per_interval_while_components_are_pending():
+    now = [100.0]
+    said = []
+    progress = StartupProgress(said.append, "tiny", clock=lambda: now[0])
+    progress.started("prefill-0")
+    progress.started("router")
+    for now[0] in (100.0, 129.9, 130.0, 131.0, 160.4):
+        progress.waiting(["prefill-0", "router"])
+    now[0] = 161.3
+    progress.serving("router")
+    progress.waiting(["prefill-0"])
+    assert said == ["duet: loading tiny in prefill-0 ...", "duet: starting the router ...",
+                    "duet: still waiting for prefill-0, router (30 s)",
+                    "duet: still waiting for prefill-0, router (60 s)",
+                    "duet: router serving (61.3 s)"]
+    StartupProgress(None, "tiny").started("router")  # silent
+
+
+@pytest.mark.parametrize("field, flag", [("port", "--port"), ("http_port", "--http-port"),
+                                         ("metrics_port", "--metrics-port")])
+def test_run_up_refuses_a_port_in_use_before_starting_anything(monkeypatch, field, flag):
+    started = []
+
+    class RecordingCluster(LocalCluster):
+        def _launch(self, *args):
+            started.append(args)
+            return super()._launch(*args)
+
+    monkeypatch.setattr("deploy.local_cluster.LocalCluster", RecordingCluster)
+    monkeypatch.setattr("deploy.local_cluster.RedisServer", lambda **kw: started.append("redis"))
+    printed = []
+    with socket.create_server(("127.0.0.1", 0)) as held:
+        port = held.getsockname()[1]
+        assert run_up(ClusterConfig(**{field: port}), print_fn=printed.append) == PORT_IN_USE_EXIT_CODE == 2
+    assert printed == [f"duet up failed: port {port} on 127.0.0.1 ({flag}) is in use: stop what listens there or "
+                       f"choose another port ({flag} 0 picks a free one)"]
+    assert started == []
 
 
 LAUNCHER = textwrap.dedent('''

@@ -1,5 +1,8 @@
-"""The checked-in gRPC stubs are exactly what proto/generate.py makes from the .proto files."""
+"""The checked-in gRPC stubs are exactly what proto/generate.py makes from the .proto files; `buf lint` is clean."""
 
+import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -36,3 +39,30 @@ def test_public_api_shape():
     fields = pb.SamplingParams.DESCRIPTOR.fields_by_name
     for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
         assert fields[name].type == fields[name].TYPE_DOUBLE, name
+
+
+def buf() -> str:
+    """The buf CLI: PyPI's buf-bin (the `test` extra) puts it next to this Python."""
+    found = shutil.which("buf", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    assert found, "buf is missing: `pip install '.[test]'` installs it (buf-bin)"
+    return found
+
+
+def test_buf_lint_is_clean():
+    """buf's STANDARD rules, less the exceptions /buf.yaml lists (each explained in its .proto file's header)."""
+    out = subprocess.run([buf(), "lint"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    config = (REPO / "buf.yaml").read_text()
+    for rule in re.findall(r"^    ([A-Z_]+):", config, flags=re.M):  # every exception is explained in a .proto
+        assert any(rule in p.read_text() for p in (REPO / "proto").rglob("*.proto")), rule
+
+
+def test_buf_lint_finds_what_it_should(tmp_path):
+    """The same configuration refuses a field that breaks the style (so the clean run above means something)."""
+    module = tmp_path / "proto" / "duet" / "v1"
+    module.mkdir(parents=True)
+    (module / "bad.proto").write_text('syntax = "proto3";\npackage duet.v1;\nmessage Bad { int32 badName = 1; }\n')
+    config = (REPO / "buf.yaml").read_text()
+    (tmp_path / "buf.yaml").write_text(config)
+    out = subprocess.run([buf(), "lint"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and 'Field name "badName" should be lower_snake_case' in out.stdout, out.stdout

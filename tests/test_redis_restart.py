@@ -119,7 +119,7 @@ def test_the_router_keeps_the_workers_it_saw_while_they_re_register_in_a_restart
         registry = WorkerRegistry.from_url(server.url)
         for info in infos:
             registry.register(info, WorkerLoad())
-        view = worker_view.WorkerView(registry, PrefixIndex(registry.client, "m"), "m", RouterMetrics())
+        view = worker_view.WorkerView(registry, PrefixIndex(registry.client, "m"), "m", RouterMetrics("m"))
         assert seen(view) == ["decode-1", "decode-2", "prefill-0"]
 
         os.kill(server.pid, signal.SIGKILL)
@@ -148,7 +148,7 @@ def test_a_worker_registered_again_at_its_address_under_a_new_id_counts_as_a_res
 
     with RedisServer() as server:
         registry = WorkerRegistry.from_url(server.url)
-        metrics = RouterMetrics()
+        metrics = RouterMetrics("m")
         view = worker_view.WorkerView(registry, PrefixIndex(registry.client, "m"), "m", metrics)
         first = [WorkerInfo("prefill-a", "prefill", "127.0.0.1:7001", "m", block_size=16, num_kv_blocks=64),
                  WorkerInfo("decode-a", "decode", "127.0.0.1:7002", "m", block_size=16, num_kv_blocks=64)]

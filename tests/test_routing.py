@@ -9,6 +9,7 @@ import urllib.request
 import grpc
 import pytest
 from cluster_helpers import wait_idle
+from prometheus_client.parser import text_string_to_metric_families
 
 from deploy.local_cluster import ClusterConfig, LocalCluster
 from deploy.redis_server import RedisServer
@@ -78,9 +79,12 @@ def test_shared_prefix_goes_to_the_worker_that_holds_it(cluster, router):
             assert second["prefill_worker"] == first["prefill_worker"]
             assert second["cached_tokens"] == 256  # predicted by the index, reported by the worker
     body = urllib.request.urlopen(f"http://127.0.0.1:{router.metrics_port}/metrics", timeout=5).read().decode()
-    assert 'duet_router_routing_decisions_total{branch="prefix"}' in body
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(body) for s in f.samples}
+    model = ("model_name", router.router.model_id)
+    assert samples[("duet_router_routing_decisions_total", (("branch", "prefix"), model))] >= 1
     assert "duet_router_prefix_lookup_seconds_bucket" in body
-    assert "duet_router_actual_cached_tokens_total 1024.0" in body
+    assert samples[("duet_router_actual_cached_tokens_total", (model,))] == 1024
     wait_idle(cluster)
 
 

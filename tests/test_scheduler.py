@@ -132,6 +132,9 @@ def test_preemption_by_recompute_keeps_output_and_frees_the_latest_request():
     (c,) = out.chunks
     assert c.request_id == "b" and c.start_position + len(c.token_ids) == 5 and c.sample
     s.check_integrity()
+    # the metrics' counters: each prompt counted once (b's recompute is not a new prompt), every kept token
+    # (a: 5, b: 2 before and 1 after its preemption), one preemption
+    assert (s.num_prompt_tokens, s.num_generation_tokens, s.num_preemptions) == (3 + 3, 5 + 3, 1)
 
 
 def test_a_list_of_tokens_is_appended_in_order_and_cut_at_a_stop():

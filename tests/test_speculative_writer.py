@@ -57,7 +57,7 @@ def live(worker_id: str) -> LiveWorker:
 
 def test_a_routing_decision_costs_one_redis_round_trip(counted):
     index = PrefixIndex(counted, MODEL)
-    metrics = RouterMetrics()
+    metrics = RouterMetrics(MODEL)
     writer = SpeculativeWriter(index)
     chooser = PrefillChooser(index, MODEL, metrics, writer)
     workers = [live("prefill-a"), live("prefill-b")]
@@ -85,7 +85,7 @@ def test_a_routing_decision_costs_one_redis_round_trip(counted):
 def test_explain_writes_nothing(counted):
     index = PrefixIndex(counted, MODEL)
     writer = SpeculativeWriter(index)
-    chooser = PrefillChooser(index, MODEL, RouterMetrics(), writer)
+    chooser = PrefillChooser(index, MODEL, RouterMetrics(MODEL), writer)
     prompt = list(range(2, 2 + 2 * BLOCK))
     try:
         chooser.choose(prompt, "", [live("prefill-a")], {}, speculate=False)
@@ -111,7 +111,7 @@ class BlockedIndex(PrefixIndex):
 
 def test_a_full_queue_drops_instead_of_blocking(counted):
     index = BlockedIndex(counted, MODEL)
-    metrics = RouterMetrics()
+    metrics = RouterMetrics(MODEL)
     writer = SpeculativeWriter(index, max_pending=2, on_drop=metrics.speculative_dropped.inc)
     try:
         assert writer.submit("w", [1])

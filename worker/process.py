@@ -54,9 +54,21 @@ class WorkerConfig:
     heartbeat_ttl_s: float = 6.0
     max_concurrent_rpcs: int = 256
     advertise_host: str | None = None  # the host others reach this worker at (default: host); e.g. the pod IP
+    # decode: the port its KV receiver listens on (tensor-parallel rank r: kv_port + r), so a NetworkPolicy can
+    # name it; 0: a free one
+    kv_port: int = 0
     metrics_port: int | None = None  # Prometheus /metrics over HTTP; None: off
     metrics_host: str | None = None  # where /metrics listens (default: host); e.g. the pod IP, or 127.0.0.1
     cluster_secret_file: Path | None = None  # the internal plane's secret (cluster/cluster_secret.py)
+
+    def __post_init__(self) -> None:
+        last_kv_port = self.kv_port + self.engine.tp_size - 1
+        if self.kv_port and not (1 <= self.kv_port and last_kv_port <= 65535):
+            raise ValueError(f"kv_port={self.kv_port} is invalid: must be 0 (a free port) or 1..65535, and with "
+                             f"tp_size={self.engine.tp_size} rank r listens on kv_port + r (last: {last_kv_port})")
+        if self.kv_port and self.role != "decode":
+            raise ValueError(f"kv_port={self.kv_port} is invalid for a {self.role} worker: only decode workers "
+                             "listen for KV transfers")
 
 
 class EngineLoop(Protocol):
@@ -101,7 +113,7 @@ class WorkerProcess:
                 self.tp_store.port, model_id=config.engine.model_id or Path(model_dir).resolve().name,
                 host=config.host, advertise_host=self.advertise_host, kv_transport=config.kv_transport,
                 kv_checksum=config.kv_checksum, layer_group_size=config.layer_group_size,
-                cluster_secret_file=config.cluster_secret_file)
+                cluster_secret_file=config.cluster_secret_file, kv_port=config.kv_port)
         self.rt: Runtime = build_runtime(model_dir, config.engine, tp_module, follower_argv)
         self.layout = KVLayout.for_caches(self.rt.model_id, self.rt.kv_caches, self.tp_size, 0)
         self.registry = WorkerRegistry.from_url(config.redis_url, ttl_s=config.heartbeat_ttl_s,
@@ -121,7 +133,7 @@ class WorkerProcess:
         self.health = grpc_plumbing.add_health_and_reflection(self.server, self.service_names)
         self.port = grpc_plumbing.bind(self.server, config.host, config.port)
         self.address = f"{self.advertise_host}:{self.port}"
-        self.metrics = WorkerMetrics(config.role, self.metric_values)
+        self.metrics = WorkerMetrics(config.role, self.rt.model_id, self.metric_values, self.cache_config_info())
         self.metrics_port: int | None = None
         self.heartbeat: Heartbeat | None = None
         self._stopped = threading.Event()
@@ -170,7 +182,18 @@ class WorkerProcess:
             "num_requests_waiting": load.num_waiting, "num_requests_running": load.num_running,
             "num_waiting_tokens": load.num_waiting_tokens, "kv_cache_usage_perc": pool.usage(),
             "prefix_cache_queries": core.num_prefix_query_tokens, "prefix_cache_hits": core.num_prefix_hit_tokens,
+            "prompt_tokens": core.num_prompt_tokens, "generation_tokens": core.num_generation_tokens,
+            "num_preemptions": core.num_preemptions,
             "kv_events_dropped": self.publisher.num_dropped, "prefix_index_resyncs": self.publisher.num_resyncs,
+        }
+
+    def cache_config_info(self) -> dict[str, str]:
+        """The KV cache's settings, under vLLM's names for `duet_cache_config_info` (num_gpu_blocks: the blocks
+        on the worker's device, whichever it is)."""
+        return {
+            "block_size": str(self.rt.block_size), "num_gpu_blocks": str(self.rt.num_kv_blocks),
+            "cache_dtype": str(self.rt.dtype).removeprefix("torch."),
+            "enable_prefix_caching": str(self.rt.config.enable_prefix_caching),
         }
 
     def start(self) -> None:

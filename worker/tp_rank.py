@@ -35,12 +35,14 @@ def follower_module(role: str) -> str:
 
 
 def follower_argv(store_port: int, *, model_id: str, host: str, advertise_host: str, kv_transport: str,
-                  kv_checksum: bool, layer_group_size: int, cluster_secret_file: Path | None = None) -> list[str]:
+                  kv_checksum: bool, layer_group_size: int, cluster_secret_file: Path | None = None,
+                  kv_port: int = 0) -> list[str]:
     """The flags rank 0 adds to each follower's command line (`run_follower` parses them). A follower also
-    inherits rank 0's environment, so $DUET_CLUSTER_SECRET reaches it as it reached rank 0."""
+    inherits rank 0's environment, so $DUET_CLUSTER_SECRET reaches it as it reached rank 0. `kv_port`: rank 0's
+    KV receiver port (a decode follower of rank r listens on kv_port + r; 0: a free one)."""
     argv = ["--store-port", str(store_port), "--model-id", model_id, "--host", host,
             "--advertise-host", advertise_host, "--kv-transport", kv_transport,
-            "--layer-group-size", str(layer_group_size)]
+            "--layer-group-size", str(layer_group_size), "--kv-port", str(kv_port)]
     if cluster_secret_file is not None:
         argv += ["--cluster-secret-file", str(cluster_secret_file)]
     return argv + (["--kv-checksum"] if kv_checksum else [])
@@ -57,6 +59,7 @@ def run_follower(argv: list[str] | None, make_hooks: MakeRankHooks) -> int:
     p.add_argument("--kv-transport", choices=["tcp", "torch"], default="tcp")
     p.add_argument("--kv-checksum", action="store_true")
     p.add_argument("--layer-group-size", type=int, default=4)
+    p.add_argument("--kv-port", type=int, default=0)
     p.add_argument("--cluster-secret-file", type=Path, default=None)
 
     def hooks(args, model, kv_caches, dtype) -> FollowerHooks:

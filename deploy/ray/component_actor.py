@@ -18,6 +18,7 @@ from pathlib import Path
 
 import ray
 
+from deploy.local_cluster import ROUTER_LIVENESS_SERVICE
 from deploy.redis_server import tail_file
 from engine.child_process import parent_death_preexec
 from engine.ports import pick_free_port
@@ -28,13 +29,13 @@ _PROJECT_ROOT = str(Path(__file__).resolve().parents[2])
 _HEALTH_RPC_TIMEOUT_S = 0.5
 
 
-def _is_serving(address: str) -> bool:
+def _is_serving(address: str, service: str) -> bool:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     with grpc.insecure_channel(address) as channel:
         try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""),
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
                                                               timeout=_HEALTH_RPC_TIMEOUT_S)
         except grpc.RpcError:
             return False
@@ -80,7 +81,9 @@ class ComponentActor:
         self._cmd, self._env = cmd, env
         self._spawn()
         deadline = time.monotonic() + ready_timeout_s
-        while not _is_serving(f"127.0.0.1:{port}"):
+        # a router's "" is NOT_SERVING while no worker of a role is up (a pool may start at 0): its process health
+        service = ROUTER_LIVENESS_SERVICE if role == "router" else ""
+        while not _is_serving(f"127.0.0.1:{port}", service):
             exited = self._exited()
             if exited or time.monotonic() > deadline:
                 code = self.stop(timeout_s=0.0)

@@ -134,31 +134,81 @@ capabilities:
   drop: [ALL]
 {{- end -}}
 
-{{/* gRPC health probes (grpc.health.v1, service ""), on the container's gRPC port.
+{{/* gRPC health probes (grpc.health.v1, the given service), on the container's gRPC port; a TCP check of it
+     when the port serves TLS (kubelet's gRPC probe speaks no TLS). The router is probed on its
+     "grpc.health.v1.Health" service, SERVING while the process is: its "" service is NOT_SERVING while no worker
+     of a role is up, and a router taken out of its Service (or restarted) then would turn a worker's restart,
+     which requests wait out, into refused connections.
      The startup probe gives model loading startupTimeoutSeconds: failureThreshold x periodSeconds >= it;
-     liveness and readiness start only after it succeeds. The port is bound only once the model is loaded. */}}
+     liveness and readiness start only after it succeeds. The port is bound only once the model is loaded.
+     include "duet.probes" (list port values tls service) */}}
 {{- define "duet.probes" -}}
 {{- $port := index . 0 -}}
 {{- $v := index . 1 -}}
+{{- $check := ternary "tcpSocket" "grpc" (index . 2) -}}
+{{- $service := index . 3 -}}
 {{- $period := int $v.probes.periodSeconds -}}
 startupProbe:
-  grpc:
+  {{ $check }}:
     port: {{ $port }}
+    {{- if and $service (eq $check "grpc") }}
+    service: {{ $service }}
+    {{- end }}
   periodSeconds: {{ $period }}
   timeoutSeconds: {{ $v.probes.timeoutSeconds }}
   failureThreshold: {{ div (add (int $v.startupTimeoutSeconds) (sub $period 1)) $period }}
 readinessProbe:
-  grpc:
+  {{ $check }}:
     port: {{ $port }}
+    {{- if and $service (eq $check "grpc") }}
+    service: {{ $service }}
+    {{- end }}
   periodSeconds: {{ $period }}
   timeoutSeconds: {{ $v.probes.timeoutSeconds }}
   failureThreshold: {{ $v.probes.readinessFailureThreshold }}
 livenessProbe:
-  grpc:
+  {{ $check }}:
     port: {{ $port }}
+    {{- if and $service (eq $check "grpc") }}
+    service: {{ $service }}
+    {{- end }}
   periodSeconds: {{ $period }}
   timeoutSeconds: {{ $v.probes.timeoutSeconds }}
   failureThreshold: {{ $v.probes.livenessFailureThreshold }}
+{{- end -}}
+
+{{/* A role's topologySpreadConstraints, each given this role's pods as its labelSelector and the rollout's
+     pod-template-hash as matchLabelKeys where the entry names none (so old and new pods of a rolling update are
+     not counted together). include "duet.topologySpread" (list $ role values) */}}
+{{- define "duet.topologySpread" -}}
+{{- $root := index . 0 -}}
+{{- $role := index . 1 -}}
+{{- $v := index . 2 -}}
+{{- $out := list -}}
+{{- range $v.topologySpreadConstraints -}}
+{{- $c := deepCopy . -}}
+{{- if not (hasKey $c "labelSelector") -}}
+{{- $_ := set $c "labelSelector" (dict "matchLabels" (include "duet.selectorLabels" (list $root $role) | fromYaml)) -}}
+{{- end -}}
+{{- if not (hasKey $c "matchLabelKeys") -}}
+{{- $_ := set $c "matchLabelKeys" (list "pod-template-hash") -}}
+{{- end -}}
+{{- $out = append $out $c -}}
+{{- end -}}
+{{- with $out -}}
+topologySpreadConstraints:
+  {{- toYaml . | nindent 2 }}
+{{- end -}}
+{{- end -}}
+
+{{/* The ports a decode worker's KV receivers listen on: kvPort + rank for each tensor-parallel rank. */}}
+{{- define "duet.kvPorts" -}}
+{{- $v := .Values.decode -}}
+{{- range $rank := until (int $v.tp) }}
+- name: {{ ternary "kv" (printf "kv-rank%d" $rank) (eq $rank 0) }}
+  containerPort: {{ add (int $v.kvPort) $rank }}
+  protocol: TCP
+{{- end -}}
 {{- end -}}
 
 {{/* Metric names behind the autoscaling choices (the workers' Prometheus names). */}}

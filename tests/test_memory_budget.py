@@ -1,0 +1,79 @@
+"""The KV cache sized from a fraction of the device's memory (--kv-cache-memory-fraction, vLLM's
+gpu_memory_utilization): the budget arithmetic exactly, the weights counted as the model holds them, and a real
+runtime whose block count follows the fraction."""
+
+import argparse
+
+import pytest
+import torch
+
+from duet.cli_common import add_engine_args, engine_config
+from engine.config import ModelConfig
+from engine.engine_config import EngineConfig
+from engine.errors import ModelLoadError
+from engine.kv_cache_manager import cdiv
+from engine.memory_budget import DeviceMemory, device_memory, kv_cache_budget_bytes, weight_bytes
+from engine.runtime import build_runtime
+
+GIB = 1024**3
+
+
+def test_budget_is_the_fraction_less_what_is_in_use_and_the_weights():
+    assert kv_cache_budget_bytes(0.5, DeviceMemory(8 * GIB, 1 * GIB), 1 * GIB) == 2 * GIB
+    assert kv_cache_budget_bytes(0.9, DeviceMemory(80 * GIB, 0), 16 * GIB) == int(0.9 * 80 * GIB) - 16 * GIB
+    assert kv_cache_budget_bytes(1, DeviceMemory(100, 10), 89) == 1
+
+
+def test_a_fraction_that_leaves_nothing_says_where_the_memory_went():
+    with pytest.raises(ValueError, match=r"kv_cache_memory_fraction=0.25 leaves no room for the KV cache: 0.25 x "
+                                         r"8.00 GiB = 2.00 GiB, of which 1.00 GiB is in use and the weights take "
+                                         r"1.00 GiB"):
+        kv_cache_budget_bytes(0.25, DeviceMemory(8 * GIB, 1 * GIB), 1 * GIB)
+
+
+def parse(argv):
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    return engine_config(p.parse_args(argv))
+
+
+def test_the_flag_sets_the_fraction_and_refuses_bad_values():
+    assert parse(["--kv-cache-memory-fraction", "0.85"]) == EngineConfig(kv_cache_memory_fraction=0.85)
+    for bad in ("0", "1.5", "-0.1"):
+        with pytest.raises(ValueError, match=rf"kv_cache_memory_fraction={float(bad)!r} is invalid: must be in "
+                                             r"\(0, 1\]"):
+            parse(["--kv-cache-memory-fraction", bad])
+    with pytest.raises(ValueError, match="num_kv_blocks=8 and kv_cache_memory_fraction=0.5 both size the KV cache"):
+        parse(["--kv-cache-memory-fraction", "0.5", "--num-kv-blocks", "8"])
+
+
+def test_weights_are_counted_as_the_model_holds_them(tiny_llama_dir):
+    rt = build_runtime(tiny_llama_dir, EngineConfig(num_kv_blocks=4, dtype="float32"))
+    held = sum(p.numel() * p.element_size() for p in rt.model.parameters())
+    assert weight_bytes(ModelConfig.from_path(tiny_llama_dir), torch.float32) == held
+    assert weight_bytes(ModelConfig.from_path(tiny_llama_dir), torch.bfloat16) == held // 2
+
+
+def test_cpu_memory_is_the_container_limit_or_ram():
+    memory = device_memory(torch.device("cpu"))
+    assert 0 < memory.used_bytes < memory.total_bytes  # this process's resident memory, inside the total
+
+
+def test_runtime_sizes_the_cache_from_the_fraction(tiny_llama_dir):
+    model_config = ModelConfig.from_path(tiny_llama_dir)
+    weights = weight_bytes(model_config, torch.float32)
+    block_size = 256
+    block_bytes = 2 * model_config.num_layers * block_size * model_config.num_kv_heads * model_config.head_dim * 4
+    target_blocks = 3000  # 384 MiB, far below the cap (max_num_seqs x blocks per sequence): the fraction decides
+    memory = device_memory(torch.device("cpu"))
+    fraction = (memory.used_bytes + weights + target_blocks * block_bytes) / memory.total_bytes
+    config = EngineConfig(dtype="float32", block_size=block_size, kv_cache_memory_fraction=fraction,
+                          max_num_seqs=4096)
+    assert config.max_num_seqs * cdiv(model_config.max_position_embeddings, block_size) > 2 * target_blocks
+    rt = build_runtime(tiny_llama_dir, config)
+    # resident memory moves a little between the measurement above and the one inside build_runtime
+    slack_blocks = 32 * 1024**2 // block_bytes  # 256 blocks
+    assert abs(rt.num_kv_blocks - target_blocks) <= slack_blocks, (rt.num_kv_blocks, target_blocks, slack_blocks)
+    assert rt.block_pool.num_free_blocks == rt.num_kv_blocks
+    with pytest.raises(ModelLoadError, match=r"kv_cache_memory_fraction=1e-06 leaves no room for the KV cache"):
+        build_runtime(tiny_llama_dir, EngineConfig(dtype="float32", kv_cache_memory_fraction=1e-6))

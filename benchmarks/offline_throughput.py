@@ -199,19 +199,21 @@ class DuetSession:
                        num_threads=cfg.threads, max_num_batched_tokens=cfg.max_num_batched_tokens)
         self.startup_s = time.perf_counter() - t0
         self.params = SamplingParams(max_tokens=cfg.output_len, ignore_eos=True, temperature=0)
-        [check] = self.llm.generate([check_prompt(cfg.seed, cfg.prompt_len, vocab)], self.params)
-        self.check_token_ids = list(check.token_ids)
+        [check] = self.llm.generate([check_prompt(cfg.seed, cfg.prompt_len, vocab)], self.params, use_tqdm=False)
+        self.check_token_ids = list(check.outputs[0].token_ids)
         self._timed(warmup_prompts(cfg.seed, cfg.batches, cfg.prompt_len, vocab))
 
     def _timed(self, prompts: list[list[int]]) -> tuple[float, float]:
         """(whole call, decode after the first token) seconds; checks every prompt got output_len tokens."""
         first_s = None
         counts = []
+        num_tokens: dict[str, int] = {}
         t0 = time.perf_counter()
-        for out in self.llm.generate_stream(prompts, self.params):
+        for out in self.llm.generate_stream(prompts, self.params):  # deltas
             first_s = first_s or time.perf_counter()
+            num_tokens[out.request_id] = num_tokens.get(out.request_id, 0) + len(out.outputs[0].token_ids)
             if out.finished:
-                counts.append(len(out.token_ids))
+                counts.append(num_tokens[out.request_id])
         end_s = time.perf_counter()
         want = self.cfg.output_len
         assert counts == [want] * len(prompts), f"duet generated {counts}, expected {want} each"

@@ -108,11 +108,11 @@ def main(argv: list[str] | None = None) -> None:
     llm = LLM(model_dir, dtype=args.dtype, max_num_seqs=max(args.batch, 1), num_threads=args.threads)
     vocab = llm.engine.model_config.vocab_size
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0)
-    llm.generate(warmup_prompts(args.seed, [args.batch], args.prompt_len, vocab), params)
+    llm.generate(warmup_prompts(args.seed, [args.batch], args.prompt_len, vocab), params, use_tqdm=False)
 
     instrument()
     t0 = time.perf_counter()
-    llm.generate(make_prompts(args.seed, args.batch, 0, args.prompt_len, vocab), params)
+    llm.generate(make_prompts(args.seed, args.batch, 0, args.prompt_len, vocab), params, use_tqdm=False)
     total_s = time.perf_counter() - t0
     print(f"\n== phases: batch={args.batch} {args.batch * args.output_len / total_s:.1f} output tokens/s")
     print(phase_table(total_s))
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     if not args.no_cprofile:
         profiler = cProfile.Profile()
         profiler.enable()
-        llm.generate(make_prompts(args.seed, args.batch, 1, args.prompt_len, vocab), params)
+        llm.generate(make_prompts(args.seed, args.batch, 1, args.prompt_len, vocab), params, use_tqdm=False)
         profiler.disable()
         out = io.StringIO()
         pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(args.top)
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.torch_profiler:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            llm.generate(make_prompts(args.seed, args.batch, 2, args.prompt_len, vocab), params)
+            llm.generate(make_prompts(args.seed, args.batch, 2, args.prompt_len, vocab), params, use_tqdm=False)
         print("\n== torch ops, by self CPU time")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
 

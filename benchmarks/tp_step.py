@@ -38,9 +38,9 @@ def step_ms(llm: LLM, batch: int, prompt_len: int, decode_steps: int, seed: int,
     one = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0)
     many = SamplingParams(max_tokens=1 + decode_steps, ignore_eos=True, temperature=0)
     t0 = time.perf_counter()
-    llm.generate(make_prompts(seed, batch, 2 * repeat, prompt_len, vocab), one)
+    llm.generate(make_prompts(seed, batch, 2 * repeat, prompt_len, vocab), one, use_tqdm=False)
     t1 = time.perf_counter()
-    llm.generate(make_prompts(seed, batch, 2 * repeat + 1, prompt_len, vocab), many)
+    llm.generate(make_prompts(seed, batch, 2 * repeat + 1, prompt_len, vocab), many, use_tqdm=False)
     t2 = time.perf_counter()
     return 1000 * ((t2 - t1) - (t1 - t0)) / decode_steps
 

@@ -64,8 +64,9 @@ def main(argv: list[str] | None = None) -> None:
     def prompt(n: int) -> list[int]:
         return torch.randint(3, vocab, (n,), generator=g).tolist()
 
-    llm.generate([prompt(32)], params)  # warm-up
-    offline = {n: [llm.generate([prompt(n)], params)[0].ttft_s for _ in range(args.repeats)] for n in lens}
+    llm.generate([prompt(32)], params, use_tqdm=False)  # warm-up
+    offline = {n: [llm.generate([prompt(n)], params, use_tqdm=False)[0].ttft_s for _ in range(args.repeats)]
+               for n in lens}
     del llm
 
     config = ClusterConfig(model_dir=str(model_dir), worker_args=engine_args + ["--kv-transport", args.transport])

@@ -54,27 +54,31 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return 2
     params = sampling_params(args)
     with LLM(args.model, **dataclasses.asdict(engine_config(args))) as llm:
-        outputs = llm.generate(prompts, params)
+        outputs = llm.generate(prompts, params, use_tqdm=sys.stderr.isatty())  # a bar for people, not for pipes
     for prompt, out in zip(prompts, outputs):
-        if args.json:
-            record = {
-                "prompt": prompt if isinstance(prompt, str) else None,
-                "prompt_token_ids": out.prompt_token_ids,
-                "token_ids": out.token_ids,
-                "text": out.text,
-                "finish_reason": out.finish_reason,
-                "stop_reason": out.stop_reason,
-                "num_cached_tokens": out.num_cached_tokens,
-            }
-            if out.logprobs is not None:
-                record["logprobs"] = [
-                    {"token_id": lp.token_id, "logprob": lp.logprob, "rank": lp.rank, "top": lp.top}
-                    for lp in out.logprobs
-                ]
-            print(json.dumps(record, ensure_ascii=False))
-        else:
-            shown = prompt if isinstance(prompt, str) else f"<ids {','.join(map(str, prompt))}>"
-            print(f"--- {shown!r} -> [{out.finish_reason}] {out.text!r}")
+        for sample in out.outputs:
+            if args.json:
+                record = {
+                    "prompt": out.prompt,
+                    "prompt_token_ids": out.prompt_token_ids,
+                    "index": sample.index,
+                    "token_ids": sample.token_ids,
+                    "text": sample.text,
+                    "finish_reason": sample.finish_reason,
+                    "stop_reason": sample.stop_reason,
+                    "num_cached_tokens": sample.num_cached_tokens,
+                }
+                if sample.logprobs is not None:
+                    record["cumulative_logprob"] = sample.cumulative_logprob
+                    record["logprobs"] = [  # per token: the sampled token, then the top-k (JSON keys are strings)
+                        [{"token_id": token_id, "logprob": lp.logprob, "rank": lp.rank,
+                          "decoded_token": lp.decoded_token} for token_id, lp in position.items()]
+                        for position in sample.logprobs
+                    ]
+                print(json.dumps(record, ensure_ascii=False))
+            else:
+                shown = prompt if isinstance(prompt, str) else f"<ids {','.join(map(str, prompt))}>"
+                print(f"--- {shown!r} -> [{sample.finish_reason}] {sample.text!r}")
     return 0
 
 

@@ -94,8 +94,9 @@ class OfflineChat:
         prompt_ids = self.llm.tokenizer.apply_chat_template_ids(messages, add_generation_prompt=True)
         stream = self.llm.generate_stream(prompt_ids, self.params)
         try:
-            for out in stream:  # one output per engine step: Ctrl-C is seen between steps
-                yield out.new_text
+            for out in stream:  # one delta per engine step: Ctrl-C is seen between steps
+                for sample in out.outputs:
+                    yield sample.text
         except InvalidRequestError as e:
             raise TurnRefusedError(str(e)) from None
         finally:

@@ -2,6 +2,7 @@
 
     from engine import LLM, SamplingParams
     outputs = LLM(model_dir).generate(["Hello"], SamplingParams(max_tokens=32, temperature=0))
+    print(outputs[0].outputs[0].text)
 
 Names load lazily so that light users (the router hashes and tokenizes) do not import torch.
 """
@@ -18,6 +19,10 @@ _EXPORTS = {
     "SamplingParams": "engine.sampling_params",
     "StructuredOutput": "engine.structured_output",
     "RequestOutput": "engine.outputs",
+    "CompletionOutput": "engine.outputs",
+    "Logprob": "engine.logprob",
+    "TextPrompt": "engine.prompt",
+    "TokensPrompt": "engine.prompt",
     "InvalidRequestError": "engine.errors",
     "ModelLoadError": "engine.errors",
 }

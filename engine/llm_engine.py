@@ -2,7 +2,9 @@
 
 Contract: `add_request` either raises `InvalidRequestError` without touching any shared state, or
 admits the request; so a bad request never disturbs the others. `step` runs one iteration of the
-`EngineCore` and returns a `RequestOutput` for every request that gained tokens or finished in it.
+`EngineCore` and returns a `RequestOutput` (engine/outputs.py) for every request one of whose samples
+gained tokens or finished in it, holding every sample's state so far. A request with `n` samples runs as
+n engine requests (engine/parallel_sampling.py); its id and `abort_request` stand for all n.
 """
 
 from __future__ import annotations
@@ -16,27 +18,30 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.engine_core import EngineCore, NewTokens
 from engine.errors import InvalidRequestError
+from engine.logprob import SampleLogprobs, position_logprobs
 from engine.model_runner import ModelRunner
-from engine.outputs import RequestOutput
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.parallel_sampling import ParentRequest, child_params, child_request_id
+from engine.prompt import Prompt, parse_prompt
 from engine.request import Request, RequestStatus
 from engine.runtime import build_runtime
-from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.validation import check_request
 
 log = logging.getLogger("duet.engine")
 
-Prompt = str | list[int]
-
 
 class _Tracked:
-    """Engine-side state of one live request: its detokenizer and output bookkeeping."""
+    """Engine-side state of one live sample: its detokenizer and output bookkeeping."""
 
-    def __init__(self, request: Request, detokenizer: IncrementalDetokenizer):
+    def __init__(self, request: Request, parent: ParentRequest, index: int, detokenizer: IncrementalDetokenizer):
         self.request = request
+        self.parent = parent
+        self.index = index
         self.detokenizer = detokenizer
-        self.logprobs: list[TokenLogprobs] | None = [] if request.sampling_params.logprobs is not None else None
-        self.first_token_time_s: float | None = None
+        wants_logprobs = request.sampling_params.logprobs is not None
+        self.logprobs: SampleLogprobs | None = [] if wants_logprobs else None
+        self.cumulative_logprob: float | None = 0.0 if wants_logprobs else None
 
 
 class LLMEngine:
@@ -56,7 +61,8 @@ class LLMEngine:
         self.kv_cache = rt.kv_cache
         self.core = EngineCore.from_runtime(rt)
         self.scheduler = rt.scheduler  # for statistics (num_preemptions, num_running): steps go through `core`
-        self._tracked: dict[str, _Tracked] = {}
+        self._tracked: dict[str, _Tracked] = {}  # by engine request id (one per sample)
+        self._parents: dict[str, ParentRequest] = {}  # by the caller's request id
         self._ids = itertools.count()
 
     @property
@@ -67,17 +73,14 @@ class LLMEngine:
 
     def make_request(
         self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None, cache_salt: str = ""
-    ) -> Request:
-        """Validate and tokenize; raises `InvalidRequestError` naming the field. Touches no engine state."""
+    ) -> ParentRequest:
+        """Validate and tokenize a prompt in any form engine/prompt.py accepts; raises `InvalidRequestError`
+        naming the field. Touches no engine state: `add` admits the result."""
         params = params or SamplingParams()
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt", prompt, "must be a non-empty string or list of token ids")
-            token_ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)):
-            token_ids = list(prompt)
-        else:
-            raise InvalidRequestError("prompt", prompt, "must be a string or a list of token ids")
+        parsed = parse_prompt(prompt)
+        if parsed.cache_salt and cache_salt and parsed.cache_salt != cache_salt:
+            raise InvalidRequestError("cache_salt", parsed.cache_salt, f"differs from cache_salt={cache_salt!r}")
+        token_ids = parsed.token_ids if parsed.token_ids is not None else self.tokenizer.encode(parsed.text)
         check_request(
             token_ids, params, vocab_size=self.model_config.vocab_size, max_model_len=self.max_model_len,
             max_logprobs=self.config.max_logprobs,
@@ -86,62 +89,83 @@ class LLMEngine:
             self.core.grammar_compiler.prepare(params.structured_output)
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
-        elif request_id in self._tracked:
-            raise InvalidRequestError("request_id", request_id, "must not be the id of a live request")
-        return Request(
-            request_id=request_id,
-            prompt_token_ids=token_ids,
-            sampling_params=params,
-            eos_token_ids=self.tokenizer.eos_token_ids,
-            cache_salt=cache_salt,
-        )
+        child_ids = [child_request_id(request_id, i, params.n) for i in range(params.n)]
+        for rid in (request_id, *child_ids):
+            if rid in self._parents or rid in self._tracked:
+                raise InvalidRequestError("request_id", rid, "must not be the id of a live request")
+        children = [
+            Request(request_id=rid, prompt_token_ids=token_ids, sampling_params=child_params(params, i),
+                    eos_token_ids=self.tokenizer.eos_token_ids, cache_salt=parsed.cache_salt or cache_salt)
+            for i, rid in enumerate(child_ids)
+        ]
+        # a sibling can take the prompt's full blocks from the cache if there is one before the last token
+        share = params.n > 1 and self.config.enable_prefix_caching and len(token_ids) > self.block_size
+        return ParentRequest(request_id, parsed.text, children, share_prefill=share)
 
     def add_request(
         self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None, cache_salt: str = ""
     ) -> str:
         return self.add(self.make_request(prompt, params, request_id, cache_salt))
 
-    def add(self, request: Request) -> str:
-        """Admit a request made by `make_request`."""
-        detokenizer = IncrementalDetokenizer.for_request(self.tokenizer, request.prompt_token_ids,
-                                                         request.sampling_params)
-        self.core.add_request(request)
-        self._tracked[request.request_id] = _Tracked(request, detokenizer)
-        return request.request_id
+    def add(self, parent: ParentRequest) -> str:
+        """Admit a request made by `make_request`; its id."""
+        self._parents[parent.request_id] = parent
+        self._admit(parent, parent.admit_first())
+        return parent.request_id
+
+    def _admit(self, parent: ParentRequest, indexes: range) -> None:
+        for index in indexes:
+            request = parent.children[index]
+            detokenizer = IncrementalDetokenizer.for_request(self.tokenizer, request.prompt_token_ids,
+                                                             request.sampling_params)
+            self.core.add_request(request)
+            self._tracked[request.request_id] = _Tracked(request, parent, index, detokenizer)
 
     def abort_request(self, request_id: str) -> bool:
-        """End a request now and free its blocks; False if it is not live."""
-        if self._tracked.pop(request_id, None) is None:
+        """End a request (all its samples) now and free its blocks; False if it is not live."""
+        parent = self._parents.pop(request_id, None)
+        if parent is None:
             return False
-        self.core.abort(request_id)
+        for request in parent.children[: parent.num_admitted]:
+            if self._tracked.pop(request.request_id, None) is not None:
+                self.core.abort(request.request_id)
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._tracked)
+        return bool(self._parents)
 
     # -- one iteration ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         new_tokens = self.core.step()
         now = time.monotonic()
-        outputs = [self._take(self._tracked[new.request_id], new, now) for new in new_tokens]
-        if not self._tracked:
+        changed: dict[str, ParentRequest] = {}
+        for new in new_tokens:
+            tracked = self._tracked[new.request_id]
+            tracked.parent.update(self._take(tracked, new), now)
+            changed[tracked.parent.request_id] = tracked.parent
+        outputs = []
+        for parent in changed.values():
+            if parent.ready_for_rest():
+                self._admit(parent, parent.admit_rest())
+            if parent.finished:
+                del self._parents[parent.request_id]
+            outputs.append(parent.request_output())
+        if not self._parents:
             self._check_idle()
         return outputs
 
-    def _take(self, tracked: _Tracked, new: NewTokens, now: float) -> RequestOutput:
-        """Detokenize a request's new tokens one by one; a stop string found at token k ends the request
+    def _take(self, tracked: _Tracked, new: NewTokens) -> CompletionOutput:
+        """Detokenize a sample's new tokens one by one; a stop string found at token k ends the sample
         there (tokens after k are dropped from its output)."""
         request = tracked.request
-        if tracked.first_token_time_s is None:
-            tracked.first_token_time_s = now
         detok = tracked.detokenizer
-        delta = ""
         num_kept = len(new.token_ids)
         for k, token_id in enumerate(new.token_ids):
             if tracked.logprobs is not None:
-                tracked.logprobs.append(new.logprobs[k])
-            delta += detok.add_token(token_id)
+                tracked.logprobs.append(position_logprobs(new.logprobs[k], self._token_text))
+                tracked.cumulative_logprob += new.logprobs[k].logprob
+            detok.add_token(token_id)
             if detok.stop_matched is not None:
                 num_kept = k + 1
                 if not request.status.finished:
@@ -151,13 +175,25 @@ class LLMEngine:
                 break
         else:
             if request.status.finished:
-                delta += detok.flush()
+                detok.flush()
         num_dropped = len(new.token_ids) - num_kept
-        token_ids = request.output_token_ids[: len(request.output_token_ids) - num_dropped]
-        output = self._output(tracked, token_ids, new.token_ids[:num_kept], delta, now, new.error)
         if request.status.finished:
             del self._tracked[request.request_id]
-        return output
+        return CompletionOutput(
+            index=tracked.index,
+            text=detok.text,
+            token_ids=request.output_token_ids[: len(request.output_token_ids) - num_dropped],
+            cumulative_logprob=tracked.cumulative_logprob,
+            logprobs=list(tracked.logprobs) if tracked.logprobs is not None else None,
+            finish_reason=request.status.finish_reason,
+            stop_reason=request.stop_reason,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            error=new.error,
+        )
+
+    def _token_text(self, token_id: int) -> str:
+        """A token's text alone, as vLLM decodes a logprob's token (special tokens kept)."""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def _check_idle(self) -> None:
         """Idle: every block must be back in the pool (the O(1) part of `check_integrity`)."""
@@ -167,27 +203,6 @@ class LLMEngine:
                 f"idle engine holds {pool.num_blocks - pool.num_free_blocks} blocks "
                 f"and {self.core.num_requests} requests: a leak"
             )
-
-    def _output(self, tracked: _Tracked, token_ids: list[int], new_token_ids: list[int], new_text: str,
-                now: float, error: str | None = None) -> RequestOutput:
-        request = tracked.request
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt_token_ids=request.prompt_token_ids,
-            token_ids=token_ids,
-            text=tracked.detokenizer.text,
-            new_token_ids=new_token_ids,
-            new_text=new_text,
-            finished=request.status.finished,
-            finish_reason=request.status.finish_reason,
-            stop_reason=request.stop_reason,
-            logprobs=list(tracked.logprobs) if tracked.logprobs is not None else None,
-            num_cached_tokens=max(request.num_cached_tokens, 0),
-            arrival_time_s=request.arrival_time_s,
-            first_token_time_s=tracked.first_token_time_s,
-            finished_time_s=now if request.status.finished else None,
-            error=error,
-        )
 
     def close(self) -> None:
         """Release what outlives a call: the tensor-parallel follower processes (no-op at tp_size 1)."""

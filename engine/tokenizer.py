@@ -234,6 +234,10 @@ class Tokenizer:
         """The vocabulary entries of `ids` (byte-level symbols, not text); None for an id outside the vocab."""
         return [self._backend.id_to_token(int(token_id)) for token_id in ids]
 
+    def token_to_id(self, token: str) -> int | None:
+        """The id of a vocabulary entry (e.g. a special token's text); None if there is none."""
+        return self._backend.token_to_id(token)
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs) -> str:
         """Render `messages` the way `transformers` `apply_chat_template(..., tokenize=False)` does.
 

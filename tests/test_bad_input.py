@@ -71,7 +71,7 @@ def test_engine_level_checks(llm):
 
 def test_a_bad_request_never_breaks_the_others(llm):
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    expected = [o.token_ids for o in llm.generate([[3, 4, 5], [6, 7, 8, 9]], params)]
+    expected = [o.outputs[0].token_ids for o in llm.generate([[3, 4, 5], [6, 7, 8, 9]], params)]
     engine = llm.engine
     a = engine.add_request([3, 4, 5], params)
     engine.step()
@@ -84,7 +84,7 @@ def test_a_bad_request_never_breaks_the_others(llm):
     tokens = {a: [], b: []}
     while engine.has_unfinished_requests():
         for out in engine.step():
-            tokens[out.request_id] = out.token_ids
+            tokens[out.request_id] = out.outputs[0].token_ids
     assert [tokens[a], tokens[b]] == expected
     engine.check_integrity()
 

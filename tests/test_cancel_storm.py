@@ -187,7 +187,7 @@ def undisturbed(offline: LLM, reqs: list[StormRequest], lengths: list[int]) -> l
     """The first `lengths[i]` tokens an undisturbed run gives request i (ignore_eos: a shorter max_tokens
     changes nothing before it, so only what the storm received is computed)."""
     params = [dataclasses.replace(r.params, max_tokens=n) for r, n in zip(reqs, lengths)]
-    return [o.token_ids for o in offline.generate([r.prompt for r in reqs], params)]
+    return [o.outputs[0].token_ids for o in offline.generate([r.prompt for r in reqs], params)]
 
 
 def router_counters(cluster, name: str) -> dict[str, float]:
@@ -230,7 +230,7 @@ def test_a_storm_of_cancels_and_deadlines_leaves_every_worker_idle_and_intact(cl
             assert len(outcomes[req.request_id].token_ids) == req.params.max_tokens, req.request_id
     http_done = [r for r in requests if r.kind == "http_complete"]
     for req, ref in zip(http_done, offline.generate([r.prompt for r in http_done], [r.params for r in http_done])):
-        assert outcomes[req.request_id].text == ref.text, req.request_id
+        assert outcomes[req.request_id].text == ref.outputs[0].text, req.request_id
 
     # nothing is left behind: zero blocks in use, zero reservations, integrity intact, on every worker
     stats = wait_idle(cluster, timeout_s=20.0)
@@ -249,5 +249,5 @@ def test_a_storm_of_cancels_and_deadlines_leaves_every_worker_idle_and_intact(cl
                    SamplingParams(max_tokens=40, temperature=0.9, top_p=0.95, seed=7, ignore_eos=True)):
         with Client(cluster.router_address) as client:
             record = stream_to_record(client.generate(prompt, params, timeout_s=60))
-        assert record["token_ids"] == offline.generate([prompt], params)[0].token_ids
+        assert record["token_ids"] == offline.generate([prompt], params)[0].outputs[0].token_ids
     wait_idle(cluster, timeout_s=10.0)

@@ -47,9 +47,9 @@ def offline(tiny_llama_dir):
 @pytest.fixture(scope="module")
 def expected(offline):
     """Greedy answers for: FIRST; SECOND after FIRST's exchange; SECOND alone (what /reset must give)."""
-    first = offline.chat([user(FIRST)], PARAMS)[0].text
-    second = offline.chat([user(FIRST), assistant(first), user(SECOND)], PARAMS)[0].text
-    fresh = offline.chat([user(SECOND)], PARAMS)[0].text
+    first = offline.chat([user(FIRST)], PARAMS)[0].outputs[0].text
+    second = offline.chat([user(FIRST), assistant(first), user(SECOND)], PARAMS)[0].outputs[0].text
+    fresh = offline.chat([user(SECOND)], PARAMS)[0].outputs[0].text
     assert second != fresh, "the history must change the answer, or this test could not see it kept"
     return first, second, fresh
 
@@ -68,8 +68,8 @@ def test_offline_chat_keeps_history_and_reset_clears_it(tiny_llama_dir, expected
 
 def test_system_message_starts_every_conversation_and_survives_reset(tiny_llama_dir, offline):
     system = {"role": "system", "content": "You are terse."}
-    answer = offline.chat([system, user(FIRST)], PARAMS)[0].text
-    assert answer != offline.chat([user(FIRST)], PARAMS)[0].text
+    answer = offline.chat([system, user(FIRST)], PARAMS)[0].outputs[0].text
+    assert answer != offline.chat([user(FIRST)], PARAMS)[0].outputs[0].text
     r = chat("--model", tiny_llama_dir, *CHAT_FLAGS, "--system", "You are terse.", stdin=f"{FIRST}\n/reset\n{FIRST}\n")
     assert r.returncode == 0, r.stderr
     assert r.stdout == f"{answer}\n{answer}\n"
@@ -127,8 +127,8 @@ def assert_interrupted(stdout: str, stderr: str, rc: int, full: str, fresh: str)
 
 
 def test_ctrl_c_stops_the_answer_and_drops_the_turn(tiny_llama_dir, offline):
-    full = offline.chat([user(FIRST)], LONG_PARAMS)[0].text
-    fresh = offline.chat([user(SECOND)], LONG_PARAMS)[0].text  # the stopped turn is not in the history
+    full = offline.chat([user(FIRST)], LONG_PARAMS)[0].outputs[0].text
+    fresh = offline.chat([user(SECOND)], LONG_PARAMS)[0].outputs[0].text  # the stopped turn is not in the history
     stdout, stderr, rc = interrupted_session(["--model", tiny_llama_dir, *LONG_FLAGS], FIRST, SECOND)
     assert_interrupted(stdout, stderr, rc, full, fresh)
 
@@ -180,8 +180,8 @@ def test_remote_chat_gives_the_offline_answers(cluster, expected):
 
 
 def test_remote_ctrl_c_cancels_the_request_on_every_worker(cluster, offline):
-    full = offline.chat([user(FIRST)], LONG_PARAMS)[0].text
-    fresh = offline.chat([user(SECOND)], LONG_PARAMS)[0].text
+    full = offline.chat([user(FIRST)], LONG_PARAMS)[0].outputs[0].text
+    fresh = offline.chat([user(SECOND)], LONG_PARAMS)[0].outputs[0].text
     stdout, stderr, rc = interrupted_session([*remote(cluster), *LONG_FLAGS], FIRST, SECOND)
     assert_interrupted(stdout, stderr, rc, full, fresh)
     wait_idle(cluster)  # the cancelled request left no block, request or reservation behind

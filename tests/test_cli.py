@@ -41,7 +41,9 @@ def test_generate_json_batch_matches_the_python_api(qwen_dir):
     expected = LLM(qwen_dir).generate(["hello world", [5, 6, 7]], SamplingParams(max_tokens=9, temperature=0,
                                                                                  ignore_eos=True))
     for line, out in zip(lines, expected):
-        assert (line["token_ids"], line["text"], line["finish_reason"]) == (out.token_ids, out.text, "length")
+        sample = out.outputs[0]
+        assert (line["token_ids"], line["text"], line["finish_reason"]) == (sample.token_ids, sample.text, "length")
+        assert line["index"] == 0 and line["prompt"] == out.prompt
     assert lines[1]["prompt_token_ids"] == [5, 6, 7]
 
 

@@ -113,7 +113,7 @@ def test_up_with_every_router_option_then_clients_then_sigterm_leaves_nothing_be
                               "--ignore-eos", "--json"], capture_output=True, text=True, timeout=60, check=True)
         record = json.loads(out.stdout)
         ref = LLM(tiny_llama_dir, num_kv_blocks=128).generate(
-            [[5, 6, 7, 8]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
+            [[5, 6, 7, 8]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0].outputs[0]
         assert record["token_ids"] == ref.token_ids and record["text"] == ref.text
         assert record["finish_reason"] == "length" and record["cached_tokens"] == 0
         text = subprocess.run([*client, "--auth-token", token, "--prompt", "Hi there", "--max-tokens", "3"],
@@ -153,7 +153,7 @@ def test_up_restarts_a_killed_worker_and_keeps_serving(tiny_llama_dir, tmp_path)
     up, address = started.popen, started.address
     kids = children_of(up.pid)
     ref = LLM(tiny_llama_dir, num_kv_blocks=128).generate(
-        [[5, 6, 7, 8]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
+        [[5, 6, 7, 8]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0].outputs[0]
     lines: list[str] = []
     try:
         for role in ("prefill", "decode"):

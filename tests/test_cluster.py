@@ -58,15 +58,19 @@ def test_greedy_matches_offline_engine_and_hf(cluster, client, offline, tiny_lla
     prompts = prompts_for(vocab, [1, 5, 16, 17, 40, 100], seed=3)  # 40 and 100 span several 32-token chunks
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=3)
     hf = hf_model(tiny_llama_dir)
-    for prompt, ref in zip(prompts, offline.generate(prompts, params)):
+    for prompt, out in zip(prompts, offline.generate(prompts, params)):
+        ref = out.outputs[0]
         got = run(client, prompt, params)
         assert got["token_ids"] == ref.token_ids
         assert got["text"] == ref.text
         assert got["finish_reason"] == "length" and got["prompt_tokens"] == len(prompt)
         for lp, ref_lp in zip(got["logprobs"], ref.logprobs, strict=True):
-            assert lp["token_id"] == ref_lp.token_id and lp["rank"] == ref_lp.rank
-            assert abs(lp["logprob"] - ref_lp.logprob) < 1e-5
-            assert [t for t, _ in lp["top"]] == [t for t, _ in ref_lp.top]
+            # the offline API's shape (vLLM's): {sampled id: (logprob, rank)}, then the top-k with ranks 1..k
+            want = {lp["token_id"]: (lp["rank"], lp["logprob"])}
+            want.update({t: (rank, logprob) for rank, (t, logprob) in enumerate(lp["top"], start=1)})
+            assert list(ref_lp) == list(want)
+            assert all(ref_lp[t].rank == rank and abs(ref_lp[t].logprob - logprob) < 1e-5
+                       for t, (rank, logprob) in want.items())
         assert_matches_hf(hf, prompt, got["token_ids"])
 
 
@@ -76,8 +80,8 @@ def test_prefix_cache_hit_gives_the_same_tokens(client, offline):
     first = run(client, shared + [7, 8, 9], params)
     second = run(client, shared + [10, 11], params)
     assert second["cached_tokens"] == 64  # 4 full blocks of the shared prefix were reused
-    assert first["token_ids"] == offline.generate([shared + [7, 8, 9]], params)[0].token_ids
-    assert second["token_ids"] == offline.generate([shared + [10, 11]], params)[0].token_ids
+    assert first["token_ids"] == offline.generate([shared + [7, 8, 9]], params)[0].outputs[0].token_ids
+    assert second["token_ids"] == offline.generate([shared + [10, 11]], params)[0].outputs[0].token_ids
 
 
 def test_seeded_sampling_matches_offline_engine(client, offline):
@@ -90,12 +94,13 @@ def test_seeded_sampling_matches_offline_engine(client, offline):
     ]
     for params in cases:
         for prompt in prompts:
-            assert run(client, prompt, params)["token_ids"] == offline.generate([prompt], params)[0].token_ids
+            [ref] = offline.generate([prompt], params)
+            assert run(client, prompt, params)["token_ids"] == ref.outputs[0].token_ids
 
 
 def test_stop_strings_and_stop_tokens_end_like_offline(client, offline):
     text = "Hello there, how are you today?"
-    greedy = offline.generate([text], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))[0]
+    [greedy] = offline.generate([text], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))[0].outputs
     stop_str = greedy.text[5:8]
     for params in (
         SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, stop=[stop_str]),
@@ -104,7 +109,7 @@ def test_stop_strings_and_stop_tokens_end_like_offline(client, offline):
         SamplingParams(max_tokens=1, temperature=0),
         SamplingParams(max_tokens=16, temperature=0, stop_token_ids=[greedy.token_ids[0]]),  # ends at token 1
     ):
-        ref = offline.generate([text], params)[0]
+        ref = offline.generate([text], params)[0].outputs[0]
         got = run(client, text, params)
         assert (got["token_ids"], got["text"], got["finish_reason"], got["stop_reason"]) == (
             ref.token_ids, ref.text, ref.finish_reason, ref.stop_reason), params
@@ -115,7 +120,7 @@ def test_chat_prompt_uses_the_chat_template(client, offline):
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     got = run(client, messages, params)
     ref = offline.chat(messages, params)[0]
-    assert got["token_ids"] == ref.token_ids and got["prompt_tokens"] == len(ref.prompt_token_ids)
+    assert got["token_ids"] == ref.outputs[0].token_ids and got["prompt_tokens"] == len(ref.prompt_token_ids)
 
 
 def test_32_concurrent_streams_all_complete_correctly(client, offline):
@@ -134,7 +139,7 @@ def test_32_concurrent_streams_all_complete_correctly(client, offline):
         t.join(120)
     assert sorted(results) == list(range(32))
     for i, ref in enumerate(refs):
-        assert results[i]["token_ids"] == ref.token_ids, i
+        assert results[i]["token_ids"] == ref.outputs[0].token_ids, i
 
 
 def test_client_cancel_and_deadline_release_every_block(cluster, client):
@@ -253,7 +258,7 @@ def test_reserve_carries_the_request_and_decode_attaches_by_ticket(cluster, offl
         replies = list(d.Decode(wpb.DecodeRequest(reservation_id=reserved.reservation_id,
                                                   first_token_id=first.first_token_id), timeout=30))
         tokens = [first.first_token_id] + [t for r in replies for t in r.token_ids]
-        assert tokens == offline.generate([prompt], params)[0].token_ids
+        assert tokens == offline.generate([prompt], params)[0].outputs[0].token_ids
         assert replies[-1].finish_reason == "length"
 
         # a released reservation takes its request with it: Decode finds nothing to attach to
@@ -387,7 +392,7 @@ def test_openai_http_api(cluster, tiny_llama_dir, offline):
         ref = offline.generate(["Hello there"], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
         body = json.load(post("/v1/completions", {"prompt": "Hello there", "max_tokens": 6, "temperature": 0,
                                                   "ignore_eos": True}))
-        assert body["choices"][0]["text"] == ref.text and body["choices"][0]["finish_reason"] == "length"
+        assert body["choices"][0]["text"] == ref.outputs[0].text and body["choices"][0]["finish_reason"] == "length"
         assert body["id"].startswith("cmpl-")
         named = json.load(post("/v1/completions", {"prompt": "Hello there", "max_tokens": 2, "request_id": "my-id"}))
         assert named["id"] == "my-id"  # one id: the response's is the request's, as the router and workers log it
@@ -396,12 +401,12 @@ def test_openai_http_api(cluster, tiny_llama_dir, offline):
                                           "ignore_eos": True, "stream": True}).read().decode()
         events = [line[6:] for line in stream.split("\n") if line.startswith("data: ")]
         assert events[-1] == "[DONE]"
-        assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == ref.text
+        assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == ref.outputs[0].text
         messages = [{"role": "user", "content": "Hi!"}]
         chat_ref = offline.chat(messages, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))[0]
         chat = json.load(post("/v1/chat/completions", {"messages": messages, "max_tokens": 5, "temperature": 0,
                                                        "ignore_eos": True}))
-        assert chat["choices"][0]["message"] == {"role": "assistant", "content": chat_ref.text}
+        assert chat["choices"][0]["message"] == {"role": "assistant", "content": chat_ref.outputs[0].text}
         models = json.load(urllib.request.urlopen(base + "/v1/models", timeout=10))
         assert [m["id"] for m in models["data"]] == [offline.engine.model_id]
         for bad, param in (({"prompt": "x", "temperature": -1}, "temperature"),

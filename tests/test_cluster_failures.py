@@ -67,7 +67,7 @@ def test_decode_worker_killed_mid_request_migrates(cluster, client, offline):
     KILLED.add(victim.name)
     rest = list(stream)
     tokens = [t for m in [first, second, *rest] for t in m.token_ids]
-    assert tokens == offline.generate([[5, 6, 7, 8]], params)[0].token_ids
+    assert tokens == offline.generate([[5, 6, 7, 8]], params)[0].outputs[0].token_ids
     assert rest[-1].finish_reason == "length"
     check_serving(client, offline)  # the other decode worker takes every new request
     wait_idle(cluster, skip=tuple(KILLED))
@@ -92,7 +92,7 @@ def test_prefill_worker_killed_mid_request_is_prefilled_again_elsewhere(cluster,
     os.kill(busy.pid, signal.SIGKILL)
     KILLED.add(busy.name)
     messages = list(stream)
-    assert [t for m in messages for t in m.token_ids] == offline.generate([prompt], params)[0].token_ids
+    assert [t for m in messages for t in m.token_ids] == offline.generate([prompt], params)[0].outputs[0].token_ids
     assert messages[0].prefill_worker != busy_id
     check_serving(client, offline)
     wait_idle(cluster, skip=tuple(KILLED))  # the decode worker's reservation for the failed request is released

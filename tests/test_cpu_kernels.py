@@ -206,11 +206,11 @@ def test_model_step_matches_the_twins(tiny_llama_dir):
 
     prompts = [[5, 9, 13, 2, 7, 1, 8], list(range(3, 40))]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    with_kernels = [o.token_ids for o in LLM(tiny_llama_dir).generate(prompts, params)]
+    with_kernels = [o.outputs[0].token_ids for o in LLM(tiny_llama_dir).generate(prompts, params)]
     code = (
         "import json, sys; from engine import LLM, SamplingParams; "
         f"outs = LLM({str(tiny_llama_dir)!r}).generate({prompts!r}, SamplingParams(max_tokens=24, temperature=0, "
-        "ignore_eos=True)); print(json.dumps([o.token_ids for o in outs]))"
+        "ignore_eos=True), use_tqdm=False); print(json.dumps([o.outputs[0].token_ids for o in outs]))"
     )
     env = {**os.environ, "DUET_CPU_KERNELS": "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,

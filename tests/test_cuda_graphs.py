@@ -134,14 +134,15 @@ def make_llm(model_dir, static: bool) -> LLM:
 
 def run_in_lockstep(llms: dict, schedule: dict[int, list], after_step=None) -> tuple[dict, int]:
     """Step every engine once per round, adding `schedule`'s requests at their step, until the first engine
-    is done; `after_step()` runs after each round. Returns ({name: {request_id: last output}}, rounds)."""
+    is done; `after_step()` runs after each round. Returns ({name: {request_id: its last CompletionOutput}},
+    rounds)."""
     outputs, step, first = {name: {} for name in llms}, 0, next(iter(llms.values()))
     while step in schedule or first.engine.has_unfinished_requests():
         for name, llm in llms.items():
             for rid, prompt, params in schedule.get(step, []):
                 llm.engine.add_request(prompt, params, request_id=rid)
             for out in llm.engine.step():
-                outputs[name][out.request_id] = out
+                outputs[name][out.request_id] = out.outputs[0]
         if after_step is not None:
             after_step()
         step += 1
@@ -190,12 +191,10 @@ def test_padded_static_steps_match_eager_tokens_logprobs_and_kv(tiny_llama_dir):
     assert outputs["static"].keys() == outputs["eager"].keys() and len(outputs["eager"]) == 9
     for rid, want in outputs["eager"].items():
         got = outputs["static"][rid]
-        assert got.finished and got.token_ids == want.token_ids, rid
-        for a, b in zip(got.logprobs, want.logprobs, strict=True):
-            assert a.token_id == b.token_id and a.rank == b.rank
-            assert abs(a.logprob - b.logprob) <= LOGPROB_ATOL
-            assert [t for t, _ in a.top] == [t for t, _ in b.top]
-            assert max(abs(x - y) for (_, x), (_, y) in zip(a.top, b.top)) <= LOGPROB_ATOL
+        assert got.finished() and got.token_ids == want.token_ids, rid
+        for a, b in zip(got.logprobs, want.logprobs, strict=True):  # {sampled id: Logprob, then the top-k}
+            assert list(a) == list(b) and [x.rank for x in a.values()] == [y.rank for y in b.values()]
+            assert max(abs(a[t].logprob - b[t].logprob) for t in a) <= LOGPROB_ATOL
     for llm in (eager, static):
         llm.engine.check_integrity()
         pool = llm.engine.block_pool
@@ -209,8 +208,8 @@ def test_static_path_matches_eager_for_sampled_requests_and_generate(tiny_llama_
     prompts = [torch.randint(4, 512, (n,), generator=g).tolist() for n in (3, 30, 11, 50, 7)]
     params = [SamplingParams(max_tokens=n, temperature=0.8, top_p=0.9, seed=40 + n, ignore_eos=True)
               for n in (70, 5, 33, 20, 48)]
-    want = [o.token_ids for o in eager.generate(prompts, params)]
-    assert [o.token_ids for o in static.generate(prompts, params)] == want
+    want = [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
+    assert [o.outputs[0].token_ids for o in static.generate(prompts, params)] == want
     static.engine.check_integrity()
     assert static.engine.block_pool.num_free_blocks == static.engine.num_kv_blocks
 
@@ -285,9 +284,10 @@ def test_interpreted_triton_static_steps_match_the_eager_twins(tiny_llama_dir, m
     runner.run_bucket = lambda b: buckets.update([b]) or run_bucket(b)
     got = static.generate(prompts, params)
     assert set(buckets) == {1, 2, 4, 8}
-    for a, b in zip(got, want, strict=True):
+    for a, b in ((x.outputs[0], y.outputs[0]) for x, y in zip(got, want, strict=True)):
         assert a.token_ids == b.token_ids
-        assert max(abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs, strict=True)) <= 1e-4
+        pairs = zip(a.logprobs, b.logprobs, strict=True)
+        assert max(abs(x[t].logprob - y[t].logprob) for x, y in pairs for t in x) <= 1e-4
     static.engine.check_integrity()
 
 
@@ -312,7 +312,8 @@ def test_cuda_graphs_match_eager_cuda(tiny_llama_dir):
         got = outputs["graphs"][rid]
         assert got.token_ids == want.token_ids, rid
         for a, b in zip(got.logprobs, want.logprobs, strict=True):
-            assert abs(a.logprob - b.logprob) <= 1e-4  # cuBLAS may pick another kernel for a padded batch
+            sampled = next(iter(a))  # cuBLAS may pick another kernel for a padded batch:
+            assert abs(a[sampled].logprob - b[sampled].logprob) <= 1e-4
     num_blocks = graphs.engine.num_kv_blocks
     for k, v in graphs.engine.runtime.kv_caches:
         for ek in (k, v):

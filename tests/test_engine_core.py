@@ -92,7 +92,7 @@ def test_step_gives_each_request_its_tokens_as_before_in_a_mixed_batch(tiny_llam
         for i in JOINS.get(step, []):
             llm.engine.add_request(prompts[i], params[i], request_id=f"r{i}")
         for out in llm.engine.step():
-            offline[out.request_id] = out.token_ids
+            offline[out.request_id] = out.outputs[0].token_ids
         step += 1
     assert offline == PINNED
 
@@ -177,15 +177,15 @@ def test_extreme_requests_leave_their_batch_mates_tokens_unchanged(tiny_llama_di
     llm = LLM(tiny_llama_dir, max_model_len=128, max_num_seqs=8)
     prompts, _ = workload()
     normal = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    alone = [o.token_ids for o in llm.generate(prompts, normal)]
+    alone = [o.outputs[0].token_ids for o in llm.generate(prompts, normal)]
     extremes = [SamplingParams(max_tokens=8, ignore_eos=True, **kw) for kw in (
         dict(temperature=1e-37), dict(temperature=1e-300), dict(top_p=1e-300), dict(repetition_penalty=1e-300),
         dict(repetition_penalty=1e300, temperature=1e6), dict(min_p=1e-300, top_k=1, seed=5))]
     outputs = llm.generate(prompts + [prompts[0]] * len(extremes), [normal] * len(prompts) + extremes)
-    assert [o.token_ids for o in outputs[: len(prompts)]] == alone
-    for o in outputs[len(prompts):]:
+    assert [o.outputs[0].token_ids for o in outputs[: len(prompts)]] == alone
+    for o in (out.outputs[0] for out in outputs[len(prompts):]):
         assert o.finish_reason == "length" and len(o.token_ids) == 8 and all(0 <= t < 512 for t in o.token_ids)
-    assert outputs[len(prompts)].token_ids == alone[0]  # temperature 1e-37 is greedy
+    assert outputs[len(prompts)].outputs[0].token_ids == alone[0]  # temperature 1e-37 is greedy
     llm.engine.check_integrity()
 
 
@@ -193,13 +193,14 @@ def test_a_request_whose_sampling_fails_ends_alone_with_its_blocks_freed(tiny_ll
     llm = LLM(tiny_llama_dir, max_model_len=128, max_num_seqs=8)
     prompts, _ = workload()
     normal = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-    alone = [o.token_ids for o in llm.generate(prompts, normal)]
+    alone = [o.outputs[0].token_ids for o in llm.generate(prompts, normal)]
     llm.engine.runner.sampler = FailsForSeed13()
     failing = SamplingParams(max_tokens=6, seed=13, ignore_eos=True)
     outputs = llm.generate(prompts + [prompts[1]], [normal] * len(prompts) + [failing])
-    assert [o.token_ids for o in outputs[:-1]] == alone
-    assert outputs[-1].finish_reason == "error" and outputs[-1].token_ids == []
-    assert outputs[-1].error == "sampling failed: RuntimeError('boom')"
+    assert [o.outputs[0].token_ids for o in outputs[:-1]] == alone
+    failed = outputs[-1].outputs[0]
+    assert failed.finish_reason == "error" and failed.token_ids == []
+    assert failed.error == "sampling failed: RuntimeError('boom')"
     pool = llm.engine.block_pool
     assert pool.num_free_blocks == pool.num_blocks and llm.engine.core.num_requests == 0
     llm.engine.check_integrity()

@@ -42,13 +42,13 @@ def assert_matches_hf(hf, prompt, output, logprobs=None):
         gap = float(logits[step, best] - logits[step, token])
         assert token == best or gap < NEAR_TIE, f"step {step}: got {token}, reference {best} (gap {gap:.2e})"
         if logprobs is not None:
-            lp = logprobs[step]
-            assert lp.token_id == token
-            assert abs(lp.logprob - float(ref_logprobs[step, token])) < LOGIT_ATOL
-            for token_id, value in lp.top:
-                assert abs(value - float(ref_logprobs[step, token_id])) < LOGIT_ATOL
-            ref_top = ref_logprobs[step].topk(len(lp.top)).values
-            assert torch.allclose(torch.tensor([v for _, v in lp.top]), ref_top, atol=LOGIT_ATOL)
+            lp = logprobs[step]  # {sampled id: Logprob, then the top-k}: k or k + 1 entries
+            assert next(iter(lp)) == token
+            for token_id, value in lp.items():
+                assert abs(value.logprob - float(ref_logprobs[step, token_id])) < LOGIT_ATOL
+            best = sorted((v.logprob for v in lp.values()), reverse=True)[: len(lp) - 1]
+            ref_top = ref_logprobs[step].topk(len(best)).values
+            assert torch.allclose(torch.tensor(best), ref_top, atol=LOGIT_ATOL)
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
@@ -123,10 +123,11 @@ def test_greedy_generation_matches_hf_for_a_batch_of_mixed_lengths(checkpoint):
     params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True, logprobs=5)
     outputs = llm.generate(prompts, params)
     for prompt, out in zip(prompts, outputs):
-        assert len(out.token_ids) == 64 and out.finish_reason == "length"
-        assert_matches_hf(hf, prompt, out.token_ids, out.logprobs)
+        sample = out.outputs[0]
+        assert len(sample.token_ids) == 64 and sample.finish_reason == "length"
+        assert_matches_hf(hf, prompt, sample.token_ids, sample.logprobs)
     single = llm.generate(prompts[3], params)[0]
-    assert single.token_ids == outputs[3].token_ids
+    assert single.outputs[0].token_ids == outputs[3].outputs[0].token_ids
     llm.engine.check_integrity()
 
 
@@ -137,10 +138,10 @@ def test_text_prompt_and_chat_match_hf_tokenization(checkpoint):
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     out = llm.generate("The quick brown fox jumps over the lazy dog.", params)[0]
     assert out.prompt_token_ids == hf_tok("The quick brown fox jumps over the lazy dog.")["input_ids"]
-    assert_matches_hf(hf, out.prompt_token_ids, out.token_ids)
+    assert_matches_hf(hf, out.prompt_token_ids, out.outputs[0].token_ids)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi, ça va?"}]
     chat = llm.chat(messages, params)[0]
     ref_ids = hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     ref_ids = ref_ids["input_ids"] if isinstance(ref_ids, dict) or hasattr(ref_ids, "keys") else ref_ids
     assert chat.prompt_token_ids == list(ref_ids)
-    assert_matches_hf(hf, chat.prompt_token_ids, chat.token_ids)
+    assert_matches_hf(hf, chat.prompt_token_ids, chat.outputs[0].token_ids)

@@ -201,8 +201,8 @@ def test_packed_engine_gives_the_reference_tokens(wide_model_dir):
     assert fast.engine.model.layers[0].mlp.gate_up_proj.pack  # on by default (5.3 MiB: packed)
     reference = LLM(wide_model_dir, max_model_len=256, fast_linears=False)
     assert type(reference.engine.model.layers[0].mlp.gate_up_proj) is nn.Linear
-    got = [o.token_ids for o in fast.generate(prompts, GREEDY)]
-    assert got == [o.token_ids for o in reference.generate(prompts, GREEDY)]
+    got = [o.outputs[0].token_ids for o in fast.generate(prompts, GREEDY)]
+    assert got == [o.outputs[0].token_ids for o in reference.generate(prompts, GREEDY)]
 
 
 @requires_packing
@@ -218,10 +218,10 @@ def test_packed_bf16_engine_follows_the_reference_up_to_a_near_tie(wide_model_di
     got = fast.generate(prompts, params)
     ref = LLM(wide_model_dir, dtype="bfloat16", max_model_len=256, fast_linears=False).generate(prompts, params)
     agreed_steps = []
-    for fast_out, ref_out in zip(got, ref):
+    for fast_out, ref_out in ((a.outputs[0], b.outputs[0]) for a, b in zip(got, ref)):
         for step, (token, ref_token) in enumerate(zip(fast_out.token_ids, ref_out.token_ids)):
             if token != ref_token:
-                top = dict(ref_out.logprobs[step].top)
+                top = {t: lp.logprob for t, lp in ref_out.logprobs[step].items()}
                 assert token in top, f"step {step}: {token} is not in the reference's top 5 {top}"
                 assert top[ref_token] - top[token] < near_tie_bf16, f"step {step}: not a near-tie"
                 break

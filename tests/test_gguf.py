@@ -227,10 +227,11 @@ def test_tiny_gguf_tp2_gives_the_tp1_tokens(tiny_gguf):
     ref = LLM(path, max_model_len=128).generate(prompts, params)
     with LLM(path, max_model_len=128, tp_size=2) as llm:
         out = llm.generate(prompts, params)
-    assert [o.token_ids for o in out] == [o.token_ids for o in ref]
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
     for got, want in zip(out, ref):
-        for a, b in zip(got.logprobs, want.logprobs):
-            assert abs(a.logprob - b.logprob) < LOGIT_ATOL
+        for a, b in zip(got.outputs[0].logprobs, want.outputs[0].logprobs):
+            sampled = next(iter(a))  # the sampled token's entry comes first
+            assert abs(a[sampled].logprob - b[sampled].logprob) < LOGIT_ATOL
 
 
 def test_truncated_file_is_refused(tmp_path):
@@ -373,10 +374,10 @@ def test_smollm2_greedy_tokens_match_transformers_and_knows_paris(smollm2_hf):
     outputs = llm.generate(prompts, params)
     for prompt, out in zip(prompts, outputs):
         # teacher-forced on our tokens: each must be the reference's argmax, or within NEAR_TIE of it
-        assert_matches_hf(hf, prompt, out.token_ids)
-    assert any(llm.tokenizer.eos_token_ids & set(out.token_ids) for out in outputs)  # past an eos, too
+        assert_matches_hf(hf, prompt, out.outputs[0].token_ids)
+    assert any(llm.tokenizer.eos_token_ids & set(out.outputs[0].token_ids) for out in outputs)  # past an eos, too
     answer = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                      SamplingParams(max_tokens=24, temperature=0))[0]
+                      SamplingParams(max_tokens=24, temperature=0))[0].outputs[0]
     assert "Paris" in answer.text and answer.finish_reason == "stop"
     llm.engine.check_integrity()
 
@@ -397,11 +398,11 @@ def test_smollm2_cluster_returns_the_offline_tokens():
     prompts = [llm.tokenizer.apply_chat_template_ids(messages) for messages in chats] + [
         llm.tokenizer.encode("The quick brown fox")]
     params = SamplingParams(max_tokens=16, temperature=0)
-    offline = [out.token_ids for out in llm.generate(prompts, params)]
+    offline = [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
     # issue 17: a logit_bias ban of "Paris" was silently ignored over HTTP
     paris = {llm.tokenizer.encode(word, add_special_tokens=False)[0] for word in ("Paris", " Paris")}
     banned = llm.chat(chats[0], SamplingParams(max_tokens=16, temperature=0,
-                                               logit_bias={t: -100.0 for t in paris}))[0]
+                                               logit_bias={t: -100.0 for t in paris}))[0].outputs[0]
     assert "Paris" not in banned.text and not paris & set(banned.token_ids)
     config = ClusterConfig(model_dir=str(path), worker_args=["--max-model-len", "512", "--num-kv-blocks", "96"],
                            router_args=["--max-model-len", "512"], http_port=0)
@@ -423,6 +424,6 @@ def test_smollm2_tensor_parallel_gives_the_tp1_tokens():
     path = smollm2_path()
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     prompts = ["The capital of France is", "1, 2, 3,"]
-    ref = [o.token_ids for o in LLM(path, max_model_len=128).generate(prompts, params)]
+    ref = [o.outputs[0].token_ids for o in LLM(path, max_model_len=128).generate(prompts, params)]
     with LLM(path, max_model_len=128, tp_size=3) as llm:
-        assert [o.token_ids for o in llm.generate(prompts, params)] == ref
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == ref

@@ -34,7 +34,8 @@ def cluster(tiny_llama_dir):
 
 @pytest.fixture(scope="module")
 def expected(tiny_llama_dir):
-    return LLM(tiny_llama_dir, num_kv_blocks=200, max_model_len=1024).generate([PROMPT], PARAMS)[0].token_ids
+    [out] = LLM(tiny_llama_dir, num_kv_blocks=200, max_model_len=1024).generate([PROMPT], PARAMS)
+    return out.outputs[0].token_ids
 
 
 @pytest.fixture
@@ -145,7 +146,8 @@ def test_a_decode_worker_that_stops_answering_mid_stream_is_left_and_frees_its_b
     the stopped worker, resumed, finds its stream gone and frees every block."""
     prompt = [11, 23, 5, 300, 41] * 8
     params = SamplingParams(max_tokens=900, temperature=0.7, seed=3, ignore_eos=True)
-    expected = LLM(tiny_llama_dir, num_kv_blocks=200, max_model_len=1024).generate([prompt], params)[0].token_ids
+    [expected] = LLM(tiny_llama_dir, num_kv_blocks=200, max_model_len=1024).generate([prompt], params)[0].outputs
+    expected = expected.token_ids
     addresses = {w.worker_id: w.info.address for w in router.router.orchestrator.view.workers()[1]}
     stopped = []
     tokens: list[int] = []

@@ -66,7 +66,7 @@ def test_extreme_sampling_values_next_to_batch_mates(client, tiny_llama_dir):
     get exactly the tokens they get alone."""
     prompts = [[3 + i, 40 + i, 7, 99, 12 + i] for i in range(6)]
     normal = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    alone = [o.token_ids for o in LLM(tiny_llama_dir, max_model_len=2048).generate(prompts, normal)]
+    alone = [o.outputs[0].token_ids for o in LLM(tiny_llama_dir, max_model_len=2048).generate(prompts, normal)]
     with cf.ThreadPoolExecutor(len(prompts) + len(EXTREME)) as pool:
         mates = [pool.submit(run, client, p, normal) for p in prompts]
         extremes = [pool.submit(run, client, prompts[0], SamplingParams(max_tokens=12, ignore_eos=True, **kw))

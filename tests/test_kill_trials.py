@@ -92,7 +92,7 @@ def test_dozens_of_requests_survive_randomized_kills_with_the_undisturbed_tokens
     rng = random.Random(SEED)
     requests = make_requests(rng)
     offline = LLM(tiny_llama_dir, num_kv_blocks=400, max_model_len=1024)
-    expected = [o.token_ids for o in offline.generate([p for p, _ in requests], [s for _, s in requests])]
+    expected = [o.outputs[0].token_ids for o in offline.generate([p for p, _ in requests], [s for _, s in requests])]
 
     kills = []
     for round_ in range(ROUNDS):

@@ -63,7 +63,8 @@ def test_sharded_checkpoint_loads_the_same(tiny_llama_dir, tmp_path):
     hf.save_pretrained(d, max_shard_size="100KB")
     assert (d / "model.safetensors.index.json").is_file() and len(list(d.glob("model-*.safetensors"))) > 2
     prompt = [5, 6, 7, 8, 9]
-    assert LLM(d).generate(prompt, GREEDY)[0].token_ids == LLM(tiny_llama_dir).generate(prompt, GREEDY)[0].token_ids
+    [ours], [ref] = LLM(d).generate(prompt, GREEDY), LLM(tiny_llama_dir).generate(prompt, GREEDY)
+    assert ours.outputs[0].token_ids == ref.outputs[0].token_ids
 
 
 def test_rope_theta_and_rope_parameters_forms_agree(tiny_llama_dir):
@@ -89,7 +90,7 @@ def test_mistral_architecture_loads_as_llama(tiny_llama_dir, tmp_path, arch_name
     edit_config(d, architectures=[arch_name], model_type="mistral", sliding_window=None)
     hf = transformers.AutoModelForCausalLM.from_pretrained(d).eval()
     assert type(hf).__name__ == arch_name
-    out = LLM(d).generate([3, 4, 5, 6], GREEDY)[0]
+    out = LLM(d).generate([3, 4, 5, 6], GREEDY)[0].outputs[0]
     with torch.no_grad():
         ref = hf.generate(torch.tensor([[3, 4, 5, 6]]), max_new_tokens=24, do_sample=False, min_new_tokens=24)
     assert out.token_ids == ref[0, 4:].tolist()
@@ -104,7 +105,7 @@ def test_config_without_architectures_loads_by_model_type(tiny_llama_dir, tiny_q
     hf = transformers.AutoModelForCausalLM.from_pretrained(d).eval()
     expected = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}[model_type]
     assert type(hf).__name__ == ModelConfig.from_dir(d).architecture == expected
-    out = LLM(d).generate([3, 4, 5, 6], GREEDY)[0]
+    out = LLM(d).generate([3, 4, 5, 6], GREEDY)[0].outputs[0]
     with torch.no_grad():
         ref = hf.generate(torch.tensor([[3, 4, 5, 6]]), max_new_tokens=24, do_sample=False, min_new_tokens=24)
     assert out.token_ids == ref[0, 4:].tolist()
@@ -123,7 +124,7 @@ def test_requested_dtype(tiny_llama_dir, dtype):
     llm = LLM(tiny_llama_dir, dtype=dtype)
     assert llm.engine.model.embed_tokens.weight.dtype == getattr(torch, dtype)
     assert llm.engine.runner.kv_caches[0][0].dtype == getattr(torch, dtype)
-    out = llm.generate([3, 4, 5], GREEDY)[0]
+    out = llm.generate([3, 4, 5], GREEDY)[0].outputs[0]
     assert len(out.token_ids) == 24
 
 

@@ -82,7 +82,7 @@ def test_requests_on_a_killed_decode_worker_finish_with_the_undisturbed_tokens(c
                                                                      repetition_penalty=1.1)))
               for i in range(6)]
     offline = LLM(tiny_llama_dir, num_kv_blocks=200, max_model_len=1024)
-    expected = [o.token_ids for o in offline.generate(prompts, params)]
+    expected = [o.outputs[0].token_ids for o in offline.generate(prompts, params)]
     results, decode_ids, victim, victim_proc = kill_first_decode_worker_mid_stream(
         cluster, Path(tiny_llama_dir).name, prompts, params)
     for i in range(len(prompts)):  # name the first difference, should there be one
@@ -120,12 +120,12 @@ def test_default_model_requests_on_a_killed_decode_worker_finish_with_the_undist
     with LocalCluster(config).start() as smollm2:
         results, decode_ids, victim, victim_proc = kill_first_decode_worker_mid_stream(
             smollm2, path.name, prompts, params)
-        for i, ref in enumerate(expected):
+        for i, ref in enumerate(out.outputs[0] for out in expected):
             step = next((k for k, (a, b) in enumerate(zip(results[i], ref.token_ids)) if a != b), None)
             if step is None:
                 assert results[i] == ref.token_ids, f"stream {i}: {len(results[i])} tokens"
                 continue
-            top = dict(ref.logprobs[step].top)
+            top = {t: lp.logprob for t, lp in ref.logprobs[step].items()}
             assert params[i].temperature == 0 and results[i][step] in top, f"stream {i} differs at {step}"
             assert top[ref.token_ids[step]] - top[results[i][step]] < near_tie, f"stream {i}: not a near-tie"
         assert migrated_from(smollm2, victim) >= 1

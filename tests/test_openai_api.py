@@ -89,8 +89,8 @@ def test_default_max_tokens_is_the_rest_of_the_context(client, model, offline):
     ref = offline.generate([PROMPT], greedy(max_tokens=MAX_MODEL_LEN - len(offline.tokenizer.encode(PROMPT))))[0]
     out = client.completions.create(model=model, prompt=PROMPT, temperature=0, extra_body={"ignore_eos": True})
     assert out.usage.prompt_tokens == len(ref.prompt_token_ids)
-    assert out.usage.completion_tokens == MAX_MODEL_LEN - out.usage.prompt_tokens == len(ref.token_ids)
-    assert out.choices[0].text == ref.text and out.choices[0].finish_reason == "length"
+    assert out.usage.completion_tokens == MAX_MODEL_LEN - out.usage.prompt_tokens == len(ref.outputs[0].token_ids)
+    assert out.choices[0].text == ref.outputs[0].text and out.choices[0].finish_reason == "length"
     chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], temperature=0,
                                           extra_body={"ignore_eos": True})
     assert chat.usage.prompt_tokens + chat.usage.completion_tokens == MAX_MODEL_LEN  # not 16
@@ -108,7 +108,7 @@ def test_n_samples_share_one_prefill_and_seed_plus_i_reproduces_each(cluster, cl
     assert [c.index for c in out.choices] == [0, 1, 2]
     refs = [offline.generate([PROMPT], SamplingParams(max_tokens=8, temperature=1.0, seed=42 + i,
                                                       ignore_eos=True))[0] for i in range(3)]
-    assert [c.text for c in out.choices] == [r.text for r in refs]
+    assert [c.text for c in out.choices] == [r.outputs[0].text for r in refs]
     assert len({c.text for c in out.choices}) > 1  # distinct seeds, distinct samples
     assert out.usage.prompt_tokens == len(refs[0].prompt_token_ids)  # the prompt counted once
     assert out.usage.completion_tokens == 3 * 8
@@ -120,41 +120,43 @@ def test_n_samples_share_one_prefill_and_seed_plus_i_reproduces_each(cluster, cl
 
 def test_chat_logprobs_and_top_logprobs_match_the_engine(client, model, offline):
     messages = [{"role": "user", "content": "Say something."}]
-    ref = offline.chat(messages, greedy(max_tokens=5, logprobs=3))[0]
+    ref = offline.chat(messages, greedy(max_tokens=5, logprobs=3))[0].outputs[0]
     out = client.chat.completions.create(model=model, messages=messages, max_completion_tokens=5, temperature=0,
                                          logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
     content = out.choices[0].logprobs.content
     assert len(content) == 5 == out.usage.completion_tokens
-    for entry, lp in zip(content, ref.logprobs, strict=True):
-        assert entry.token == offline.tokenizer.decode([lp.token_id], skip_special_tokens=False)
-        assert entry.logprob == pytest.approx(lp.logprob, abs=1e-4)
+    for entry, token_id, lp in zip(content, ref.token_ids, ref.logprobs, strict=True):  # lp: {sampled id, top 3}
+        assert entry.token == lp[token_id].decoded_token == offline.tokenizer.decode([token_id],
+                                                                                   skip_special_tokens=False)
+        assert entry.logprob == pytest.approx(lp[token_id].logprob, abs=1e-4)
         assert entry.bytes == list(entry.token.encode())
         assert len(entry.top_logprobs) == 3
-        assert [t.logprob for t in entry.top_logprobs] == pytest.approx([v for _, v in lp.top], abs=1e-4)
+        best = sorted((v.logprob for v in lp.values()), reverse=True)[:3]  # greedy: the sampled token is the top 1
+        assert [t.logprob for t in entry.top_logprobs] == pytest.approx(best, abs=1e-4)
     plain = client.chat.completions.create(model=model, messages=messages, max_tokens=2, temperature=0)
     assert plain.choices[0].logprobs is None
 
 
 def test_completion_logprobs_echo_and_stop_arrays(client, model, offline):
-    ref = offline.generate([PROMPT], greedy(max_tokens=6, logprobs=2))[0]
+    ref = offline.generate([PROMPT], greedy(max_tokens=6, logprobs=2))[0].outputs[0]
     out = client.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=2,
                                     extra_body={"ignore_eos": True})
     lp = out.choices[0].logprobs
     assert "".join(lp.tokens) == out.choices[0].text == ref.text
-    assert lp.token_logprobs == pytest.approx([t.logprob for t in ref.logprobs], abs=1e-4)
+    assert lp.token_logprobs == pytest.approx([p[t].logprob for t, p in zip(ref.token_ids, ref.logprobs)], abs=1e-4)
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
     for tokens_top, token, ref_lp in zip(lp.top_logprobs, lp.tokens, ref.logprobs, strict=True):
         # the sampled token and the top 2, keyed by text (as vLLM: tokens with the same text share a key)
-        texts = {offline.tokenizer.decode([t], skip_special_tokens=False) for t, _ in ref_lp.top} | {token}
+        texts = {v.decoded_token for v in ref_lp.values()} | {token}
         assert token in tokens_top and set(tokens_top) == texts
-        assert max(tokens_top.values()) == pytest.approx(ref_lp.top[0][1], abs=1e-4)
+        assert max(tokens_top.values()) == pytest.approx(max(v.logprob for v in ref_lp.values()), abs=1e-4)
 
     echoed = client.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0, echo=True,
                                        extra_body={"ignore_eos": True})
     assert echoed.choices[0].text == PROMPT + ref.text
 
     stop = [ref.text[3:5], "zzzz"]
-    ref_stop = offline.generate([PROMPT], greedy(max_tokens=6, stop=stop))[0]
+    ref_stop = offline.generate([PROMPT], greedy(max_tokens=6, stop=stop))[0].outputs[0]
     out = client.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0, stop=stop,
                                     extra_body={"ignore_eos": True})
     assert out.choices[0].text == ref_stop.text == ref.text[: ref.text.index(stop[0])]
@@ -162,9 +164,9 @@ def test_completion_logprobs_echo_and_stop_arrays(client, model, offline):
 
 
 def test_logit_bias_bans_the_greedy_token_over_http_and_grpc(cluster, client, model, offline):
-    ref = offline.generate([PROMPT], greedy(max_tokens=6))[0]
+    ref = offline.generate([PROMPT], greedy(max_tokens=6))[0].outputs[0]
     banned = ref.token_ids[0]
-    ref_banned = offline.generate([PROMPT], greedy(max_tokens=6, logit_bias={banned: -100.0}))[0]
+    ref_banned = offline.generate([PROMPT], greedy(max_tokens=6, logit_bias={banned: -100.0}))[0].outputs[0]
     assert banned not in ref_banned.token_ids and ref_banned.text != ref.text
     out = client.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0,
                                     logit_bias={str(banned): -100}, extra_body={"ignore_eos": True})
@@ -178,10 +180,10 @@ def test_logit_bias_bans_the_greedy_token_over_http_and_grpc(cluster, client, mo
 
 
 def test_min_tokens_holds_back_a_stop_token(client, model, offline):
-    ref = offline.generate([PROMPT], greedy(max_tokens=8))[0]
+    ref = offline.generate([PROMPT], greedy(max_tokens=8))[0].outputs[0]
     stop_id = ref.token_ids[1]
-    stopped = offline.generate([PROMPT], greedy(max_tokens=8, stop_token_ids=[stop_id]))[0]
-    held = offline.generate([PROMPT], greedy(max_tokens=8, stop_token_ids=[stop_id], min_tokens=4))[0]
+    stopped = offline.generate([PROMPT], greedy(max_tokens=8, stop_token_ids=[stop_id]))[0].outputs[0]
+    held = offline.generate([PROMPT], greedy(max_tokens=8, stop_token_ids=[stop_id], min_tokens=4))[0].outputs[0]
     assert len(stopped.token_ids) == 2 and len(held.token_ids) > 4 and stop_id not in held.token_ids[:4]
     out = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0,
                                     extra_body={"ignore_eos": True, "stop_token_ids": [stop_id], "min_tokens": 4})
@@ -200,7 +202,7 @@ def test_chat_stream_has_the_role_first_and_a_usage_chunk(client, model, offline
                                                  stream=True, stream_options={"include_usage": True},
                                                  extra_body={"ignore_eos": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
-    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.text
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.outputs[0].text
     assert all(c.usage is None for c in chunks[:-1])
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
     assert chunks[-1].usage.prompt_tokens == len(ref.prompt_token_ids)
@@ -211,7 +213,7 @@ def test_chat_stream_has_the_role_first_and_a_usage_chunk(client, model, offline
         for _ in stream:
             pass
         final = stream.current_completion_snapshot  # get_final_completion() refuses finish_reason "length"
-    assert final.choices[0].message.role == "assistant" and final.choices[0].message.content == ref.text
+    assert final.choices[0].message.role == "assistant" and final.choices[0].message.content == ref.outputs[0].text
     assert final.usage.completion_tokens == 6
 
 
@@ -221,18 +223,19 @@ def test_a_list_of_prompts_text_or_token_ids_with_n(client, model, offline):
     out = client.completions.create(model=model, prompt=prompts, n=2, max_tokens=4, temperature=0,
                                     extra_body={"ignore_eos": True})
     assert [c.index for c in out.choices] == [0, 1, 2, 3]
-    assert [c.text for c in out.choices] == [refs[0].text] * 2 + [refs[1].text] * 2  # greedy: n equal samples
+    want = [r.outputs[0].text for r in refs]
+    assert [c.text for c in out.choices] == [want[0]] * 2 + [want[1]] * 2  # greedy: n equal samples
     assert out.usage.prompt_tokens == sum(len(r.prompt_token_ids) for r in refs)
     by_ids = client.completions.create(model=model, prompt=[r.prompt_token_ids for r in refs], max_tokens=4,
                                        temperature=0, extra_body={"ignore_eos": True})
-    assert [c.text for c in by_ids.choices] == [r.text for r in refs]
+    assert [c.text for c in by_ids.choices] == [r.outputs[0].text for r in refs]
     streamed = client.completions.create(model=model, prompt=prompts, max_tokens=4, temperature=0, stream=True,
                                          extra_body={"ignore_eos": True})
     texts = ["", ""]
     for chunk in streamed:
         for c in chunk.choices:
             texts[c.index] += c.text
-    assert texts == [r.text for r in refs]
+    assert texts == [r.outputs[0].text for r in refs]
 
 
 @pytest.mark.parametrize("create, param", [

@@ -122,8 +122,8 @@ def test_launcher_serves_offline_engines_greedy_tokens(launcher, tiny_llama_dir)
     with Client(launcher.router_address) as client:
         for prompt, ref in zip(prompts, refs):
             got = stream_to_record(client.generate(prompt, params, timeout_s=60))
-            assert got["token_ids"] == ref.token_ids
-            assert got["text"] == ref.text and got["finish_reason"] == "length"
+            assert got["token_ids"] == ref.outputs[0].token_ids
+            assert got["text"] == ref.outputs[0].text and got["finish_reason"] == "length"
 
 
 def test_prefill_pool_scales_up_under_a_burst_and_back_down(launcher, tiny_llama_dir):
@@ -210,7 +210,7 @@ def test_killed_router_and_worker_processes_are_restarted_in_their_actors_and_re
         except grpc.RpcError as e:
             assert time.monotonic() < deadline, e
             time.sleep(0.5)
-    assert got["token_ids"] == ref.token_ids
+    assert got["token_ids"] == ref.outputs[0].token_ids
     while (addresses := [w.info.address for w in registry.list_workers(model_id, "decode")]) != [decode.address]:
         assert time.monotonic() < deadline, addresses  # the killed process's entry expires with its TTL
         time.sleep(0.2)
@@ -281,7 +281,7 @@ def test_tp2_workers_run_their_ranks_in_one_placement_group(ray_cluster, tiny_ll
         ranks = [pid for c in comps for pid in children(c.pid)]
         assert len(ranks) == 2  # each worker started its rank-1 process
         prompt, params = _prompt(40, 3), SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-        ref = LLM(tiny_llama_dir, **ENGINE).generate([prompt], params)[0]
+        ref = LLM(tiny_llama_dir, **ENGINE).generate([prompt], params)[0].outputs[0]
         with Client(launcher.router_address) as client:
             assert stream_to_record(client.generate(prompt, params, timeout_s=60))["token_ids"] == ref.token_ids
     finally:

@@ -37,7 +37,7 @@ def test_redis_killed_under_load_is_restarted_and_no_request_is_lost(supervised_
         for i in range(4)]
     short = ([9, 8, 7, 6, 5, 4], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     offline = LLM(tiny_llama_dir, num_kv_blocks=200, max_model_len=1024)
-    expected = [o.token_ids for o in offline.generate([p for p, _ in streams] + [short[0]],
+    expected = [o.outputs[0].token_ids for o in offline.generate([p for p, _ in streams] + [short[0]],
                                                       [s for _, s in streams] + [short[1]])]
 
     results: dict[int, list[int]] = {}

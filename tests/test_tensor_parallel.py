@@ -43,10 +43,10 @@ def test_tp2_matches_tp1_and_hf(arch, tiny_llama_dir, tiny_qwen2_dir):
     with LLM(model_dir, max_model_len=256, tp_size=2) as llm:
         out = llm.generate(prompts, PARAMS)
     hf = hf_model(model_dir)
-    for prompt, a, b in zip(prompts, ref, out):
+    for prompt, a, b in ((p, x.outputs[0], y.outputs[0]) for p, x, y in zip(prompts, ref, out)):
         assert b.token_ids == a.token_ids
         for la, lb in zip(a.logprobs, b.logprobs, strict=True):
-            assert abs(la.logprob - lb.logprob) < 1e-5 and [t for t, _ in la.top] == [t for t, _ in lb.top]
+            assert list(la) == list(lb) and all(abs(la[t].logprob - lb[t].logprob) < 1e-5 for t in la)
         assert_matches_hf(hf, prompt, b.token_ids, b.logprobs)
 
 
@@ -56,7 +56,7 @@ def test_tp4_with_replicated_kv_heads_matches_tp1(tiny_llama_dir):
     ref = LLM(tiny_llama_dir, max_model_len=256).generate(prompts, params)
     with LLM(tiny_llama_dir, max_model_len=256, tp_size=4, max_num_batched_tokens=16) as llm:  # chunked prefill
         out = llm.generate(prompts, params)
-    assert [o.token_ids for o in out] == [r.token_ids for r in ref]
+    assert [o.outputs[0].token_ids for o in out] == [r.outputs[0].token_ids for r in ref]
 
 
 def test_killing_a_rank_fails_fast_and_leaves_no_process(tiny_llama_dir):
@@ -83,7 +83,7 @@ def test_followers_die_with_rank_0(tiny_llama_dir):
 
 
 def test_generate_cli_with_tp(tiny_llama_dir):
-    ref = LLM(tiny_llama_dir).generate([[5, 6, 7]], SamplingParams(max_tokens=5, temperature=0))[0]
+    ref = LLM(tiny_llama_dir).generate([[5, 6, 7]], SamplingParams(max_tokens=5, temperature=0))[0].outputs[0]
     out = subprocess.run([sys.executable, "-m", "duet", "generate", "--model", str(tiny_llama_dir), "--tp", "2",
                           "--prompt-ids", "5,6,7", "--max-tokens", "5", "--json"], capture_output=True, text=True,
                          timeout=120, check=True)

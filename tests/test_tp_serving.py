@@ -43,13 +43,14 @@ def test_tp2_cluster_matches_tp1_offline_and_hf(arch, tiny_llama_dir, tiny_qwen2
     with LocalCluster(config).start() as cluster, Client(cluster.router_address) as client:
         workers = worker_components(cluster)
         assert all(len(children(c.pid)) == 1 for c in workers)  # rank 1 of each worker
-        for prompt, ref in zip(prompts, offline.generate(prompts, params)):
+        for prompt, out in zip(prompts, offline.generate(prompts, params)):
+            ref = out.outputs[0]
             got = run(client, prompt, params)
             assert got["token_ids"] == ref.token_ids and got["finish_reason"] == "length"
-            for lp, ref_lp in zip(got["logprobs"], ref.logprobs, strict=True):
-                assert lp["token_id"] == ref_lp.token_id
-                assert abs(lp["logprob"] - ref_lp.logprob) < 1e-4
-                assert [t for t, _ in lp["top"]] == [t for t, _ in ref_lp.top]
+            for lp, ref_lp in zip(got["logprobs"], ref.logprobs, strict=True):  # {sampled id: Logprob, top-k}
+                assert next(iter(ref_lp)) == lp["token_id"]
+                assert abs(lp["logprob"] - ref_lp[lp["token_id"]].logprob) < 1e-4
+                assert set(ref_lp) == {lp["token_id"], *(t for t, _ in lp["top"])}
             assert_matches_hf(hf, prompt, got["token_ids"])
         # a prefix-cache hit on the prefill worker: the cached blocks' shards ship from every rank
         shared = prompts_for(vocab, [64], seed=12)[0]
@@ -58,7 +59,7 @@ def test_tp2_cluster_matches_tp1_offline_and_hf(arch, tiny_llama_dir, tiny_qwen2
         second = run(client, shared + [5], short)
         assert second["cached_tokens"] == 64
         for got, prompt in [(first, shared + [3, 4]), (second, shared + [5])]:
-            assert got["token_ids"] == offline.generate([prompt], short)[0].token_ids
+            assert got["token_ids"] == offline.generate([prompt], short)[0].outputs[0].token_ids
         stats = wait_idle(cluster)  # every block back in rank 0's pool (followers hold none), integrity checked
         assert all(s.num_free_blocks == 96 for s in stats.values())
 

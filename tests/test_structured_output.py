@@ -64,7 +64,7 @@ def offline(tiny_llama_dir):
 
 
 def test_each_kind_is_enforced_offline_and_ends_at_eos(offline):
-    out = {name: offline.generate(["Hello there"], greedy(spec))[0] for name, spec in CASES.items()}
+    out = {name: offline.generate(["Hello there"], greedy(spec))[0].outputs[0] for name, spec in CASES.items()}
     assert re.fullmatch("[a-c]{3}-[0-9]{2,4}", out["regex"].text)
     assert out["choice"].text in ("yes", "no", "maybe")
     jsonschema.validate(json.loads(out["json_schema"].text), SCHEMA)
@@ -75,9 +75,12 @@ def test_each_kind_is_enforced_offline_and_ends_at_eos(offline):
 def test_logprobs_stay_those_of_the_raw_distribution(offline):
     """vLLM's default: the mask shapes the draw, not the reported logprobs."""
     spec = CASES["choice"]
-    constrained = offline.generate(["Hello there"], greedy(spec, logprobs=2))[0]
-    raw = offline.generate(["Hello there"], SamplingParams(max_tokens=1, temperature=0, logprobs=2))[0]
-    assert constrained.logprobs[0].top == raw.logprobs[0].top  # the same top-2 as without a grammar
+    constrained = offline.generate(["Hello there"], greedy(spec, logprobs=2))[0].outputs[0]
+    raw = offline.generate(["Hello there"], SamplingParams(max_tokens=1, temperature=0, logprobs=2))[0].outputs[0]
+    def top2(entry):  # vLLM's shape: token id -> Logprob, the sampled token and the top 2
+        return {t: lp.logprob for t, lp in entry.items() if lp.rank <= 2}
+
+    assert top2(constrained.logprobs[0]) == top2(raw.logprobs[0])  # the same top-2 as without a grammar
     assert constrained.token_ids[0] != raw.token_ids[0]  # although the grammar drew another token
 
 
@@ -97,7 +100,7 @@ def test_bad_specs_name_the_field():
 
 def test_lark_grammar_is_served(offline):
     spec = StructuredOutput(grammar='start: "x" NUM\nNUM: /[0-9]{3}/')
-    assert re.fullmatch("x[0-9]{3}", offline.generate(["Hi"], greedy(spec))[0].text)
+    assert re.fullmatch("x[0-9]{3}", offline.generate(["Hi"], greedy(spec))[0].outputs[0].text)
 
 
 # --- the mask, as pure logic -------------------------------------------------------------------------------
@@ -170,7 +173,7 @@ def test_cluster_gives_the_offline_tokens_under_each_grammar(client, offline, cl
     rest: exactly the offline engine's tokens."""
     params = greedy(CASES[name])
     record = stream_to_record(client.generate("Hello there", params, timeout_s=60))
-    expected = offline.generate(["Hello there"], params)[0]
+    expected = offline.generate(["Hello there"], params)[0].outputs[0]
     assert record["token_ids"] == expected.token_ids and record["text"] == expected.text
     assert len(record["token_ids"]) > 1  # past the hand-off
     if name == "json_schema":
@@ -203,7 +206,7 @@ def test_grammar_state_survives_a_migration_mid_stream(cluster, client, offline)
     cluster.killed.add(victim.name)
     rest = list(stream)
     tokens = [t for m in [first, second, *rest] for t in m.token_ids]
-    expected = offline.generate([[5, 6, 7, 8]], params)[0]
+    expected = offline.generate([[5, 6, 7, 8]], params)[0].outputs[0]
     assert tokens == expected.token_ids and rest[-1].finish_reason == "length"
     assert re.fullmatch("([a-z]{3}[0-9]{2} )*[a-z0-9 ]*", expected.text)
     assert len(expected.text) > 40
@@ -220,7 +223,7 @@ def test_http_json_schema_parses_validates_and_equals_offline(http, model, offli
     text = answer.choices[0].message.content
     jsonschema.validate(json.loads(text), SCHEMA)
     prompt = offline.tokenizer.apply_chat_template_ids([{"role": "user", "content": "Weather?"}])
-    assert text == offline.generate([prompt], greedy(CASES["json_schema"]))[0].text
+    assert text == offline.generate([prompt], greedy(CASES["json_schema"]))[0].outputs[0].text
     assert answer.choices[0].finish_reason == "stop"
 
 
@@ -229,7 +232,7 @@ def test_http_completions_take_response_format_too(http, model, offline):
                                      extra_body={"response_format": {"type": "json_schema", "json_schema": {
                                          "name": "weather", "schema": SCHEMA}}})
     assert answer.choices[0].finish_reason == "stop"
-    assert answer.choices[0].text == offline.generate(["Data:"], greedy(CASES["json_schema"]))[0].text
+    assert answer.choices[0].text == offline.generate(["Data:"], greedy(CASES["json_schema"]))[0].outputs[0].text
     jsonschema.validate(json.loads(answer.choices[0].text), SCHEMA)
 
 
@@ -263,7 +266,7 @@ def test_http_named_tool_choice_gives_an_exact_tool_call(http, model, offline):
     prompt = offline.tokenizer.apply_chat_template_ids([{"role": "user", "content": "Weather in Paris?"}],
                                                        tools=[WEATHER_TOOL, TIME_TOOL])
     spec = StructuredOutput(json_schema=json.dumps(WEATHER_TOOL["function"]["parameters"]))
-    assert call.function.arguments == offline.generate([prompt], greedy(spec))[0].text
+    assert call.function.arguments == offline.generate([prompt], greedy(spec))[0].outputs[0].text
 
 
 def test_http_required_tool_choice_gives_parsed_calls_of_the_tools(http, model):

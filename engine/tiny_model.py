@@ -53,8 +53,8 @@ QWEN2_SPLIT = (
 )
 
 # ChatML, with Hermes-style tools (as Qwen2.5's template has them): with `tools`, a system turn lists them in
-# <tools></tools> and asks for calls as <tool_call>{"name": ..., "arguments": ...}</tool_call>; without, the
-# rendering is plain ChatML.
+# <tools></tools> and asks for calls as <tool_call>{"name": ..., "arguments": ...}</tool_call>, and an assistant
+# turn's earlier calls are rendered the same way; without tools, the rendering is plain ChatML.
 CHAT_TEMPLATE = r"""{{- bos_token }}
 {%- if tools %}
     {{- '<|im_start|>system\nYou may call one or more functions. Function signatures are within '
@@ -69,7 +69,16 @@ CHAT_TEMPLATE = r"""{{- bos_token }}
     {%- if message['role'] not in ('system', 'user', 'assistant', 'tool') %}
         {{- raise_exception("unknown role '" + message['role'] + "': expected system, user, assistant or tool") }}
     {%- endif %}
-    {{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}
+    {%- if message['role'] == 'assistant' and message['tool_calls'] is defined and message['tool_calls'] %}
+        {{- '<|im_start|>assistant\n' + (message['content'] or '') }}
+        {%- for call in message['tool_calls'] %}
+            {{- '<tool_call>' + ({'name': call['function']['name'], 'arguments': call['function']['arguments']}
+                | tojson) + '</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\n' }}
+    {%- else %}
+        {{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}
+    {%- endif %}
 {%- endfor %}
 {%- if add_generation_prompt %}
     {{- '<|im_start|>assistant\n' }}

@@ -91,12 +91,29 @@ def rpc_error_response(e: grpc.aio.AioRpcError) -> JSONResponse:
         if key == "grpc-retry-pushback-ms":
             headers["Retry-After"] = str(max(1, round(int(value) / 1000)))
     message = e.details() or e.code().name
-    # the router names the proto path (`sampling.top_p=...`); over HTTP the parameter is the body's (`top_p`)
-    field = message.split("=", 1)[0] if e.code() == grpc.StatusCode.INVALID_ARGUMENT else ""
-    param = field.removeprefix("sampling.") if field.startswith("sampling.") and field[9:].isidentifier() else None
-    if param is not None:
-        message = message.removeprefix("sampling.")
+    param = None
+    if e.code() == grpc.StatusCode.INVALID_ARGUMENT:  # "field=value ...": the field as the body spells it
+        field, sep, rest = message.partition("=")
+        param = http_param(field) if sep else None
+        if param is not None:
+            message = param + sep + rest
     return error_response(status, kind, param, message, headers)
+
+
+# The router names the public proto's path (`sampling.top_p`, `chat.messages[1].tool_call_id`, `token_ids.ids[3]`);
+# over HTTP the parameter is the body's (`top_p`, `messages[1].tool_call_id`, `prompt[3]`).
+_PROTO_TO_BODY = (("sampling.", ""), ("chat.tools_json", "tools"), ("chat.messages", "messages"), ("chat", "messages"),
+                  ("token_ids.ids", "prompt"), ("text", "prompt"), ("prompt", "prompt"), ("max_tokens", "max_tokens"),
+                  ("stop_token_ids", "stop_token_ids"), ("logit_bias", "logit_bias"))
+
+
+def http_param(field: str) -> str | None:
+    """The OpenAI body's name for a public proto field path; None when it is not one."""
+    for proto, body in _PROTO_TO_BODY:
+        if field.startswith(proto):
+            param = body + field[len(proto):]
+            return param.replace(".tool_calls_json", ".tool_calls")
+    return None
 
 
 class HeadTimeoutH11(H11Protocol):
@@ -426,6 +443,8 @@ class OpenAIHTTPServer:
         else:
             msg = to_generate_requests(ChatCompletionRequest(messages=body.messages,
                                                              add_generation_prompt=body.add_generation_prompt))[0]
+            if body.tools is not None:  # the template renders them, as for a chat completion
+                msg.chat.tools_json = json.dumps(body.tools)
         try:
             token_ids, _ = await asyncio.to_thread(self.builder.tokenize, msg, None, body.add_special_tokens)
         except InvalidRequestError as e:

@@ -6,14 +6,15 @@ only for an assistant, `stream_options` only when streaming). Value ranges (temp
 ...) are judged once, by the engine's `SamplingParams` behind the router's Generate, for every entry point alike.
 
 Every parameter OpenAI documents is either a field here, implemented as OpenAI and vLLM define it, or refused:
-the models forbid unknown fields, so a parameter duet does not implement (`suffix`, `audio`, `parallel_tool_calls`,
-...) is a 400 that names it, never silently dropped. `user` is accepted (OpenAI's end-user id for abuse
-monitoring: nothing for duet to do with it). vLLM's extensions that map to duet's sampling parameters (top_k,
+the models forbid unknown fields, so a parameter duet does not implement (`suffix`, `audio`, `prediction`, ...)
+is a 400 that names it, never silently dropped. `user` is accepted (OpenAI's end-user id for abuse monitoring:
+nothing for duet to do with it). vLLM's extensions that map to duet's sampling parameters (top_k,
 min_p, repetition_penalty, min_tokens, stop_token_ids, ignore_eos, ...) and `cache_salt` are accepted too.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -137,10 +138,23 @@ class TextPart(_Body):
     text: str
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Body):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Annotated[str | list[TextPart] | None, Field(validate_default=True)] = None
     name: str | None = None  # OpenAI's participant name: accepted, as most chat templates have no place for it
+    tool_calls: Annotated[list[ToolCall], Field(min_length=1)] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     @field_validator("content")
     @classmethod
@@ -164,6 +178,7 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: Int64 | None = None
     tools: list[dict] | None = None  # router/structured_request.py: the template renders them, calls are parsed
     tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None  # false: at most one call (router/structured_request.py)
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     add_generation_prompt: bool = True  # vLLM's
@@ -186,7 +201,10 @@ def to_generate_requests(body: CompletionRequest | ChatCompletionRequest) -> lis
         msg = pb.GenerateRequest(sampling=sampling, cache_salt=salt)
         for m in body.messages:
             # OpenAI's "developer" role is the system role of newer models; templates know "system"
-            msg.chat.messages.add(role="system" if m.role == "developer" else m.role, content=m.text())
+            added = msg.chat.messages.add(role="system" if m.role == "developer" else m.role, content=m.text(),
+                                          tool_call_id=m.tool_call_id or "")
+            if m.tool_calls:
+                added.tool_calls_json = json.dumps([call.model_dump() for call in m.tool_calls])
         msg.chat.add_generation_prompt = body.add_generation_prompt
         return [msg]
     out = []
@@ -209,6 +227,7 @@ class TokenizeRequest(_Body):
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     add_special_tokens: bool = True  # for a prompt (a chat's template places its own special tokens)
     add_generation_prompt: bool = True
+    tools: list[dict] | None = None  # with messages: rendered by the template, as for a chat completion
     return_token_strs: bool = False
 
     @model_validator(mode="after")

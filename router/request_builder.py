@@ -11,6 +11,7 @@ at most `max_concurrent_long` long prompts are tokenized at once (the rest wait,
 
 from __future__ import annotations
 
+import json
 import threading
 from dataclasses import dataclass
 
@@ -136,10 +137,51 @@ class RequestBuilder:
             if m.role not in ("system", "user", "assistant", "tool"):
                 raise InvalidRequestError(f"chat.messages[{i}].role", m.role,
                                           "must be system, user, assistant or tool")
-            messages.append({"role": m.role, "content": m.content})
-        self._check_text_bytes("chat.messages", sum(len(m["content"].encode()) for m in messages))
+            message = {"role": m.role, "content": m.content}
+            if m.tool_calls_json:
+                message["tool_calls"] = self._message_tool_calls(f"chat.messages[{i}]", m)
+            if m.tool_call_id:
+                if m.role != "tool":
+                    raise InvalidRequestError(f"chat.messages[{i}].tool_call_id", m.tool_call_id,
+                                              f"is only for a tool message, not role {m.role!r}")
+                message["tool_call_id"] = m.tool_call_id
+            messages.append(message)
+        self._check_text_bytes("chat.messages", sum(len(m.content.encode()) + len(m.tool_calls_json.encode())
+                                                    for m in chat.messages))
         add_generation_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
         return messages, add_generation_prompt
+
+    def _message_tool_calls(self, where: str, m: pb.ChatMessage) -> list[dict]:
+        """An assistant message's tool calls as chat templates read them: OpenAI's shape with each call's
+        `arguments` parsed from its JSON text into an object (as vLLM hands them to templates)."""
+        field = f"{where}.tool_calls_json"
+        if m.role != "assistant":
+            raise InvalidRequestError(field, m.tool_calls_json,
+                                      f"is only for an assistant message, not role {m.role!r}")
+        if not self.tokenizer.supports_tools:
+            raise InvalidRequestError(field, m.tool_calls_json, "this model's chat template has no tool support, so "
+                                      "it cannot show the model its earlier tool calls")
+        try:
+            calls = json.loads(m.tool_calls_json)
+        except json.JSONDecodeError as e:
+            raise InvalidRequestError(field, m.tool_calls_json, f"must be a JSON array of tool calls: {e}") from None
+        if not isinstance(calls, list) or not calls:
+            raise InvalidRequestError(field, m.tool_calls_json, "must be a non-empty JSON array of tool calls")
+        out = []
+        for j, call in enumerate(calls):
+            function = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                raise InvalidRequestError(f"{field}[{j}]", call, 'must be {"id": ..., "type": "function", '
+                                          '"function": {"name": ..., "arguments": "<JSON text>"}}')
+            arguments = function.get("arguments", "{}")
+            try:
+                parsed = json.loads(arguments) if isinstance(arguments, str) else arguments
+            except json.JSONDecodeError as e:
+                raise InvalidRequestError(f"{field}[{j}].function.arguments", arguments,
+                                          f"must be JSON text: {e}") from None
+            out.append({"id": call.get("id", ""), "type": "function",
+                        "function": {"name": function["name"], "arguments": parsed}})
+        return out
 
     def _chat_tools(self, tools_json: str) -> list[dict] | None:
         """The tool definitions the chat template renders (None: no tools)."""

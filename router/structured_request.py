@@ -5,6 +5,8 @@ answer turned back into OpenAI's message (content, or `tool_calls`).
     response_format {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}
                                                                -> sampling.structured_output.json_schema
     tools                                                      -> chat.tools_json (the template renders them)
+    messages[i].tool_calls / tool_call_id                      -> chat.messages[i].tool_calls_json / tool_call_id
+    parallel_tool_calls false                                  -> "required": at most one call (maxItems 1)
     tool_choice "required" / {"type": "function", ...}         -> a json_schema forcing the call (vLLM's way)
 
 Judged here, before the router, so a 400 names the field as the client wrote it (`response_format.json_schema
@@ -73,6 +75,13 @@ def apply_structured_fields(body, msg: pb.GenerateRequest) -> ToolPlan | None:
             raise InvalidRequestError(e.field.replace("chat.tools_json", "tools"), e.value, e.allowed) from None
         msg.chat.tools_json = json.dumps(parsed)
         plan, forced = _tool_plan(parsed, tool_choice)
+        if getattr(body, "parallel_tool_calls", None) is False:  # at most one call per answer
+            if plan.mode == "auto":
+                raise InvalidRequestError("parallel_tool_calls", False, 'is supported with tool_choice "required", '
+                                          '"none" or a named function (the grammar holds the answer to one call), '
+                                          'not with "auto", where nothing holds the model to one')
+            if plan.mode == "required":
+                forced = {**forced, "maxItems": 1}
         if forced is not None:
             if spec is not None:
                 raise InvalidRequestError("tool_choice", tool_choice, "cannot force a tool call together with "

@@ -12,6 +12,7 @@ import re
 import signal
 
 import grpc
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -267,6 +268,48 @@ def test_http_named_tool_choice_gives_an_exact_tool_call(http, model, offline):
                                                        tools=[WEATHER_TOOL, TIME_TOOL])
     spec = StructuredOutput(json_schema=json.dumps(WEATHER_TOOL["function"]["parameters"]))
     assert call.function.arguments == offline.generate([prompt], greedy(spec))[0].outputs[0].text
+
+
+def test_http_a_tool_result_goes_back_to_the_model(cluster, http, model, offline):
+    """The second turn of tool use: the assistant's call (arguments as JSON text) and the tool's answer are shown
+    to the model through its template exactly as offline (arguments parsed, as vLLM hands them to templates)."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                             "arguments": '{"city": "Paris", "unit": "C"}'}}
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"}]
+    answer = http.chat.completions.create(model=model, messages=messages, tools=[WEATHER_TOOL], max_tokens=4,
+                                          temperature=0, tool_choice="none", extra_body={"ignore_eos": True})
+    rendered = [messages[0], {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                          "arguments": {"city": "Paris", "unit": "C"}}}]},
+                {"role": "tool", "content": "18 C, sunny", "tool_call_id": "call_1"}]
+    prompt = offline.tokenizer.apply_chat_template_ids(rendered, tools=[WEATHER_TOOL])
+    assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}</tool_call>' in \
+        offline.tokenizer.decode(prompt, skip_special_tokens=False)
+    assert answer.usage.prompt_tokens == len(prompt)
+    ref = offline.generate([prompt], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0].outputs[0]
+    assert answer.choices[0].message.content == ref.text
+    tokenized = httpx.post(cluster.http_base + "/tokenize", json={"messages": messages, "tools": [WEATHER_TOOL]},
+                           timeout=30).json()
+    assert tokenized["tokens"] == prompt
+    for bad, param in [
+        ([{"role": "user", "content": "x", "tool_call_id": "c"}], "messages[0].tool_call_id"),
+        ([{"role": "user", "content": "x"}, {**messages[1], "tool_calls": [
+            {**call, "function": {"name": "get_weather", "arguments": "{oops"}}]}],
+         "messages[1].tool_calls[0].function.arguments"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as err:
+            http.chat.completions.create(model=model, messages=bad, tools=[WEATHER_TOOL], max_tokens=2)
+        assert err.value.body["param"] == param, err.value.body
+    # at most one call: held by the grammar where it can be, refused where nothing could hold the model to it
+    one = http.chat.completions.create(model=model, messages=messages[:1], tools=[WEATHER_TOOL, TIME_TOOL],
+                                       tool_choice="required", parallel_tool_calls=False, max_tokens=96, temperature=0)
+    assert len(one.choices[0].message.tool_calls) == 1
+    with pytest.raises(openai.BadRequestError) as err:
+        http.chat.completions.create(model=model, messages=messages[:1], tools=[WEATHER_TOOL],
+                                     parallel_tool_calls=False, max_tokens=2)
+    assert err.value.body["param"] == "parallel_tool_calls"
 
 
 def test_http_required_tool_choice_gives_parsed_calls_of_the_tools(http, model):

@@ -45,7 +45,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cluster.cluster_secret import ENV_VAR, generate_cluster_secret
-from cluster.grpc_plumbing import AUTH_TOKEN_ENV_VAR, LIVENESS_SERVICE
+from cluster.grpc_plumbing import AUTH_TOKEN_ENV_VAR
 from deploy.redis_server import RedisServer, tail_file
 from deploy.restarts import RestartBackoff, death_line, describe_returncode, restarted_line, signal_name
 from deploy.startup_progress import StartupProgress
@@ -292,8 +292,9 @@ class LocalCluster:
             with open(proc.log_path, "rb") as f:
                 f.seek(proc.log_start_bytes)
                 return _ROUTER_SERVING_LINE in f.read()
-        # the router's "" is NOT_SERVING while no worker of a role is up; its process health says it serves
-        return _is_serving(channel, LIVENESS_SERVICE if proc.name == "router" else "")
+        # The router's "" turns SERVING once it sees a worker of each role (started before it here): ready then
+        # means requests are served, not refused for want of a worker the router has not seen yet.
+        return _is_serving(channel)
 
     def _wait_serving(self, progress: StartupProgress) -> None:
         timeout_s = self.config.ready_timeout_s

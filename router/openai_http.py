@@ -234,7 +234,8 @@ class OpenAIHTTPServer:
         self._expected = f"Bearer {auth_token}".encode() if auth_token else None
         app = self._build_app()
         routes = {route.path for route in app.routes if "{" not in route.path}
-        self.app = ResponseCounter(BodyLimits(app, max_body_bytes, read_timeout_s), metrics, routes)
+        self.body_limits = BodyLimits(app, max_body_bytes, read_timeout_s)
+        self.app = ResponseCounter(self.body_limits, metrics, routes)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._socket = socket.socket(family, socket.SOCK_STREAM)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

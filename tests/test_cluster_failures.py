@@ -49,7 +49,7 @@ def check_serving(client, offline, n: int = 6) -> None:
     prompts = [[3 + i, 40, 41, 42 + i, 7] * (1 + i) for i in range(n)]
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     for prompt, ref in zip(prompts, offline.generate(prompts, params)):
-        assert stream_to_record(client.generate(prompt, params, timeout_s=60))["token_ids"] == ref.token_ids
+        assert stream_to_record(client.generate(prompt, params, timeout_s=60))["token_ids"] == ref.outputs[0].token_ids
 
 
 def test_greedy_over_gloo_transport_matches_offline(client, offline):

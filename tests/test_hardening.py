@@ -161,7 +161,7 @@ def http(cluster, tiny_llama_dir):
     head_timeout_s, openai_http.HEAD_TIMEOUT_S = openai_http.HEAD_TIMEOUT_S, 2.0
     server = RouterServer(RouterConfig(redis_url=cluster.redis_url, model_dir=tiny_llama_dir, port=0, http_port=0,
                                        max_model_len=2048))
-    server.http.app.read_timeout_s = 2.0
+    server.http.body_limits.read_timeout_s = 2.0
     server.start()
     server.base = f"http://127.0.0.1:{server.http.port}"
     assert openai_http.READ_TIMEOUT_S > 2.0
@@ -356,8 +356,12 @@ def test_a_registry_entry_written_without_the_secret_gets_no_traffic(cluster, cl
             assert [e.worker_id for e in client.explain_route(prompt).prefill] == [real.worker_id]
             record = run(client, prompt, SamplingParams(max_tokens=2, temperature=0))
             assert record["finish_reason"] == "length"
-        assert "ignoring duet:" in router_log(cluster) and "prefill-forged: its signature does not verify" in \
-            router_log(cluster)
+        # the router logs the refusal when its worker list next refreshes (it may not have yet: poll)
+        deadline = time.monotonic() + 10
+        while "prefill-forged: its signature does not verify" not in router_log(cluster):
+            assert time.monotonic() < deadline, router_log(cluster)
+            time.sleep(0.1)
+        assert "ignoring duet:" in router_log(cluster)
     finally:
         forger.deregister(forged)
 

@@ -368,4 +368,4 @@ def test_default_model_json_object_and_schema_through_the_openai_client():
         jsonschema.validate(json.loads(answer.choices[0].message.content), person)
         with pytest.raises(openai.BadRequestError) as e:
             http.chat.completions.create(model=model, messages=messages, max_tokens=4, tools=[WEATHER_TOOL])
-        assert "chat.tools_json" in e.value.body["message"] and "no tool support" in e.value.body["message"]
+        assert e.value.body["param"] == "tools" and "no tool support" in e.value.body["message"]

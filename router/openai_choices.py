@@ -1,5 +1,5 @@
-"""An OpenAI request's choices: one gRPC Generate per (prompt, sample), run together, and their messages turned
-into OpenAI's JSON (choices, logprobs, usage).
+"""An OpenAI request's choices: one gRPC Generate per (prompt, sample), run together (their JSON is
+openai_reply.py's).
 
 Choice k = prompt_index * n + sample (vLLM's numbering). Sample 0 of each prompt starts at once; its n - 1
 siblings start when it has sent its first message, so the prompt is prefilled once: by then the prefill worker
@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 import grpc
 
 from duet.v1 import generation_pb2 as pb
-from engine.sampling_params import MAX_SEED
 
 
 @dataclass
@@ -54,7 +53,7 @@ def make_choices(templates: list[pb.GenerateRequest], n: int, request_id: str) -
             msg.CopyFrom(template)
             msg.request_id = request_id if len(templates) * n == 1 else f"{request_id}-{index}"
             if sample and msg.sampling.HasField("seed"):
-                msg.sampling.seed = (msg.sampling.seed + sample) % (MAX_SEED + 1)
+                msg.sampling.seed += sample  # at most MAX_SEED: the body's validation saw to it
             choices.append(Choice(index, prompt_index, msg))
     return choices
 

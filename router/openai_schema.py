@@ -20,6 +20,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from duet.v1 import generation_pb2 as pb
+from engine.sampling_params import MAX_SEED
 from router.structured_request import ResponseFormat
 
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
@@ -72,6 +73,9 @@ class _Request(_Body):
     def _stream_options_need_stream(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream=true")
+        if self.seed is not None and self.seed + self.n - 1 > MAX_SEED:  # as the offline engine judges it
+            raise ValueError(f"seed={self.seed} is invalid: must be at most {MAX_SEED - self.n + 1} with n={self.n}: "
+                             "sample i samples with seed + i")
         return self
 
     def sampling(self) -> pb.SamplingParams:

@@ -251,6 +251,7 @@ def test_a_list_of_prompts_text_or_token_ids_with_n(client, model, offline):
     (lambda c, m: c.chat.completions.create(model=m, messages=[{"role": "user", "content": None}]), None),
     (lambda c, m: c.completions.create(model=m, prompt="x", extra_body={"frobnicate": 1}), "frobnicate"),
     (lambda c, m: c.completions.create(model=m, prompt="x", top_p=0), "top_p"),
+    (lambda c, m: c.completions.create(model=m, prompt="x", n=2, seed=2**64 - 1), None),  # seed + 1 overflows
 ])
 def test_what_duet_does_not_implement_is_a_400_naming_it(client, model, create, param):
     with pytest.raises(openai.BadRequestError) as err:

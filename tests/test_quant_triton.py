@@ -3,7 +3,8 @@
 
 As in tests/test_kernels.py: on a machine without CUDA the cases run in a child pytest process that imports
 triton with TRITON_INTERPRET=1 (`test_under_interpreter`), in fp32 and fp16 (bf16 is wrong under the
-interpreter); on CUDA they run here, compiled, in bf16 too.
+interpreter); on CUDA they run here, compiled, in bf16 too. Without a GPU, the kernels are also compiled
+for sm_90 (H100) by triton's own compiler, which the interpreter never runs.
 
 Cases are drawn from seeded generators: rows 1..64 (both kernels, and each kernel forced on the other's
 row counts), odd output widths, input widths that are odd (per-channel int8) or 1..6 groups, int8 per
@@ -164,11 +165,57 @@ def test_triton_quantized_linear_refuses_bad_input_by_name():
         quantized_gemv_triton(torch.randn(5, 32).to(DEVICE), w)
 
 
+def compile_for_h100(fn, types: dict[str, str], constexprs: dict, num_stages: int):
+    """triton.compile of `fn` to a cubin for sm_90 (ptxas ships with triton: no GPU or driver needed), as a
+    launch on 16-byte aligned pointers and strides would specialize it (vector loads)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = fn.arg_names
+    signature = {n: "constexpr" if n in constexprs else types[n] for n in names}
+    aligned = {"X", "QWeight", "Scales", "Mins", "Bias", "Out", "in_features", "k_per_split", "stride_xm", "stride_qn"}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in aligned}
+    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": 4, "num_stages": num_stages})
+
+
+@pytest.mark.skipif(not HAVE_TRITON or INTERPRETED or CUDA, reason="CUDA runs them compiled; the interpreter cannot")
+@pytest.mark.parametrize("kind", ("int8", "int8_g32", "int4"))
+def test_kernels_compile_for_h100_without_a_gpu(kind):
+    """The interpreter runs Python, not triton's compiler: compile every kernel shape the launchers pick (GEMV
+    at 1 and 4 rows, GEMM in fp16 and fp32, the split summer) for sm_90, so code the compiler rejects fails
+    here, on a CPU-only machine."""
+    from engine.kernels import quant_linear_triton as qlt
+
+    int4, per_channel = kind == "int4", kind == "int8"
+    types = {n: "i32" for n in ("rows", "out_features", "in_features", "k_per_split", "stride_xm", "stride_qn",
+                                "stride_sn", "stride_om", "stride_os")}
+    types.update(Scales="*fp32", Mins="*fp32", QWeight="*u8" if int4 else "*i8")
+    flags = {"IS_INT4": int4, "GROUP": 576 if per_channel else 32, "PER_CHANNEL": per_channel, "HAS_BIAS": True}
+    for rows in (1, qlt.GEMV_MAX_ROWS):
+        block_n = qlt.GEMV_TILE_ELEMENTS // (rows * qlt.GEMV_BLOCK_K)
+        gemv_types = {**types, "X": "*fp16", "Bias": "*fp16", "Out": "*fp16"}
+        compiled = compile_for_h100(qlt._quantized_gemv_kernel, gemv_types,
+                                    {**flags, "BLOCK_M": rows, "BLOCK_N": block_n, "BLOCK_K": qlt.GEMV_BLOCK_K}, 1)
+        assert "cubin" in compiled.asm
+    for dtype, precision, stages in (("fp16", "tf32", 3), ("fp32", "ieee", 1)):
+        gemm_types = {**types, "X": f"*{dtype}", "Bias": f"*{dtype}", "Out": "*fp32"}  # Out: split partials
+        compiled = compile_for_h100(qlt._quantized_gemm_kernel, gemm_types,
+                                    {**flags, "BLOCK_M": 64, "BLOCK_N": qlt.GEMM_BLOCK_N, "BLOCK_K": qlt.GEMM_BLOCK_K,
+                                     "DOT_PRECISION": precision}, stages)
+        assert "cubin" in compiled.asm
+    summer_types = {"Partial": "*fp32", "Bias": "*bf16", "Out": "*bf16", "splits": "i32", "out_features": "i32",
+                    "stride_ps": "i32", "stride_pm": "i32", "stride_om": "i32"}
+    assert "cubin" in compile_for_h100(qlt._sum_splits_kernel, summer_types, {"HAS_BIAS": True, "BLOCK": 1024}, 1).asm
+
+
 @pytest.mark.skipif(not HAVE_TRITON or TRITON_HERE, reason="the Triton cases run in this process")
 def test_under_interpreter():
     """Run this file's Triton cases in a fresh process that imports triton with TRITON_INTERPRET=1."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-k", "not under_interpreter"]
+    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-k",
+           "not under_interpreter and not compile_for_h100"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     tail = proc.stdout[-6000:] + proc.stderr[-2000:]
     assert proc.returncode == 0, tail

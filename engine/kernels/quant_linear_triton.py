@@ -53,6 +53,8 @@ def quantized_linear_triton(x: torch.Tensor, w: QuantizedWeight, bias: torch.Ten
     if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"quantized_linear: x dtype {x.dtype} must be float32, float16 or bfloat16")
     rows = x.reshape(-1, w.in_features)
+    if rows.shape[0] == 0:
+        return torch.empty((*x.shape[:-1], w.out_features), dtype=x.dtype, device=x.device)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     launch = quantized_gemv_triton if rows.shape[0] <= GEMV_MAX_ROWS else quantized_gemm_triton
@@ -176,18 +178,17 @@ def _dequantize_tile(QWeight, Scales, Mins, n, k, mask, stride_qn, stride_sn,
                      IS_INT4: tl.constexpr, GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr):
     """fp32 weights at output rows `n` and inputs `k` (int64 index tensors broadcasting to the tile's
     shape, either orientation); 0 where `mask` is off. PER_CHANNEL: the raw q, to be scaled after the dot."""
-    if IS_INT4:
-        half: tl.constexpr = GROUP // 2  # input k: byte half * (k // GROUP) + k % half, nibble (k // half) % 2
-        packed = tl.load(QWeight + n * stride_qn + (k // GROUP) * half + k % half, mask=mask, other=0)
-        q = ((packed.to(tl.int32) >> ((k // half) % 2 * 4).to(tl.int32)) & 0xF).to(tl.float32)
+    if IS_INT4:  # input k: byte (GROUP // 2) * (k // GROUP) + k % (GROUP // 2), nibble (k // (GROUP // 2)) % 2
+        packed = tl.load(QWeight + n * stride_qn + (k // GROUP) * (GROUP // 2) + k % (GROUP // 2), mask=mask, other=0)
+        q = ((packed.to(tl.int32) >> ((k // (GROUP // 2)) % 2 * 4).to(tl.int32)) & 0xF).to(tl.float32)
     else:
         q = tl.load(QWeight + n * stride_qn + k, mask=mask, other=0).to(tl.float32)
-    if PER_CHANNEL:
-        return q
-    scale = tl.load(Scales + n * stride_sn + k // GROUP, mask=mask, other=0.0)
-    if IS_INT4:
-        return q * scale + tl.load(Mins + n * stride_sn + k // GROUP, mask=mask, other=0.0)
-    return q * scale
+    w = q  # a single return at the end: the form every triton version compiles
+    if not PER_CHANNEL:
+        w = q * tl.load(Scales + n * stride_sn + k // GROUP, mask=mask, other=0.0)
+        if IS_INT4:
+            w = w + tl.load(Mins + n * stride_sn + k // GROUP, mask=mask, other=0.0)
+    return w
 
 
 @jit

@@ -144,6 +144,7 @@ def test_triton_quantized_linear_takes_any_leading_shape_and_strided_rows():
     assert y.shape == (2, 3, 33)
     check(y, quantized_linear_reference(x, w), torch.float32)
     assert torch.equal(x, before)
+    assert quantized_linear_triton(torch.empty(0, 64, device=DEVICE), w).shape == (0, 33)  # no launch
 
 
 @triton_here

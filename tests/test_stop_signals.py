@@ -12,7 +12,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 CHILD = textwrap.dedent("""
-    import signal, sys, threading, time
+    import signal, threading, time
     from engine.stop_signals import StopSignals
 
     with StopSignals() as stop:
@@ -20,23 +20,16 @@ CHILD = textwrap.dedent("""
         bystander = threading.Thread(target=time.sleep, args=(60,), daemon=True)
         bystander.start()  # started before the mask below, so it takes SIGTERM
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # this thread only
-        if sys.argv[1] == "event":  # the pattern the router had: the handler runs when the main thread next wakes
-            done = threading.Event()
-            signal.signal(signal.SIGTERM, lambda *_: done.set())
-            print("ready", flush=True)
-            started = time.monotonic()
-            print("event.wait", done.wait(2.0), flush=True)
-        else:
-            print("ready", flush=True)
-            started = time.monotonic()
-            print("stop.wait", stop.wait(30.0), flush=True)
+        print("ready", flush=True)
+        started = time.monotonic()
+        print("stop.wait", stop.wait(30.0), flush=True)
         print("woke_after_s", round(time.monotonic() - started), flush=True)
         assert stop.wait(0) == signal.SIGTERM  # the first stop signal is kept
 """)
 
 
-def run_child(variant: str) -> list[str]:
-    child = subprocess.Popen([sys.executable, "-c", CHILD, variant], cwd=REPO_ROOT, stdout=subprocess.PIPE,
+def run_child() -> list[str]:
+    child = subprocess.Popen([sys.executable, "-c", CHILD], cwd=REPO_ROOT, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)
     try:
         assert child.stdout.readline() == "ready\n"
@@ -49,10 +42,5 @@ def run_child(variant: str) -> list[str]:
 
 
 def test_stop_signals_wake_the_main_thread_when_another_thread_takes_sigterm():
-    assert run_child("stop_signals") == [f"stop.wait {int(signal.SIGTERM)}", "woke_after_s 0"]
+    assert run_child() == [f"stop.wait {int(signal.SIGTERM)}", "woke_after_s 0"]
 
-
-def test_an_event_wait_sleeps_through_a_sigterm_another_thread_took():
-    """Why StopSignals exists: the SIGTERM was sent at once, but Event.wait still times out after 2 s; with no
-    timeout (the router's old `done.wait()`) it slept until the process was killed."""
-    assert run_child("event") == ["event.wait False", "woke_after_s 2"]

@@ -415,7 +415,32 @@ def test_smollm2_cluster_returns_the_offline_tokens():
         answer = http.chat.completions.create(model=model, messages=chats[0], max_tokens=16, temperature=0,
                                               logit_bias={str(t): -100 for t in paris})
         assert answer.choices[0].message.content == banned.text
+        check_structured_outputs(http, model)
         wait_idle(cluster)
+
+
+def check_structured_outputs(http: openai.OpenAI, model: str) -> None:
+    """Issue 17 on the real model: json_object parses as a JSON object, json_schema validates, and tools are a 400
+    saying the default model's chat template has no tool support."""
+    import jsonschema
+
+    person = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+              "required": ["name", "age"], "additionalProperties": False}
+    messages = [{"role": "user", "content": "Give me a JSON object with the name and age of Ada Lovelace (36)."}]
+    answer = http.chat.completions.create(model=model, messages=messages, max_tokens=64, temperature=0,
+                                          response_format={"type": "json_object"})
+    assert answer.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(answer.choices[0].message.content), dict)
+    answer = http.chat.completions.create(model=model, messages=messages, max_tokens=64, temperature=0,
+                                          response_format={"type": "json_schema", "json_schema": {
+                                              "name": "person", "schema": person, "strict": True}})
+    assert answer.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(answer.choices[0].message.content), person)
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        http.chat.completions.create(model=model, messages=messages, max_tokens=4, tools=[tool])
+    assert e.value.body["param"] == "tools" and "no tool support" in e.value.body["message"]
 
 
 @pytest.mark.slow

@@ -339,33 +339,3 @@ def test_hermes_calls_are_parsed_out_of_an_auto_answer():
     assert [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city": "Paris", "unit": "C"}')]
     assert content == 'Let me check. \n<tool_call>{"name": "unknown", "arguments": {}}</tool_call>'
     assert parse_hermes_calls("no calls", {"f"}) == ("no calls", [])
-
-
-# --- the real default model (SmolLM2-135M-Instruct GGUF) ------------------------------------------------
-
-@pytest.mark.slow
-def test_default_model_json_object_and_schema_through_the_openai_client():
-    """json_object: the answer parses as a JSON object; json_schema: it validates; tools: a 400 saying the
-    default model's chat template has no tool support."""
-    (http_port,) = pick_free_ports(1)
-    config = ClusterConfig(num_prefill=1, num_decode=1, worker_args=["--max-model-len", "1024"],
-                           router_args=["--max-model-len", "1024", "--http-port", str(http_port)])
-    person = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
-                                               "age": {"type": "integer", "minimum": 0, "maximum": 120}},
-              "required": ["name", "age"], "additionalProperties": False}
-    with LocalCluster(config).start():
-        http = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="none", max_retries=0, timeout=300)
-        model = http.models.list().data[0].id
-        messages = [{"role": "user", "content": "Give me a JSON object with the name and age of Ada Lovelace (36)."}]
-        answer = http.chat.completions.create(model=model, messages=messages, max_tokens=64, temperature=0,
-                                              response_format={"type": "json_object"})
-        assert answer.choices[0].finish_reason == "stop"
-        assert isinstance(json.loads(answer.choices[0].message.content), dict)
-        answer = http.chat.completions.create(model=model, messages=messages, max_tokens=64, temperature=0,
-                                              response_format={"type": "json_schema", "json_schema": {
-                                                  "name": "person", "schema": person, "strict": True}})
-        assert answer.choices[0].finish_reason == "stop"
-        jsonschema.validate(json.loads(answer.choices[0].message.content), person)
-        with pytest.raises(openai.BadRequestError) as e:
-            http.chat.completions.create(model=model, messages=messages, max_tokens=4, tools=[WEATHER_TOOL])
-        assert e.value.body["param"] == "tools" and "no tool support" in e.value.body["message"]

@@ -17,10 +17,12 @@ def cmd_ray_up(args: argparse.Namespace) -> int:
         model_dir=str(args.model) if args.model is not None else None, model_id=args.model_id,
         prefill=PoolConfig(min_replicas=args.prefill_min, max_replicas=args.prefill_max,
                            target_per_replica=args.prefill_target_tokens,
-                           scale_up_cooldown_s=args.scale_up_cooldown, scale_down_cooldown_s=args.scale_down_cooldown),
+                           scale_up_cooldown_s=args.scale_up_cooldown, scale_down_cooldown_s=args.scale_down_cooldown,
+                           args=shlex.split(args.prefill_args)),
         decode=PoolConfig(min_replicas=args.decode_min, max_replicas=args.decode_max,
                           target_per_replica=args.decode_target_requests,
-                          scale_up_cooldown_s=args.scale_up_cooldown, scale_down_cooldown_s=args.scale_down_cooldown),
+                          scale_up_cooldown_s=args.scale_up_cooldown, scale_down_cooldown_s=args.scale_down_cooldown,
+                          args=shlex.split(args.decode_args)),
         router_host=args.host, port=args.port, redis_url=args.redis_url, tp=args.tp,
         num_cpus_per_rank=args.cpus_per_rank, num_gpus_per_rank=args.gpus_per_rank,
         custom_resources=not args.no_custom_resources, poll_interval_s=args.poll_interval,
@@ -59,5 +61,8 @@ def add_ray_commands(sub: argparse._SubParsersAction) -> None:
                    help="do not ask for duet_prefill/duet_decode node resources (clusters without them)")
     p.add_argument("--worker-args", default="", help="extra flags for every prefill/decode worker, e.g. "
                    "\"--num-kv-blocks 4096 --max-num-batched-tokens 4096\"")
+    p.add_argument("--prefill-args", default="", help="extra flags for prefill workers only (after --worker-args), "
+                   "e.g. \"--quantization none\"")
+    p.add_argument("--decode-args", default="", help="extra flags for decode workers only (after --worker-args)")
     p.add_argument("--router-args", default="", help="extra flags for the router, e.g. \"--max-model-len 8192\"")
     p.set_defaults(func=cmd_ray_up)

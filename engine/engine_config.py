@@ -19,9 +19,9 @@ from dataclasses import dataclass
 DTYPE_NAMES = ("float32", "float16", "bfloat16")
 DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16", "float": "float32"}
 DEVICES = ("cpu", "cuda", "auto")
-# How weights are held. "none": dense in the engine dtype (a quantized GGUF file is dequantized on load).
-# Keeping them quantized (int8, int4, auto) is a later issue; until then any other value is refused.
-QUANTIZATIONS = ("none",)
+# How linear weights are held (engine/quantization.py): auto = a GGUF file's Q4_0/Q4_1/Q8_0 kept as stored, a
+# dense checkpoint dense; none = dense in the engine dtype; int8 / int4 = round-to-nearest on load.
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
 
 
 def canonical_dtype(name: str) -> str:
@@ -57,7 +57,7 @@ class EngineConfig:
     device: str = "cpu"  # "cpu", "cuda" or "auto" (cuda when available): weights, KV cache and step tensors
     cuda_graphs: bool = True  # on CUDA, decode-only steps replay captured graphs (engine/cuda_graphs.py)
     cuda_graph_batch_sizes: tuple[int, ...] | None = None  # graph buckets; None: 1, 2, 4, 8, 16, 24, 32, 48, ...
-    quantization: str = "none"  # one of QUANTIZATIONS
+    quantization: str = "auto"  # one of QUANTIZATIONS
 
     def __post_init__(self) -> None:
         if self.dtype is not None:
@@ -80,8 +80,7 @@ class EngineConfig:
             raise ValueError(f"device={self.device!r} is invalid: must be one of {', '.join(DEVICES)}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization={self.quantization!r} is invalid: must be one of "
-                             f"{', '.join(QUANTIZATIONS)} (dense weights in --dtype; quantized GGUF files are "
-                             "dequantized on load); int8, int4 and auto are not implemented yet")
+                             f"{', '.join(QUANTIZATIONS)}")
         sizes = self.cuda_graph_batch_sizes
         if sizes is not None:
             sizes = tuple(sizes)
@@ -181,8 +180,9 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag("cuda_graph_batch_sizes", "--cuda-graph-batch-sizes",
                "batch sizes captured as CUDA graphs, e.g. 1,2,4,8 (default: 1,2,4,8,16,24,32,48,... up to "
                "--max-num-seqs)"),
-    EngineFlag("quantization", "--quantization", "how weights are held: none = dense in --dtype (a quantized "
-               "GGUF is dequantized on load; default: none)"),
+    EngineFlag("quantization", "--quantization", "how linear weights are held: auto = a GGUF file's Q4_0/Q4_1/"
+               "Q8_0 kept as stored (other types dequantized), a dense checkpoint dense; none = dense in --dtype; "
+               "int8 / int4 = round-to-nearest on load (default: auto)", choices=QUANTIZATIONS),
 )
 
 

@@ -5,10 +5,13 @@ source presents them as `model.embed_tokens.weight`, `model.layers.N.self_attn.q
 PyTorch order, so the one loader (engine/weights.py) checks and loads them against the same specs
 (engine/tensor_specs.py) as a safetensors checkpoint.
 
-Quantized tensors are dequantized to float32 by the `gguf` package's own routines (no block format is
-decoded here). llama.cpp's converter reorders the rows of a llama model's Q and K projections (its RoPE
-kernel pairs adjacent dimensions; Hugging Face's pairs the two halves of each head); reading undoes that,
-as transformers' GGUF loader does. qwen2 files are converted without the reordering.
+`read` dequantizes quantized tensors to float32 by the `gguf` package's own routines; `read_quantized` hands
+a Q4_0 / Q4_1 / Q8_0 tensor over as it is stored, repacked into duet's layout (engine/gguf_blocks.py), for
+quantization="auto" (engine/quantization.py).
+
+llama.cpp's converter reorders the rows of a llama model's Q and K projections (its RoPE kernel pairs adjacent
+dimensions; Hugging Face's pairs the two halves of each head); reading undoes that, as transformers' GGUF
+loader does. qwen2 files are converted without the reordering.
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ import numpy as np
 import torch
 
 from engine.errors import ModelLoadError
+from engine.gguf_blocks import KEPT_BLOCK_BYTES, repack_gguf_blocks
 from engine.gguf_file import GGUFFile, open_gguf
+from engine.quant_format import QuantizedWeight
 from engine.tensor_source import TensorSlice
 
 _GLOBAL_NAMES = {
@@ -114,6 +119,27 @@ class GGUFSource:
         if part is None:
             return out.contiguous()
         return out.narrow(part.dim, part.start, part.end - part.start).contiguous()
+
+    def stored_type(self, name: str) -> str:
+        """The GGML type the file stores the tensor in ("Q4_1", "Q8_0", "F32", "Q6_K", ...)."""
+        return self._tensors[name].tensor_type.name
+
+    def read_quantized(self, name: str) -> QuantizedWeight | None:
+        """The whole 2-D tensor as stored, repacked (engine/gguf_blocks.py), in Hugging Face row order; None when
+        its type is not one duet keeps (KEPT_BLOCK_BYTES): `read` dequantizes those. Rows are independent, so
+        llama's Q/K row order is undone by permuting qweight, scales and mins rows alike."""
+        type_name = self.stored_type(name)
+        shape = self.shape(name)
+        if type_name not in KEPT_BLOCK_BYTES or len(shape) != 2:
+            return None
+        w = repack_gguf_blocks(np.asarray(self._tensors[name].data), type_name, shape[1])
+        for marker, heads in self._permuted_heads.items():
+            if marker in name:
+                w = QuantizedWeight(w.kind, unpermute_rows(w.qweight, heads).contiguous(),
+                                    unpermute_rows(w.scales, heads).contiguous(),
+                                    None if w.mins is None else unpermute_rows(w.mins, heads).contiguous(),
+                                    w.group_size)
+        return w
 
     def close(self) -> None:
         self._tensors = {}  # the reader (and its memory map) is open_gguf's to keep or drop

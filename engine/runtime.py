@@ -26,6 +26,7 @@ from engine.linear_fast import fast_linears
 from engine.memory_budget import device_memory, kv_cache_budget_bytes, weight_bytes
 from engine.model import KVCache, LlamaForCausalLM
 from engine.model_runner import ModelRunner, allocate_kv_caches, kv_bytes_per_block
+from engine.quantization import memory_report, weight_bytes_by_kind
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.tokenizer import Tokenizer
@@ -140,10 +141,13 @@ def build_runtime(model_dir: str | Path, config: EngineConfig, follower_module: 
 
         model, followers, control = start_group(model_config, model_dir, dtype, max_positions, num_blocks, config,
                                                 follower_module, follower_argv, device)
+        weights_by_kind = weight_bytes_by_kind(model)  # rank 0's shard
     else:
-        model = build_model(model_config, model_dir, dtype, max_positions=max_positions, device=device)
+        model = build_model(model_config, model_dir, dtype, max_positions=max_positions, device=device,
+                            quantization=config.quantization)
         if config.fast_linears:
             fast_linears(model)  # after loading (and any sharding): a transformation of the plain model
+        weights_by_kind = weight_bytes_by_kind(model)
     assert kv_bytes_per_block(model, config.block_size, dtype) == block_bytes
     if torch.device(device).type == "cpu":
         native_library()  # build (first run) or load the C kernels now, not inside the first request's step
@@ -168,10 +172,11 @@ def build_runtime(model_dir: str | Path, config: EngineConfig, follower_module: 
     if device.type == "cpu":
         reuse_freed_memory()  # after the long-lived weights and KV cache: only step temporaries are affected
     log.info(
-        "engine model=%s dtype=%s device=%s blocks=%d block_size=%d max_model_len=%d tp=%d",
+        "engine model=%s dtype=%s device=%s blocks=%d block_size=%d max_model_len=%d tp=%d quantization=%s",
         model_id, str(dtype).removeprefix("torch."), device, num_blocks, config.block_size, max_model_len,
-        config.tp_size,
+        config.tp_size, config.quantization,
     )
+    log.info("engine memory %s", memory_report(weights_by_kind, num_blocks * block_bytes))
     return Runtime(
         config=config, model_dir=model_dir, model_config=model_config, model_id=model_id, dtype=dtype,
         tokenizer=tokenizer, model=model, max_model_len=max_model_len, num_kv_blocks=num_blocks,

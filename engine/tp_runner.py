@@ -263,7 +263,8 @@ def start_group(model_config: ModelConfig, model_dir: str | Path, dtype: torch.d
     followers = spawn_followers(config.tp_size, init_method, model_dir, settings, follower_argv, follower_module)
     try:
         control = init_group(0, config.tp_size, init_method, device=device)
-        model = build_model(model_config, model_dir, dtype, max_positions, device, TPGroup(0, config.tp_size))
+        model = build_model(model_config, model_dir, dtype, max_positions, device, TPGroup(0, config.tp_size),
+                            config.quantization)
         if config.fast_linears:
             fast_linears(model)  # every shard's GEMMs and the lm_head shard (CPU only; no-op on CUDA)
         dist.barrier()

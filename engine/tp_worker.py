@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None =
         model_config = ModelConfig.from_path(args.model)
         dtype = parse_dtype(config.dtype)
         tp = TPGroup(args.rank, args.size)
-        model = build_model(model_config, args.model, dtype, config.max_model_len, device, tp)
+        model = build_model(model_config, args.model, dtype, config.max_model_len, device, tp, config.quantization)
         if config.fast_linears:
             fast_linears(model)  # as rank 0 does
         kv_caches = allocate_kv_caches(model, config.num_kv_blocks, config.block_size, dtype)

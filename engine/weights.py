@@ -22,7 +22,9 @@ import torch
 
 from engine.config import ModelConfig
 from engine.errors import ModelLoadError
+from engine.gguf_file import is_gguf_path
 from engine.model import LlamaForCausalLM
+from engine.quantization import load_quantized, plan_quantization, resolve_quantization
 from engine.tensor_parallel import Shard, TPGroup, local_config, parallelize, plan_shard
 from engine.tensor_source import TensorSlice, TensorSource, open_source
 from engine.tensor_specs import TensorSpec, TensorSpecs, tensor_specs
@@ -103,12 +105,16 @@ def _natural_key(name: str) -> list:
 
 
 def build_model(config: ModelConfig, model_dir: str | Path, dtype: torch.dtype, max_positions: int,
-                device: torch.device | str = "cpu", tp: TPGroup | None = None) -> LlamaForCausalLM:
+                device: torch.device | str = "cpu", tp: TPGroup | None = None,
+                quantization: str = "none") -> LlamaForCausalLM:
     """Make the model on `device` without initializing weights (they are all loaded), then load them.
 
     With `tp`, this rank's model: the plain model from its local config (its heads and MLP rows),
-    parallelized, holding only its shard. Raises ModelLoadError naming what is wrong with the
-    checkpoint (and ValueError if `tp.size` does not divide the model)."""
+    parallelized, holding only its shard. `quantization` (engine/quantization.py's modes: none, auto, int8,
+    int4) swaps linears for QuantizedLinears before any memory is allocated. Raises ModelLoadError naming what
+    is wrong with the checkpoint (and ValueError if `tp.size` does not divide the model, or a shard would split
+    a quantization group)."""
+    mode = resolve_quantization(quantization, is_gguf_path(model_dir))
     shard = None if tp is None else plan_shard(config, tp.rank, tp.size)
     with torch.device("meta"):
         if shard is None:
@@ -116,8 +122,10 @@ def build_model(config: ModelConfig, model_dir: str | Path, dtype: torch.dtype, 
         else:
             model = parallelize(LlamaForCausalLM(local_config(config, shard), max_positions), config, shard, tp)
         model = model.to(dtype)
-    model.to_empty(device=device)
-    model.rotary.to(device)  # a plain attribute, not a buffer: built on CPU in the constructor
     with torch.no_grad(), open_source(model_dir) as source:
-        load_weights(model, tensor_specs(config), source, shard)
+        plan = plan_quantization(model, tensor_specs(config), source, mode, shard)  # a transformation, on meta
+        model.to_empty(device=device)
+        model.rotary.to(device)  # a plain attribute, not a buffer: built on CPU in the constructor
+        load_weights(model, plan.dense_specs, source, shard)
+        load_quantized(model, plan, source, shard)
     return model.eval().requires_grad_(False)

@@ -282,20 +282,19 @@ def test_unsupported_tensor_type_is_refused(tmp_path):
         ModelConfig.from_path(path)
 
 
-def test_quantization_none_is_the_default_and_others_are_refused():
+def test_quantization_modes_and_their_flag():
     import argparse
 
-    assert EngineConfig().quantization == "none"
-    with pytest.raises(ValueError, match=r"quantization='int4' is invalid: must be one of none .*int8, int4 and "
-                                         r"auto are not implemented yet"):
-        EngineConfig(quantization="int4")
+    assert EngineConfig().quantization == "auto"
+    with pytest.raises(ValueError, match=r"quantization='int3' is invalid: must be one of auto, none, int8, int4"):
+        EngineConfig(quantization="int3")
     parser = argparse.ArgumentParser()
     add_engine_flags(parser)
-    assert EngineConfig.from_flags(parser.parse_args(["--quantization", "none"])).quantization == "none"
-    with pytest.raises(ValueError, match="quantization='int4' is invalid"):
-        EngineConfig.from_flags(parser.parse_args(["--quantization", "int4"]))
-    with pytest.raises(ValueError, match="quantization='auto' is invalid"):
-        LLM(quantization="auto")
+    for mode in ("auto", "none", "int8", "int4"):
+        assert EngineConfig.from_flags(parser.parse_args(["--quantization", mode])).quantization == mode
+    assert EngineConfig(quantization="int4").to_flags() == ["--quantization", "int4"]
+    with pytest.raises(SystemExit):  # argparse's choices: a usage error naming the flag
+        parser.parse_args(["--quantization", "q4"])
 
 
 # --- the real model -----------------------------------------------------------------------------------------

@@ -568,6 +568,7 @@ def test_every_flag_the_chart_passes_is_accepted_by_duet(case):
             WorkerConfig(role=role, redis_url=parsed.redis_url, engine=engine, kv_port=getattr(parsed, "kv_port", 0))
             fraction = merged_values(case)[role]["engine"]["kvCacheMemoryFraction"]
             assert engine.kv_cache_memory_fraction == (fraction or None)
+            assert engine.quantization == (merged_values(case)[role]["engine"]["quantization"] or "auto")
             assert engine.device == ("cuda" if merged_values(case)["gpu"]["enabled"] else "cpu")
 
 

@@ -18,6 +18,9 @@ class PoolConfig:
     target_per_replica: float = 8192.0  # prefill: waiting tokens + running; decode: running + waiting requests
     scale_up_cooldown_s: float = 30.0
     scale_down_cooldown_s: float = 120.0
+    # extra flags for this pool's workers, after RayLauncherConfig.worker_args (e.g. ["--quantization", "none"] on
+    # prefill while decode keeps the GGUF's packed weights: the KV layout is the same)
+    args: list[str] = field(default_factory=list)
 
     def policy(self) -> PoolPolicy:
         return PoolPolicy(target_per_replica=self.target_per_replica, min_replicas=self.min_replicas,

@@ -172,7 +172,8 @@ class RayLauncher:
             runtime_env=self._runtime_env,
         ).remote(name)
         extra_gpus = [g for ids in ray.get([h.gpu_ids.remote() for h in holders]) for g in ids] if holders else []
-        args = self._model_args() + (["--tp", str(cfg.tp)] if cfg.tp > 1 else []) + cfg.worker_args
+        tp_args = ["--tp", str(cfg.tp)] if cfg.tp > 1 else []
+        args = self._model_args() + tp_args + cfg.worker_args + cfg.pool(role).args  # the pool's own flags last
         ref = actor.start.remote(role, args, "0.0.0.0", None, 0, extra_gpus, cfg.ready_timeout_s)
         return name, role, actor, pg, holders, ref
 

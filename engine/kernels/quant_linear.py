@@ -1,0 +1,68 @@
+"""`quantized_linear(x, w, bias)`: y = x @ dequantize(w).T + bias for a `QuantizedWeight`, by the fastest backend
+this machine has. Every backend equals the twin, `quantized_linear_reference` (engine/quant_format.py), up to
+fp32 summation order.
+
+Backends, picked per call by device and row count (`quantized_linear_backend`):
+
+    torch, few rows   `grouped_linear_torch`: per-group dot products on the raw q values, scaled afterwards
+    torch, many rows  `dequantized_linear_torch`: the twin itself (dequantize the weight, one GEMM)
+    C (CPU)           hook: engine/kernels/cpu_native.py's int8 / int4 kernels plug in here (issue 18 part 3)
+    Triton (CUDA)     hook: engine/kernels/quant_linear_triton.py's `quantized_linear_triton` (part 4)
+
+No dequantized copy of a weight outlives a call: holding one would give back the memory quantization saves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from engine.quant_format import INT4_GROUP, QuantizedWeight, quantized_linear_reference
+
+QuantizedLinearFn = Callable[[torch.Tensor, QuantizedWeight, torch.Tensor | None], torch.Tensor]
+
+# Up to this many rows the grouped path wins: it never scales a whole weight, only rows x out x groups partial
+# sums (1 row of SmolLM2's gate_up, 3072 x 576 int4: ~1.9 ms grouped vs ~16 ms dequantizing, 1 thread); past it
+# those partial sums outgrow the weight and one dequantize + GEMM is cheaper.
+GROUPED_MAX_ROWS = 8
+
+
+def quantized_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] (fp32 / bf16 / fp16) times `w`'s weight, plus `bias`; fp32 accumulation, in x's dtype."""
+    return quantized_linear_backend(x, w)(x, w, bias)
+
+
+def quantized_linear_backend(x: torch.Tensor, w: QuantizedWeight) -> QuantizedLinearFn:
+    """The function `quantized_linear` calls for this input (named, so tests and benchmarks can see the pick)."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    if rows <= GROUPED_MAX_ROWS:
+        return grouped_linear_torch
+    return dequantized_linear_torch
+
+
+def dequantized_linear_torch(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The twin: the weight dequantized to fp32 for this call only, one GEMM."""
+    return quantized_linear_reference(x, w, bias)
+
+
+def grouped_linear_torch(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Fast path for few rows: y[r, o] = sum_g scales[o, g] * (x[r, g] . q[o, g]) (+ mins[o, g] * sum x[r, g]).
+    Same math as the twin with the scale applied per group sum instead of per weight, which saves two passes
+    over the whole weight (differs from the twin by fp32 rounding only)."""
+    out, in_features = w.out_features, w.in_features
+    groups = in_features // w.group_size
+    xg = x.reshape(-1, groups, w.group_size).float()
+    if w.kind == "int8":
+        q = w.qweight.reshape(out, groups, w.group_size).float()
+    else:  # byte j of a group: input j low nibble, input j + 16 high nibble
+        packed = w.qweight.reshape(out, groups, 1, INT4_GROUP // 2)
+        q = torch.cat([packed & 0x0F, packed >> 4], dim=2).float().reshape(out, groups, INT4_GROUP)
+    partial = torch.einsum("rgk,ogk->rog", xg, q)  # [rows, out, groups]
+    y = (partial * w.scales).sum(dim=-1)
+    if w.mins is not None:
+        y = y + F.linear(xg.sum(dim=-1), w.mins)
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).reshape(*x.shape[:-1], out)

@@ -553,6 +553,7 @@ def test_every_flag_the_chart_passes_is_accepted_by_duet(case):
     fails here, not in a pod. Workers' engine flags must also make a valid EngineConfig."""
     from duet.cli import build_parser
     from duet.cli_common import engine_config
+    from engine.engine_config import EngineConfig
     from worker.process import WorkerConfig
 
     parser = build_parser()
@@ -568,7 +569,8 @@ def test_every_flag_the_chart_passes_is_accepted_by_duet(case):
             WorkerConfig(role=role, redis_url=parsed.redis_url, engine=engine, kv_port=getattr(parsed, "kv_port", 0))
             fraction = merged_values(case)[role]["engine"]["kvCacheMemoryFraction"]
             assert engine.kv_cache_memory_fraction == (fraction or None)
-            assert engine.quantization == (merged_values(case)[role]["engine"]["quantization"] or "auto")
+            default = EngineConfig().quantization
+            assert engine.quantization == (merged_values(case)[role]["engine"]["quantization"] or default)
             assert engine.device == ("cuda" if merged_values(case)["gpu"]["enabled"] else "cpu")
 
 

@@ -7,7 +7,7 @@ Backends, picked per call by device and row count (`quantized_linear_backend`):
     torch, few rows   `grouped_linear_torch`: per-group dot products on the raw q values, scaled afterwards
     torch, many rows  `dequantized_linear_torch`: the twin itself (dequantize the weight, one GEMM)
     C (CPU)           hook: engine/kernels/cpu_native.py's int8 / int4 kernels plug in here (issue 18 part 3)
-    Triton (CUDA)     hook: engine/kernels/quant_linear_triton.py's `quantized_linear_triton` (part 4)
+    Triton (CUDA)     engine/kernels/quant_linear_triton.py's `quantized_linear_triton` (GEMV or tiled GEMM)
 
 No dequantized copy of a weight outlives a call: holding one would give back the memory quantization saves.
 """
@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from engine.kernels.triton_jit import use_triton
 from engine.quant_format import INT4_GROUP, QuantizedWeight, quantized_linear_reference
 
 QuantizedLinearFn = Callable[[torch.Tensor, QuantizedWeight, torch.Tensor | None], torch.Tensor]
@@ -36,6 +37,10 @@ def quantized_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | N
 
 def quantized_linear_backend(x: torch.Tensor, w: QuantizedWeight) -> QuantizedLinearFn:
     """The function `quantized_linear` calls for this input (named, so tests and benchmarks can see the pick)."""
+    if use_triton(x):  # CUDA: Triton kernels (engine/kernels/quant_linear_triton.py), GEMV or tiled GEMM by rows
+        from engine.kernels.quant_linear_triton import quantized_linear_triton
+
+        return quantized_linear_triton
     rows = x.numel() // max(x.shape[-1], 1)
     if rows <= GROUPED_MAX_ROWS:
         return grouped_linear_torch

@@ -109,6 +109,7 @@ class PrefillLoop(StepHooks):
         self._step_sends: list[_Send] = []
         self._step_failed = False  # set by `on_execute_failed`
         self._execute_start_s = 0.0  # when this step's sends were chosen: its measured time starts there
+        self._warmed_up = False  # the first step is not measured (see `_measure`)
         self.num_waiting_tokens = 0  # uncached prompt tokens not computed yet: the work queued here (a
         # waiting request counts its prompt minus the cache hit it had on arrival); recounted on the engine thread
         self._decayed_tokens = 0.0
@@ -272,7 +273,13 @@ class PrefillLoop(StepHooks):
         return layer_group_callback(self.rt.model_config.num_layers, self.layer_group_size, ship)
 
     def _measure(self, num_tokens: int, step_s: float) -> None:
-        """Decayed sums, so the speed follows the recent mix of prompt lengths and includes step overhead."""
+        """Decayed sums, so the speed follows the recent mix of prompt lengths and includes step overhead. The
+        worker's first step is left out: it pays one-time warm-up (lazy kernel loads, first allocations), and with
+        the slow decay it would make a fresh worker look several times slower than it is for many steps, so the
+        router would send a prefix away from the worker that holds it."""
+        if not self._warmed_up:
+            self._warmed_up = True
+            return
         self._decayed_tokens = 0.95 * self._decayed_tokens + num_tokens
         self._decayed_step_s = 0.95 * self._decayed_step_s + step_s
         self.tokens_per_s = self._decayed_tokens / self._decayed_step_s if self._decayed_step_s > 0 else 0.0

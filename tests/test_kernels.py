@@ -13,7 +13,6 @@ the interpreter runs each program instance in Python.
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 import random
@@ -25,23 +24,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+from triton_env import CUDA, DEVICE, HAVE_TRITON, INTERPRETED, TRITON_DTYPES, TRITON_HERE, triton_here  # noqa: E402,F401
 
 from engine import kernels
 from engine.kernels import cpu_native
 from engine.kernels.decode_attention import context_lens_from_mask
 from engine.rope import RotaryEmbedding
 
-HAVE_TRITON = importlib.util.find_spec("triton") is not None
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-CUDA = torch.cuda.is_available() and not INTERPRETED
-DEVICE = "cuda" if CUDA else "cpu"
-TRITON_HERE = HAVE_TRITON and (INTERPRETED or CUDA)
-triton_here = pytest.mark.skipif(
-    not TRITON_HERE,
-    reason="triton is not installed" if not HAVE_TRITON else "runs in test_under_interpreter's child process",
-)
-
-TRITON_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])
 # Triton vs twin. fp32: both accumulate in fp32 and differ in summation order only. fp16/bf16: the twin
 # rounds intermediate products (scores, probabilities, x*cos) to the dtype and the kernel does not, so
 # they differ by a few ulps of the output (fp16 ulp at 1.0 is 1e-3, bf16's 8e-3).

@@ -14,7 +14,6 @@ bias, one split of K and several. Shapes stay small: the interpreter runs each p
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import random
 import subprocess
@@ -22,20 +21,10 @@ import sys
 
 import pytest
 import torch
+from triton_env import CUDA, DEVICE, HAVE_TRITON, INTERPRETED, TRITON_DTYPES, TRITON_HERE, triton_here  # noqa: E402,F401
 
 from engine.quant_format import QuantizedWeight, pack_int4, quantize_int4, quantize_int8, quantized_linear_reference
 
-HAVE_TRITON = importlib.util.find_spec("triton") is not None
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-CUDA = torch.cuda.is_available() and not INTERPRETED
-DEVICE = "cuda" if CUDA else "cpu"
-TRITON_HERE = HAVE_TRITON and (INTERPRETED or CUDA)
-triton_here = pytest.mark.skipif(
-    not TRITON_HERE,
-    reason="triton is not installed" if not HAVE_TRITON else "runs in test_under_interpreter's child process",
-)
-
-TRITON_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])
 # Kernel vs twin, relative to the largest |y| of the case. fp32: both accumulate in fp32 and differ in
 # summation order (and per-channel int8 scaling the finished dot) only. fp16/bf16: the twin rounds only y
 # to the dtype (half an ulp: 2^-11 fp16, 2^-8 bf16); the GEMM also rounds each dequantized weight to the

@@ -24,7 +24,14 @@ from engine import LLM, SamplingParams
 from engine.config import ModelConfig
 from engine.default_model import default_model_path
 from engine.gguf_blocks import repack_gguf_blocks
-from engine.kernels.quant_linear import grouped_linear_torch, quantized_linear, quantized_linear_backend
+from engine.kernels import cpu_native
+from engine.kernels.quant_linear import (
+    NATIVE_MAX_ROWS,
+    dequantized_linear_torch,
+    grouped_linear_torch,
+    quantized_linear,
+    quantized_linear_backend,
+)
 from engine.model_runner import allocate_kv_caches
 from engine.quant_format import dequantize, quantize_int4, quantize_int8, quantized_linear_reference
 from engine.quantization import weight_bytes_by_kind
@@ -77,7 +84,14 @@ def test_dispatcher_equals_the_twin(rows, kind):
     x, bias = torch.randn(rows, 96, generator=gen), torch.randn(40, generator=gen)
     ref = quantized_linear_reference(x, qw, bias)
     torch.testing.assert_close(quantized_linear(x, qw, bias), ref, atol=1e-5, rtol=1e-5)
-    assert (quantized_linear_backend(x, qw) is grouped_linear_torch) == (rows <= 8)
+    if cpu_native.native_library() is None:
+        assert quantized_linear_backend(x, qw) is (grouped_linear_torch if rows <= 8 else dequantized_linear_torch)
+    else:
+        few = rows <= NATIVE_MAX_ROWS[kind]
+        assert quantized_linear_backend(x, qw) is (cpu_native.quantized_linear_native if few
+                                                   else cpu_native.dequantized_linear_native)
+        assert quantized_linear_backend(x.half(), qw) is (grouped_linear_torch if rows <= 8
+                                                          else dequantized_linear_torch)  # fp16: not the C side's
     y16 = quantized_linear(x.bfloat16(), qw, bias.bfloat16())
     assert y16.dtype == torch.bfloat16 and y16.shape == (rows, 40)
 

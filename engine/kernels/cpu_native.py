@@ -1,14 +1,16 @@
-"""CPU kernels in C (engine/kernels/csrc/cpu_kernels.c), built on first use with the system compiler.
+"""CPU kernels in C (engine/kernels/csrc/*.c), built on first use with the system compiler.
 
 On CPU the model's small ops are torch twins that each make a pass over memory and pay torch's dispatch:
 a layer's decode step runs ~30 of them around its four GEMMs (qwen05b: ~35 ms of a 150 ms batch-1 step,
 and the padded-gather decode attention alone ~1.5-2.5 ms per layer at batch 64). The C kernels do each
 job in one pass: RMSNorm with its residual add, SiLU-and-multiply, rotary, and decode attention read in
 place from the paged cache. And one GEMV: a single bf16 row times a bf16 weight, which torch and oneDNN
-run well below DRAM bandwidth on CPUs without bf16 arithmetic (engine/linear_fast.py uses it).
+run well below DRAM bandwidth on CPUs without bf16 arithmetic (engine/linear_fast.py uses it). And the
+quantized linears (csrc/quant_kernels.c): int8 / int4 weights in engine/quant_format.py's layout, dequantized
+in registers, for one row (GEMV) and few rows.
 
-Build: `cc -O3 -march=native -fopenmp -ffp-contract=off -shared` into $DUET_CACHE_DIR/kernels (default
-~/.cache/duet/kernels), one library per source, compiler and CPU, written atomically; later processes load
+Build: `cc -O3 -march=native -fopenmp -ffp-contract=off -shared csrc/*.c` into $DUET_CACHE_DIR/kernels (default
+~/.cache/duet/kernels), one library per sources, flags, compiler and CPU, written atomically; later processes load
 it without compiling. No compiler, or a failed build, leaves the twins in place (logged once).
 `DUET_CPU_KERNELS=0` is the documented override that keeps the twins.
 
@@ -32,9 +34,12 @@ from pathlib import Path
 
 import torch
 
+from engine.quant_format import INT4_GROUP, QuantizedWeight
+
 log = logging.getLogger("duet.engine")
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_kernels.c"
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = (CSRC / "cpu_kernels.c", CSRC / "quant_kernels.c")
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-ffp-contract=off", "-fno-math-errno",
          "-fno-trapping-math", "-shared", "-fPIC"]
 DTYPES = (torch.float32, torch.bfloat16)
@@ -67,9 +72,9 @@ def _compiler() -> str | None:
 
 def _build(compiler: str, flags: list[str] = FLAGS) -> Path:
     """The library for this source, compiler, `flags` and CPU, compiled unless the cache has it."""
-    source = SOURCE.read_bytes()
+    sources = [path.read_bytes() for path in (*SOURCES, *sorted(CSRC.glob("*.h")))]
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), version.encode(),
+    key = hashlib.sha256(b"\0".join([*sources, " ".join(flags).encode(), version.encode(),
                                      _cpu_signature().encode()])).hexdigest()[:20]
     target = cache_dir() / f"duet_cpu_kernels-{key}.so"
     if target.is_file():
@@ -78,7 +83,7 @@ def _build(compiler: str, flags: list[str] = FLAGS) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *flags, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
+        subprocess.run([compiler, *flags, *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True, text=True,
                        check=True)
         os.replace(tmp, target)  # atomic: a concurrent build of the same key writes the same bytes
     finally:
@@ -101,8 +106,13 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "duet_decode_attention": [p, i64, i64, p, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, f32, i32],
         "duet_gemv_bf16": [p, p, p, p, i64, i64],
         "duet_rotary_store_kv": [p, i64, i64, p, p, p, p, i64, p, p, p, i64, i64, i64, i64, i64, i32],
+        "duet_int8_linear": [p, i64, p, p, i64, p, p, i64, i64, i64, i32],
+        "duet_int4_linear": [p, i64, p, p, p, p, p, i64, i64, i64, i32],
+        "duet_int8_dequantize": [p, p, i64, p, i64, i64],
+        "duet_int4_dequantize": [p, p, p, p, i64, i64],
+        "duet_quant_vector_bits": [],
     }
-    returns = {"duet_rotary_store_kv": i64}
+    returns = {"duet_rotary_store_kv": i64, "duet_quant_vector_bits": i32}
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, returns.get(name)
@@ -292,3 +302,100 @@ def gemv_bf16_native(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     y = torch.empty((1, n_out), dtype=torch.bfloat16)
     lib.duet_gemv_bf16(x.data_ptr(), weight.data_ptr(), _ptr(bias), y.data_ptr(), n_out, k_in)
     return y
+
+
+def quantized_linear_native(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] (CPU, float32 or bfloat16) times `w`'s weight (int8 or int4, engine/quant_format.py) plus `bias`
+    -> [..., out] in x's dtype: the weight dequantized in registers, products summed in float32, rounded once.
+    Equals `quantized_linear_reference` up to float32 summation order. For any row count; fastest for few rows
+    (the weight is read once, x's rows in tiles of 4 share each unpacked block)."""
+    lib = native_library()
+    if lib is None:
+        raise RuntimeError("quantized_linear_native: the C kernels are not built here (see the cpu_kernels log line)")
+    x2, y, bias = _quantized_args(x, w, bias)
+    rows, k_in = x2.shape
+    qweight, scales = _contiguous(w.qweight), _contiguous(w.scales)
+    if w.kind == "int8":
+        lib.duet_int8_linear(x2.data_ptr(), x2.stride(0), qweight.data_ptr(), scales.data_ptr(), w.group_size,
+                             _ptr(bias), y.data_ptr(), rows, w.out_features, k_in, _bf16(x))
+    else:
+        lib.duet_int4_linear(x2.data_ptr(), x2.stride(0), qweight.data_ptr(), scales.data_ptr(),
+                             _contiguous(w.mins).data_ptr(), _ptr(bias), y.data_ptr(), rows, w.out_features, k_in,
+                             _bf16(x))
+    return y.reshape(*x.shape[:-1], w.out_features)
+
+
+def int8_linear_native(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`quantized_linear_native` for an int8 weight (per channel, or groups of a multiple of 32: GGUF Q8_0)."""
+    if w.kind != "int8":
+        raise ValueError(f"int8_linear_native: weight kind {w.kind!r} is invalid: must be 'int8'")
+    return quantized_linear_native(x, w, bias)
+
+
+def int4_linear_native(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`quantized_linear_native` for an int4 weight (groups of 32 with scales and mins: GGUF Q4_0 / Q4_1)."""
+    if w.kind != "int4":
+        raise ValueError(f"int4_linear_native: weight kind {w.kind!r} is invalid: must be 'int4'")
+    return quantized_linear_native(x, w, bias)
+
+
+def dequantize_native(w: QuantizedWeight) -> torch.Tensor:
+    """`dequantize(w)` in one pass: float32 [out, in], each value q * s (+ m) as the twin computes it."""
+    lib = native_library()
+    if lib is None:
+        raise RuntimeError("dequantize_native: the C kernels are not built here (see the cpu_kernels log line)")
+    _check_quantized(w)
+    out = torch.empty((w.out_features, w.in_features), dtype=torch.float32)
+    qweight, scales = _contiguous(w.qweight), _contiguous(w.scales)
+    if w.kind == "int8":
+        lib.duet_int8_dequantize(qweight.data_ptr(), scales.data_ptr(), w.group_size, out.data_ptr(),
+                                 w.out_features, w.in_features)
+    else:
+        lib.duet_int4_dequantize(qweight.data_ptr(), scales.data_ptr(), _contiguous(w.mins).data_ptr(),
+                                 out.data_ptr(), w.out_features, w.in_features)
+    return out
+
+
+def dequantized_linear_native(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Many rows: the weight dequantized to float32 for this call only (`dequantize_native`), then torch's GEMM,
+    whose blocking reuses x from cache far better than a per-output-row kernel can (the twin's arithmetic)."""
+    y = torch.nn.functional.linear(x.float(), dequantize_native(w), None if bias is None else bias.float())
+    return y.to(x.dtype)
+
+
+def quantized_native_applies(x: torch.Tensor, w: QuantizedWeight) -> bool:
+    """Whether `quantized_linear_native` takes this call here: the library is built, x is CPU fp32 / bf16, and the
+    weight is one the C side reads (engine/kernels/quant_linear.py asks before picking it)."""
+    return x.is_cpu and x.dtype in DTYPES and _quantized_problem(w) is None and native_library() is not None
+
+
+def _quantized_problem(w: QuantizedWeight) -> str | None:
+    if not w.qweight.is_cpu:
+        return f"quantized weight on {w.qweight.device} is invalid: the C kernels take CPU tensors"
+    if w.kind == "int8" and w.group_size != w.in_features and w.group_size % INT4_GROUP:
+        return (f"int8 group_size {w.group_size} is invalid for the C kernels: must be in_features "
+                f"({w.in_features}) or a multiple of {INT4_GROUP}")
+    return None
+
+
+def _check_quantized(w: QuantizedWeight) -> None:
+    if (problem := _quantized_problem(w)) is not None:
+        raise ValueError(problem)
+
+
+def _quantized_args(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None):
+    """x as [rows, in] with a unit last stride, the output [rows, out] in x's dtype, bias as float32 [out]."""
+    _check_quantized(w)
+    if not x.is_cpu or x.dtype not in DTYPES or x.shape[-1] != w.in_features:
+        raise ValueError(f"quantized_linear_native: x {tuple(x.shape)} {x.dtype} on {x.device} is invalid: must be "
+                         f"a CPU float32 / bfloat16 tensor [..., {w.in_features}]")
+    x2 = _unit_last(x.reshape(-1, w.in_features))
+    if x2.shape[0] > 1 and x2.stride(0) < w.in_features:  # a broadcast (stride 0) row: the C side reads rows apart
+        x2 = x2.contiguous()
+    if bias is not None:
+        bias = _dense(bias, torch.float32, w.out_features, "bias")
+    return x2, torch.empty((x2.shape[0], w.out_features), dtype=x.dtype), bias
+
+
+def _contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_contiguous() else t.contiguous()

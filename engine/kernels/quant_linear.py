@@ -6,7 +6,8 @@ Backends, picked per call by device and row count (`quantized_linear_backend`):
 
     torch, few rows   `grouped_linear_torch`: per-group dot products on the raw q values, scaled afterwards
     torch, many rows  `dequantized_linear_torch`: the twin itself (dequantize the weight, one GEMM)
-    C (CPU)           hook: engine/kernels/cpu_native.py's int8 / int4 kernels plug in here (issue 18 part 3)
+    C (CPU)           engine/kernels/cpu_native.py: `quantized_linear_native` (dequantizes in registers) up to
+                      NATIVE_MAX_ROWS[kind] rows, `dequantized_linear_native` (one dequantize pass + GEMM) above
     Triton (CUDA)     engine/kernels/quant_linear_triton.py's `quantized_linear_triton` (GEMV or tiled GEMM)
 
 No dequantized copy of a weight outlives a call: holding one would give back the memory quantization saves.
@@ -19,6 +20,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from engine.kernels import cpu_native
 from engine.kernels.triton_jit import use_triton
 from engine.quant_format import INT4_GROUP, QuantizedWeight, quantized_linear_reference
 
@@ -28,6 +30,10 @@ QuantizedLinearFn = Callable[[torch.Tensor, QuantizedWeight, torch.Tensor | None
 # sums (1 row of SmolLM2's gate_up, 3072 x 576 int4: ~1.9 ms grouped vs ~16 ms dequantizing, 1 thread); past it
 # those partial sums outgrow the weight and one dequantize + GEMM is cheaper.
 GROUPED_MAX_ROWS = 8
+
+# The C kernel beats dequantize + GEMM up to these row counts (benchmarks/quant_kernels_bench.py's crossover table,
+# RESULTS.md: int8 between 16 and 32 rows, int4 between 128 and 256: its dequantize pass costs more than int8's).
+NATIVE_MAX_ROWS = {"int8": 16, "int4": 128}
 
 
 def quantized_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -42,6 +48,10 @@ def quantized_linear_backend(x: torch.Tensor, w: QuantizedWeight) -> QuantizedLi
 
         return quantized_linear_triton
     rows = x.numel() // max(x.shape[-1], 1)
+    if cpu_native.quantized_native_applies(x, w):  # CPU with the C kernels built
+        if rows <= NATIVE_MAX_ROWS[w.kind]:
+            return cpu_native.quantized_linear_native
+        return cpu_native.dequantized_linear_native
     if rows <= GROUPED_MAX_ROWS:
         return grouped_linear_torch
     return dequantized_linear_torch

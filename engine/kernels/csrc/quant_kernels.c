@@ -1,0 +1,365 @@
+/* Quantized linears for engine/quant_format.py's layout: y = x · dequantize(W)ᵀ + bias, the weight dequantized
+ * in registers (never to memory), products accumulated in float32. Built with cpu_kernels.c into one library
+ * (engine/kernels/cpu_native.py); the torch twin, `quantized_linear_reference`, is every test's reference.
+ *
+ *   int8  q int8  [N, K]        w[o, k] = s[o, k / G] * q[o, k]           G = K (per channel) or a multiple of 32
+ *   int4  q uint8 [N, K / 2]    w[o, k] = s[o, k / 32] * q[o, k] + m[o, k / 32]
+ *         a group's 16 bytes:   byte j = [ q(32g + j + 16) : high nibble | q(32g + j) : low nibble ]
+ *
+ *   x [R, K] (row stride ldx, float32, or bfloat16 widened once into a float32 copy), bias float32 [N] or NULL,
+ *   y [R, N] contiguous in x's dtype, rounded once (after the bias) as the twin's final `.to(x.dtype)`.
+ *
+ * Work: OpenMP over output rows (each thread streams its own slice of W once); per output row, x's rows in tiles
+ * of up to ROW_TILE, so a weight block is unpacked once per tile and reused from registers by every row of it.
+ * One block is 32 inputs (an int4 group, or an int8 block sharing one scale since G is K or a multiple of 32).
+ *
+ * Paths, chosen at compile time by the build's -march: AVX-512F (16 lanes), AVX2 + FMA (8 lanes), or the plain C
+ * loops (any CPU; the tests build it with -mno-avx2 -mno-fma). Each vector path computes the plain path's sums
+ * in another order: w = fma(q, s, m) rounds once where the twin rounds q * s and + m separately, and partial
+ * sums are split over lanes and accumulators; so results agree with the twin to fp32 summation order.
+ */
+
+#if defined(DUET_EMULATE_AVX512) /* tests only: the AVX-512 path's lane arithmetic in plain C, on any x86 CPU */
+#define QUANT_AVX512 1
+#include "avx512_emulation.h"
+#elif defined(__AVX512F__) && defined(__AVX512BW__)
+#define QUANT_AVX512 1
+#include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__)
+#define QUANT_AVX2 1
+#include <immintrin.h>
+#endif
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define BLOCK 32          /* inputs per int4 group and per int8 scale step */
+#define ROW_TILE 4        /* rows of x sharing one unpacked weight block */
+#define PARALLEL_MIN_WEIGHTS 65536 /* below this a thread barrier costs more than the second core gives */
+
+/* bf16 <-> float32, as cpu_kernels.c (round to nearest even, NaN -> 0x7FC0, as torch) */
+typedef union {
+    uint32_t u;
+    float f;
+} quant_bits32;
+
+static inline float quant_bf16_to_f32(uint16_t h) {
+    quant_bits32 b = {.u = (uint32_t)h << 16};
+    return b.f;
+}
+
+static inline uint16_t quant_f32_to_bf16(float f) {
+    quant_bits32 b = {.f = f};
+    uint32_t rounded = (b.u + 0x7fffu + ((b.u >> 16) & 1u)) >> 16;
+    return (b.u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)0x7fc0 : (uint16_t)rounded;
+}
+
+/* Which vector path this build compiled: 512, 256, or 0 for the plain loops (the tests check each build's). */
+int duet_quant_vector_bits(void) {
+#if defined(QUANT_AVX512)
+    return 512;
+#elif defined(QUANT_AVX2)
+    return 256;
+#else
+    return 0;
+#endif
+}
+
+/* ---- the plain loops: one output row against `rt` rows of x ------------------------------------------------ */
+
+static float int8_scale(const float *s, int64_t k, int64_t group) { return s[k / group]; }
+
+static void int8_tile_plain(const float *x, int64_t ldx, int rt, const int8_t *q, const float *s, int64_t group,
+                            int64_t k_in, float *sums) {
+    for (int r = 0; r < rt; r++) {
+        const float *xr = x + r * ldx;
+        float acc = 0.0f;
+        for (int64_t k = 0; k < k_in; k++) acc += xr[k] * (int8_scale(s, k, group) * (float)q[k]);
+        sums[r] = acc;
+    }
+}
+
+static __attribute__((unused)) void int4_tile_plain(const float *x, int64_t ldx, int rt, const uint8_t *q, const float *s, const float *m,
+                            int64_t k_in, float *sums) {
+    for (int r = 0; r < rt; r++) {
+        const float *xr = x + r * ldx;
+        float acc = 0.0f;
+        for (int64_t g = 0; g < k_in / BLOCK; g++)
+            for (int j = 0; j < BLOCK / 2; j++) {
+                uint8_t byte = q[g * (BLOCK / 2) + j];
+                acc += xr[g * BLOCK + j] * (s[g] * (float)(byte & 0x0F) + m[g]);
+                acc += xr[g * BLOCK + j + BLOCK / 2] * (s[g] * (float)(byte >> 4) + m[g]);
+            }
+        sums[r] = acc;
+    }
+}
+
+/* sums[r] += m · xsum[r] over the groups: the mins' share of the factored int4 form (the vector paths) */
+static inline void add_min_terms(int rt, const float *m, const float *xsum, int64_t groups, float *sums) {
+    for (int r = 0; r < rt; r++) {
+        float acc = 0.0f;
+        for (int64_t g = 0; g < groups; g++) acc += m[g] * xsum[r * groups + g];
+        sums[r] += acc;
+    }
+}
+
+/* ---- AVX2: a 32-input block is 4 vectors of 8 ----------------------------------------------------------------
+ * Factored form: acc[r] += s * (x[r, block] · q) (and, int4, + m * sum(x[r, group]) afterwards): the dot product
+ * on the raw q values in two independent chains, scaled once, so dequantizing costs one FMA a block, not four
+ * (a GEMV here is bound by these instructions, not by DRAM). One accumulator per row: its chain is one FMA a
+ * block, shorter than the block's other work. */
+#if defined(QUANT_AVX2)
+static inline float hsum256(__m256 v) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+
+static inline __attribute__((always_inline)) void block_fma_avx2(const float *x, int64_t ldx, const int rt,
+                                                                 const __m256 q[4], __m256 scale,
+                                                                 __m256 acc[ROW_TILE]) {
+    for (int r = 0; r < rt; r++) {
+        const float *xr = x + r * ldx;
+        __m256 d01 = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8), q[1], _mm256_mul_ps(_mm256_loadu_ps(xr), q[0]));
+        __m256 d23 = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 24), q[3], _mm256_mul_ps(_mm256_loadu_ps(xr + 16), q[2]));
+        acc[r] = _mm256_fmadd_ps(scale, _mm256_add_ps(d01, d23), acc[r]);
+    }
+}
+
+static inline __attribute__((always_inline)) void int8_tile_avx2(const float *x, int64_t ldx, const int rt,
+                                                                 const int8_t *q, const float *s, int64_t group,
+                                                                 const float *xsum, int64_t k_in, float *sums) {
+    (void)xsum;
+    __m256 acc[ROW_TILE];
+    for (int r = 0; r < rt; r++) acc[r] = _mm256_setzero_ps();
+    int64_t k32 = k_in / BLOCK * BLOCK;
+    for (int64_t k = 0; k < k32; k += BLOCK) {
+        __m256i raw = _mm256_loadu_si256((const __m256i *)(q + k));
+        __m128i lo = _mm256_castsi256_si128(raw), hi = _mm256_extracti128_si256(raw, 1);
+        __m256 w[4] = {
+            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)),
+            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(lo, lo))),
+            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)),
+            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(hi, hi))),
+        };
+        block_fma_avx2(x + k, ldx, rt, w, _mm256_broadcast_ss(s + k / group), acc);
+    }
+    for (int r = 0; r < rt; r++) sums[r] = hsum256(acc[r]);
+    if (k32 < k_in) { /* per-channel int8 of a width that is no multiple of 32: the plain loop for the rest */
+        float tail[ROW_TILE];
+        int8_tile_plain(x + k32, ldx, rt, q + k32, s, group, k_in - k32, tail); /* G == K: one scale, s[0] */
+        for (int r = 0; r < rt; r++) sums[r] += tail[r];
+    }
+}
+
+static inline __attribute__((always_inline)) void int4_tile_avx2(const float *x, int64_t ldx, const int rt,
+                                                                 const uint8_t *q, const float *s, const float *m,
+                                                                 const float *xsum, int64_t k_in, float *sums) {
+    __m256 acc[ROW_TILE];
+    for (int r = 0; r < rt; r++) acc[r] = _mm256_setzero_ps();
+    const __m128i nibble = _mm_set1_epi8(0x0F);
+    for (int64_t g = 0; g < k_in / BLOCK; g++) {
+        __m128i raw = _mm_loadu_si128((const __m128i *)(q + g * (BLOCK / 2)));
+        __m128i lo = _mm_and_si128(raw, nibble), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), nibble);
+        __m256 w[4] = { /* inputs 0-7, 8-15 (low nibbles), 16-23, 24-31 (high nibbles) */
+            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)),
+            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(lo, lo))),
+            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)),
+            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(hi, hi))),
+        };
+        block_fma_avx2(x + g * BLOCK, ldx, rt, w, _mm256_broadcast_ss(s + g), acc);
+    }
+    for (int r = 0; r < rt; r++) sums[r] = hsum256(acc[r]);
+    add_min_terms(rt, m, xsum, k_in / BLOCK, sums);
+}
+#endif
+
+/* ---- AVX-512: a 32-input block is 2 vectors of 16 ------------------------------------------------------------
+ * UNTESTED: the development machine has no AVX-512 (compiled there with -march=skylake-avx512 only). The AVX2
+ * path's structure and factored form, 16 lanes: q widened with vpmovzxbd / vpmovsxbd straight from 16 bytes. */
+#if defined(QUANT_AVX512)
+static inline __attribute__((always_inline)) void block_fma_avx512(const float *x, int64_t ldx, const int rt,
+                                                                   const __m512 q[2], __m512 scale,
+                                                                   __m512 acc[ROW_TILE]) {
+    for (int r = 0; r < rt; r++) {
+        const float *xr = x + r * ldx;
+        __m512 d = _mm512_fmadd_ps(_mm512_loadu_ps(xr + 16), q[1], _mm512_mul_ps(_mm512_loadu_ps(xr), q[0]));
+        acc[r] = _mm512_fmadd_ps(scale, d, acc[r]);
+    }
+}
+
+static inline __attribute__((always_inline)) void int8_tile_avx512(const float *x, int64_t ldx, const int rt,
+                                                                   const int8_t *q, const float *s, int64_t group,
+                                                                   const float *xsum, int64_t k_in, float *sums) {
+    (void)xsum;
+    __m512 acc[ROW_TILE];
+    for (int r = 0; r < rt; r++) acc[r] = _mm512_setzero_ps();
+    int64_t k32 = k_in / BLOCK * BLOCK;
+    for (int64_t k = 0; k < k32; k += BLOCK) {
+        __m512 w[2] = {
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + k)))),
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + k + 16)))),
+        };
+        block_fma_avx512(x + k, ldx, rt, w, _mm512_set1_ps(s[k / group]), acc);
+    }
+    for (int r = 0; r < rt; r++) sums[r] = _mm512_reduce_add_ps(acc[r]);
+    if (k32 < k_in) {
+        float tail[ROW_TILE];
+        int8_tile_plain(x + k32, ldx, rt, q + k32, s, group, k_in - k32, tail);
+        for (int r = 0; r < rt; r++) sums[r] += tail[r];
+    }
+}
+
+static inline __attribute__((always_inline)) void int4_tile_avx512(const float *x, int64_t ldx, const int rt,
+                                                                   const uint8_t *q, const float *s, const float *m,
+                                                                   const float *xsum, int64_t k_in, float *sums) {
+    __m512 acc[ROW_TILE];
+    for (int r = 0; r < rt; r++) acc[r] = _mm512_setzero_ps();
+    const __m128i nibble = _mm_set1_epi8(0x0F);
+    for (int64_t g = 0; g < k_in / BLOCK; g++) {
+        __m128i raw = _mm_loadu_si128((const __m128i *)(q + g * (BLOCK / 2)));
+        __m128i lo = _mm_and_si128(raw, nibble), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), nibble);
+        __m512 w[2] = { /* inputs 0-15 (low nibbles), 16-31 (high nibbles) */
+            _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)),
+            _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)),
+        };
+        block_fma_avx512(x + g * BLOCK, ldx, rt, w, _mm512_set1_ps(s[g]), acc);
+    }
+    for (int r = 0; r < rt; r++) sums[r] = _mm512_reduce_add_ps(acc[r]);
+    add_min_terms(rt, m, xsum, k_in / BLOCK, sums);
+}
+#endif
+
+/* ---- one output row against one tile of x's rows: the build's path, with rt a constant in each case --------- */
+
+#if defined(QUANT_AVX512)
+#define INT8_TILE(rt) int8_tile_avx512(x, ldx, rt, q, s, group, NULL, k_in, sums)
+#define INT4_TILE(rt) int4_tile_avx512(x, ldx, rt, q, s, m, xsum, k_in, sums)
+#elif defined(QUANT_AVX2)
+#define INT8_TILE(rt) int8_tile_avx2(x, ldx, rt, q, s, group, NULL, k_in, sums)
+#define INT4_TILE(rt) int4_tile_avx2(x, ldx, rt, q, s, m, xsum, k_in, sums)
+#else
+#define INT8_TILE(rt) int8_tile_plain(x, ldx, rt, q, s, group, k_in, sums)
+#define INT4_TILE(rt) ((void)xsum, int4_tile_plain(x, ldx, rt, q, s, m, k_in, sums))
+#endif
+
+static void int8_tile(const float *x, int64_t ldx, int rt, const int8_t *q, const float *s, int64_t group,
+                      int64_t k_in, float *sums) {
+    switch (rt) {
+    case 1: INT8_TILE(1); break;
+    case 2: INT8_TILE(2); break;
+    case 3: INT8_TILE(3); break;
+    default: INT8_TILE(4); break;
+    }
+}
+
+/* xsum [rt][k_in / 32]: the tile's rows' group sums (the vector paths' factored form) */
+static void int4_tile(const float *x, int64_t ldx, int rt, const uint8_t *q, const float *s, const float *m,
+                      const float *xsum, int64_t k_in, float *sums) {
+    switch (rt) {
+    case 1: INT4_TILE(1); break;
+    case 2: INT4_TILE(2); break;
+    case 3: INT4_TILE(3); break;
+    default: INT4_TILE(4); break;
+    }
+}
+
+/* ---- entry points -------------------------------------------------------------------------------------------- */
+
+/* x as float32 rows: in place for float32, else widened once into a contiguous copy (*owned, to free) */
+static const float *activations_f32(const void *x, int64_t ldx, int64_t rows, int64_t k_in, int bf16,
+                                    int64_t *ldx_f32, float **owned) {
+    *owned = NULL;
+    *ldx_f32 = ldx;
+    if (!bf16) return (const float *)x;
+    float *wide = malloc(sizeof(float) * (size_t)(rows * k_in > 0 ? rows * k_in : 1));
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t k = 0; k < k_in; k++) wide[r * k_in + k] = quant_bf16_to_f32(((const uint16_t *)x)[r * ldx + k]);
+    *owned = wide;
+    *ldx_f32 = k_in;
+    return wide;
+}
+
+static inline void store(void *y, int64_t at, float sum, const float *bias, int64_t o, int bf16) {
+    float v = sum + (bias ? bias[o] : 0.0f);
+    if (bf16)
+        ((uint16_t *)y)[at] = quant_f32_to_bf16(v);
+    else
+        ((float *)y)[at] = v;
+}
+
+/* y [rows, n_out] = x [rows, k_in] · int8 W [n_out, k_in]ᵀ + bias; group == k_in or a multiple of 32 */
+void duet_int8_linear(const void *x, int64_t ldx, const int8_t *qweight, const float *scales, int64_t group,
+                      const float *bias, void *y, int64_t rows, int64_t n_out, int64_t k_in, int bf16) {
+    int64_t ldf, groups = k_in / group;
+    float *owned;
+    const float *xf = activations_f32(x, ldx, rows, k_in, bf16, &ldf, &owned);
+#pragma omp parallel for schedule(static) if (n_out * k_in >= PARALLEL_MIN_WEIGHTS)
+    for (int64_t o = 0; o < n_out; o++) {
+        for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
+            int rt = rows - r0 < ROW_TILE ? (int)(rows - r0) : ROW_TILE;
+            float sums[ROW_TILE];
+            int8_tile(xf + r0 * ldf, ldf, rt, qweight + o * k_in, scales + o * groups, group, k_in, sums);
+            for (int r = 0; r < rt; r++) store(y, (r0 + r) * n_out + o, sums[r], bias, o, bf16);
+        }
+    }
+    free(owned);
+}
+
+/* y [rows, n_out] = x [rows, k_in] · int4 W [n_out, k_in]ᵀ + bias; k_in a multiple of 32 */
+void duet_int4_linear(const void *x, int64_t ldx, const uint8_t *qweight, const float *scales, const float *mins,
+                      const float *bias, void *y, int64_t rows, int64_t n_out, int64_t k_in, int bf16) {
+    int64_t ldf, groups = k_in / BLOCK;
+    float *owned;
+    const float *xf = activations_f32(x, ldx, rows, k_in, bf16, &ldf, &owned);
+    float *xsum = malloc(sizeof(float) * (size_t)(rows * groups > 0 ? rows * groups : 1)); /* [rows][groups] */
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t g = 0; g < groups; g++) {
+            float sum = 0.0f;
+            for (int j = 0; j < BLOCK; j++) sum += xf[r * ldf + g * BLOCK + j];
+            xsum[r * groups + g] = sum;
+        }
+#pragma omp parallel for schedule(static) if (n_out * k_in >= PARALLEL_MIN_WEIGHTS)
+    for (int64_t o = 0; o < n_out; o++) {
+        for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
+            int rt = rows - r0 < ROW_TILE ? (int)(rows - r0) : ROW_TILE;
+            float sums[ROW_TILE];
+            int4_tile(xf + r0 * ldf, ldf, rt, qweight + o * (k_in / 2), scales + o * groups, mins + o * groups,
+                      xsum + r0 * groups, k_in, sums);
+            for (int r = 0; r < rt; r++) store(y, (r0 + r) * n_out + o, sums[r], bias, o, bf16);
+        }
+    }
+    free(xsum);
+    free(owned);
+}
+
+/* The whole weight as float32 [n_out, k_in], one pass (the many-rows path hands it to a GEMM); the plain loops,
+ * which the compiler vectorizes: each element is q * s (+ m), the twin's two roundings. */
+void duet_int8_dequantize(const int8_t *qweight, const float *scales, int64_t group, float *out, int64_t n_out,
+                          int64_t k_in) {
+    int64_t groups = k_in / group;
+#pragma omp parallel for schedule(static) if (n_out * k_in >= PARALLEL_MIN_WEIGHTS)
+    for (int64_t o = 0; o < n_out; o++)
+        for (int64_t g = 0; g < groups; g++) {
+            float sc = scales[o * groups + g];
+            const int8_t *qg = qweight + o * k_in + g * group;
+            float *dst = out + o * k_in + g * group;
+            for (int64_t j = 0; j < group; j++) dst[j] = (float)qg[j] * sc;
+        }
+}
+
+void duet_int4_dequantize(const uint8_t *qweight, const float *scales, const float *mins, float *out, int64_t n_out,
+                          int64_t k_in) {
+    int64_t groups = k_in / BLOCK;
+#pragma omp parallel for schedule(static) if (n_out * k_in >= PARALLEL_MIN_WEIGHTS)
+    for (int64_t o = 0; o < n_out; o++)
+        for (int64_t g = 0; g < groups; g++) {
+            float sc = scales[o * groups + g], mn = mins[o * groups + g];
+            const uint8_t *qg = qweight + o * (k_in / 2) + g * (BLOCK / 2);
+            float *dst = out + o * k_in + g * BLOCK;
+            for (int j = 0; j < BLOCK / 2; j++) {
+                dst[j] = (float)(qg[j] & 0x0F) * sc + mn;
+                dst[j + BLOCK / 2] = (float)(qg[j] >> 4) * sc + mn;
+            }
+        }
+}

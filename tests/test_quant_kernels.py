@@ -1,0 +1,175 @@
+"""The C quantized linears (engine/kernels/csrc/quant_kernels.c via cpu_native) against their twin,
+`quantized_linear_reference` (engine/quant_format.py).
+
+Each case runs on four builds of the same source: as built for this CPU (AVX-512 where the CPU has it, AVX2 here),
+with -mno-avx512f (AVX2 + FMA), the AVX-512 path with its intrinsics emulated in plain C (so every CPU checks its
+lane arithmetic), and with -mno-avx2 -mno-fma -mno-avx512f (the plain C loops). Shapes are drawn
+from a seeded generator: rows 1..64, odd output sizes, inputs of several groups (and, per-channel int8, widths that
+are no multiple of 32), bias or none, float32 or bfloat16 activations.
+
+Tolerances (stated, not tuned to pass): the kernels sum the same products as the twin in another order and apply
+the scale per 32-input block (and, int4, the min through sum(x)), so float32 outputs agree within
+FP32_REL * (|x| . (|s q| + |m|) + |bias|) per element: a few float32 ulps of the sum of absolute terms, the
+bound on reordered float32 sums. bfloat16 outputs are both rounded once from such float32 values, so they agree
+within one bfloat16 ulp plus that bound.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine.kernels import cpu_native
+from engine.quant_format import INT4_GROUP, QuantizedWeight, dequantize, quantized_linear_reference
+
+pytestmark = pytest.mark.skipif(cpu_native.native_library() is None, reason="the C kernels could not be built here")
+
+FP32_REL = 1e-5
+BF16_ULP = 2.0**-7  # spacing of bfloat16 values relative to their magnitude (8 significant bits)
+PLAIN_FLAGS = ["-mno-avx512f", "-mno-avx2", "-mno-fma"]
+# the AVX-512 path's lanes emulated in plain C (csrc/avx512_emulation.h): checked on every CPU, not only AVX-512 ones
+BUILDS = {"native": [], "no-avx512": ["-mno-avx512f"], "emulated-avx512": ["-mno-avx512f", "-DDUET_EMULATE_AVX512"],
+          "plain": PLAIN_FLAGS}
+
+
+@pytest.fixture(scope="module")
+def libraries():
+    compiler = cpu_native._compiler()
+    return {name: cpu_native.load(cpu_native._build(compiler, [*cpu_native.FLAGS, *extra]))
+            for name, extra in BUILDS.items()}
+
+
+@pytest.fixture(params=list(BUILDS))
+def build(request, libraries, monkeypatch):
+    """Runs a test with the wrappers bound to one build of the library."""
+    monkeypatch.setattr(cpu_native, "_library", libraries[request.param])
+    monkeypatch.setattr(cpu_native, "_tried", True)
+    return request.param
+
+
+def test_each_build_compiles_its_path(libraries):
+    assert libraries["plain"].duet_quant_vector_bits() == 0
+    assert libraries["no-avx512"].duet_quant_vector_bits() in (0, 256)
+    assert libraries["emulated-avx512"].duet_quant_vector_bits() == 512
+    cpu_flags = cpu_native._cpu_signature()
+    expect = 512 if " avx512bw" in cpu_flags else 256 if " avx2" in cpu_flags and " fma" in cpu_flags else 0
+    assert libraries["native"].duet_quant_vector_bits() == expect
+
+
+# -- weights: any values the layout allows, not only what round-to-nearest makes ---------------------------------
+
+def random_weight(kind: str, out: int, in_features: int, group: int, seed: int) -> QuantizedWeight:
+    """int8: q in [-128, 127] (GGUF Q8_0 may hold -128); int4: q in [0, 15], mins of either sign, and Q4_0's
+    mins = -8 * scale in half the rows; a few zero scales (all-zero groups)."""
+    g = torch.Generator().manual_seed(seed)
+    groups = in_features // group
+    scales = torch.rand(out, groups, generator=g) * 0.05 + 1e-3
+    scales[torch.rand(out, groups, generator=g) < 0.05] = 0.0
+    if kind == "int8":
+        q = torch.randint(-128, 128, (out, in_features), generator=g, dtype=torch.int8)
+        return QuantizedWeight("int8", q, scales, None, group)
+    packed = torch.randint(0, 256, (out, in_features // 2), generator=g, dtype=torch.uint8)
+    mins = torch.randn(out, groups, generator=g) * 0.1
+    mins[: out // 2] = -8 * scales[: out // 2]
+    return QuantizedWeight("int4", packed, scales, mins, INT4_GROUP)
+
+
+def magnitude(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """|x| . (|s q| + |m|) + |bias| per output: what float32 rounding of the sums scales with."""
+    absolute = dequantize(QuantizedWeight(w.kind, w.qweight, w.scales.abs(), None if w.mins is None else
+                                          torch.zeros_like(w.mins), w.group_size)).abs()
+    if w.mins is not None:
+        absolute = absolute + w.mins.abs().repeat_interleave(INT4_GROUP, dim=1)
+    total = x.float().abs().reshape(-1, w.in_features) @ absolute.T
+    return total + (0.0 if bias is None else bias.float().abs())
+
+
+def assert_matches_twin(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> None:
+    got = cpu_native.quantized_linear_native(x, w, bias)
+    want = quantized_linear_reference(x, w, bias)
+    assert got.dtype == x.dtype and got.shape == want.shape == (*x.shape[:-1], w.out_features)
+    bound = FP32_REL * magnitude(x, w, bias).reshape(want.shape)
+    if x.dtype == torch.bfloat16:
+        bound = bound + want.float().abs() * BF16_ULP
+    err = (got.float() - want.float()).abs()
+    assert bool((err <= bound).all()), f"max error {float((err - bound).max())} over the bound"
+
+
+# -- randomized shapes -------------------------------------------------------------------------------------------
+
+def cases(kind: str, count: int, seed: int):
+    """(rows, out, in, group, dtype, with_bias): seeded; the first cases pin the edges (1 row, 1 group, 1 output)."""
+    rng = random.Random(seed)
+    fixed = [(1, 1, 32, 1), (1, 7, 64, 2), (64, 33, 96, 3), (5, 301, 576, 18)]  # last: the parallel path
+    for i in range(count):
+        rows, out, groups, _ = fixed[i] if i < len(fixed) else (rng.randint(1, 64), rng.randrange(1, 200, 2),
+                                                                 rng.randint(1, 12), 0)
+        in_features = groups * 32
+        if kind == "int8-channel":
+            in_features = in_features if i < len(fixed) else rng.randint(1, 400)  # any width: a scalar tail
+            group = in_features
+        else:
+            group = 32
+        yield rows, out, in_features, group, rng.choice([torch.float32, torch.bfloat16]), rng.random() < 0.5
+
+
+@pytest.mark.usefixtures("build")
+@pytest.mark.parametrize("kind", ["int8-channel", "int8-q8_0", "int4"])
+def test_quantized_linear_matches_the_twin(kind):
+    for n, (rows, out, in_features, group, dtype, with_bias) in enumerate(cases(kind, 24, seed=len(kind))):
+        w = random_weight(kind[:4], out, in_features, group, seed=n)
+        g = torch.Generator().manual_seed(100 + n)
+        x = torch.randn(rows, in_features, generator=g).to(dtype)
+        bias = torch.randn(out, generator=g).to(dtype) if with_bias else None
+        assert_matches_twin(x, w, bias)
+
+
+@pytest.mark.usefixtures("build")
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_strided_batched_and_empty_inputs(kind):
+    w = random_weight(kind, 45, 128, 128 if kind == "int8" else 32, seed=7)
+    g = torch.Generator().manual_seed(8)
+    wide = torch.randn(6, 128 + 9, generator=g)[:, :128]  # rows 137 apart: a slice of a fused projection
+    assert_matches_twin(wide, w, None)
+    assert_matches_twin(torch.randn(2, 3, 128, generator=g).to(torch.bfloat16), w, torch.randn(45, generator=g))
+    assert_matches_twin(torch.randn(128, generator=g).expand(5, 128), w, None)  # a broadcast row (stride 0)
+    assert cpu_native.quantized_linear_native(torch.empty(0, 128), w).shape == (0, 45)
+
+
+@pytest.mark.usefixtures("build")
+def test_kind_wrappers_and_row_slices():
+    w8, w4 = random_weight("int8", 40, 64, 32, seed=1), random_weight("int4", 40, 64, 32, seed=2)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(cpu_native.int8_linear_native(x, w8, None), cpu_native.quantized_linear_native(x, w8))
+    assert torch.equal(cpu_native.int4_linear_native(x, w4, None), cpu_native.quantized_linear_native(x, w4))
+    assert_matches_twin(x, w4.rows(9, 31), None)  # tensor parallelism's column split: a view of rows
+    with pytest.raises(ValueError, match="must be 'int4'"):
+        cpu_native.int4_linear_native(x, w8, None)
+    with pytest.raises(ValueError, match="must be 'int8'"):
+        cpu_native.int8_linear_native(x, w4, None)
+
+
+@pytest.mark.usefixtures("build")
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_dequantize_native_is_the_twin_bit_for_bit(kind):
+    w = random_weight(kind, 37, 160, 32, seed=4)
+    assert torch.equal(cpu_native.dequantize_native(w), dequantize(w))  # q * s (+ m): the same two roundings
+    x = torch.randn(70, 160, generator=torch.Generator().manual_seed(5))
+    assert_matches_twin(x, w, None)
+    torch.testing.assert_close(cpu_native.dequantized_linear_native(x, w, None), quantized_linear_reference(x, w),
+                               rtol=0, atol=0)  # the twin's own GEMM on bit-equal weights
+
+
+def test_what_the_c_side_cannot_take_is_refused():
+    w = random_weight("int8", 8, 64, 16, seed=6)  # a group of 16: neither the width nor a multiple of 32
+    with pytest.raises(ValueError, match="group_size 16 is invalid"):
+        cpu_native.quantized_linear_native(torch.randn(1, 64), w)
+    w = random_weight("int4", 8, 64, 32, seed=6)
+    with pytest.raises(ValueError, match="float16 .* is invalid"):
+        cpu_native.quantized_linear_native(torch.randn(1, 64).half(), w)
+    with pytest.raises(ValueError, match=r"\[..., 64\]"):
+        cpu_native.quantized_linear_native(torch.randn(1, 32), w)
+    with pytest.raises(ValueError, match="bias has 7 elements"):
+        cpu_native.quantized_linear_native(torch.randn(1, 64), w, torch.randn(7))

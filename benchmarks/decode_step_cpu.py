@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/decode_step_cpu.py --batch 32 --context 64
     .venv/bin/python benchmarks/decode_step_cpu.py --model small --batch 1 --dtype bfloat16
+    .venv/bin/python benchmarks/decode_step_cpu.py --model smollm2 --batch 1 --quantization auto
 
 One decode step = the model forward of `--batch` single-token sequences, each with `--context` cached tokens,
 plus the lm_head (`compute_logits`); no scheduler, no sampling. Every linear (FastLinear, engine/linear_fast.py,
@@ -31,6 +32,7 @@ from engine.config import ModelConfig, parse_dtype  # noqa: E402
 from engine.cpu_allocator import reuse_freed_memory  # noqa: E402
 from engine.linear_fast import FastLinear, fast_linears  # noqa: E402
 from engine.model_runner import ModelRunner, allocate_kv_caches  # noqa: E402
+from engine.quantized_linear import QuantizedLinear  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from engine.scheduler import ScheduledChunk  # noqa: E402
 from engine.weights import build_model  # noqa: E402
@@ -48,6 +50,7 @@ def instrument() -> None:
     import engine.kernels.cpu_native as native
 
     FastLinear.forward = timed("GEMMs (FastLinear)", FastLinear.forward)
+    QuantizedLinear.forward = timed("GEMMs (QuantizedLinear)", QuantizedLinear.forward)
     torch.nn.Linear.forward = timed("GEMMs (plain nn.Linear)", torch.nn.Linear.forward)  # below the pack size
     wrapped = {name: timed(name, getattr(native, name)) for name in dir(native)
                if name.endswith("_native") and name != "use_native" and callable(getattr(native, name))}
@@ -67,6 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--quantization", default="none", choices=("none", "auto", "int8", "int4"))
     p.add_argument("--block-size", type=int, default=16)
     args = p.parse_args(argv)
 
@@ -75,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
     model_dir = ensure_checkpoint(args.model)
     dtype = parse_dtype(args.dtype)
     config = ModelConfig.from_path(model_dir)
-    model = build_model(config, model_dir, dtype, args.context + 64)
+    model = build_model(config, model_dir, dtype, args.context + 64, quantization=args.quantization)
     fast_linears(model)
     instrument()
     bs = args.block_size
@@ -95,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
             logits(forward(input_ids, positions, kv, meta))
         step_s = (time.perf_counter() - t0) / args.steps
     print(f"model={args.model} dtype={args.dtype} batch={args.batch} context={args.context} "
-          f"threads={args.threads}: {step_s * 1e3:.1f} ms per step")
+          f"quantization={args.quantization} threads={args.threads}: {step_s * 1e3:.1f} ms per step")
     for name, total in sorted(TIMES.items(), key=lambda kv: -kv[1]):
         print(f"  {name:28s} {total / args.steps * 1e3:8.2f} ms")
     named = sum(v for k, v in TIMES.items() if k not in ("forward", "logits (lm_head)")) / args.steps

@@ -1,7 +1,10 @@
-"""vLLM as a benchmark session: `vllm_worker.py --serve` in vLLM's venv, one timed cell per request.
+"""A peer engine as a benchmark session: a worker script in the peer's own venv (`vllm_worker.py --serve`,
+`llama_cpp_worker.py --serve`), one timed cell per request.
 
     with VllmSession(cmd) as vllm:        # cmd ends in --serve; returns once the engine is built and warm
         rate = vllm.cell(batch=8, repeat=0)   # output tokens/s of one timed generate call
+    with PeerSession(cmd, LLAMA_READY, LLAMA_CELL) as llama:
+        reply = llama.ask(batch=8, repeat=0)  # the worker's JSON answer for that cell
 
 offline_throughput.py alternates these cells with duet's, so both engines see the same machine: on a
 shared machine whose speed drifts by 20-30 % over minutes, timing one engine's whole matrix and then the
@@ -29,8 +32,13 @@ class VllmSessionError(RuntimeError):
     pass
 
 
-class VllmSession:
-    def __init__(self, cmd: list[str], ready_timeout_s: float = 3600.0, cell_timeout_s: float = 1800.0):
+class PeerSession:
+    """A worker speaking the protocol: one `ready_prefix` JSON line once warm, then per stdin line
+    `{"batch": B, "repeat": R}` one `cell_prefix` JSON line echoing both."""
+
+    def __init__(self, cmd: list[str], ready_prefix: str, cell_prefix: str, ready_timeout_s: float = 3600.0,
+                 cell_timeout_s: float = 1800.0):
+        self.ready_prefix, self.cell_prefix = ready_prefix, cell_prefix
         self.cell_timeout_s = cell_timeout_s
         self._log = tempfile.TemporaryFile(mode="w+")
         self._pending = b""
@@ -38,11 +46,12 @@ class VllmSession:
                                       text=True, bufsize=1, start_new_session=True)  # its own group: see pause
         self._paused = False
         try:
-            ready = self._read(READY_PREFIX, ready_timeout_s)
+            ready = self._read(ready_prefix, ready_timeout_s)
         except BaseException:
             self.close()
             raise
         self.pause()
+        self.ready: dict = ready
         self.startup_s: float = ready["startup_s"]
         self.check_token_ids: list[int] = ready["check_token_ids"]
         self.env: dict = ready["env"]
@@ -59,18 +68,18 @@ class VllmSession:
             self._paused = False
             time.sleep(0.5)  # let its processes get back to waiting on the queue before the timed call
 
-    def cell(self, batch: int, repeat: int) -> float:
-        """Output tokens/s of one timed `generate` of the benchmark's prompts for (batch, repeat)."""
+    def ask(self, batch: int, repeat: int) -> dict:
+        """The worker's answer for one timed cell (batch, repeat)."""
         self.resume()
         self._proc.stdin.write(json.dumps({"batch": batch, "repeat": repeat}) + "\n")
         self._proc.stdin.flush()
         try:
-            got = self._read(CELL_PREFIX, self.cell_timeout_s)
+            got = self._read(self.cell_prefix, self.cell_timeout_s)
         finally:
             self.pause()
         if (got["batch"], got["repeat"]) != (batch, repeat):
             raise VllmSessionError(f"asked for batch {batch} repeat {repeat}, got {got}")
-        return float(got["output_tokens_per_s"])
+        return got
 
     def close(self) -> None:
         """End the worker: stdin closed, up to 60 s to exit, then its process group is killed (what is left of it)."""
@@ -88,7 +97,7 @@ class VllmSession:
         self._proc.wait()
         self._log.close()
 
-    def __enter__(self) -> VllmSession:
+    def __enter__(self) -> PeerSession:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -104,11 +113,11 @@ class VllmSession:
                 left = deadline - time.monotonic()
                 ready, _, _ = select.select([fd], [], [], max(left, 0))
                 if not ready:
-                    raise VllmSessionError(f"no {prefix.strip()} line from vllm_worker within {timeout_s:.0f} s"
+                    raise VllmSessionError(f"no {prefix.strip()} line from the worker within {timeout_s:.0f} s"
                                            f"{self._log_tail()}")
                 chunk = os.read(fd, 65536)
                 if not chunk:
-                    raise VllmSessionError(f"vllm_worker exited {self._proc.wait()}{self._log_tail()}")
+                    raise VllmSessionError(f"the worker exited {self._proc.wait()}{self._log_tail()}")
                 self._pending += chunk
             line, _, self._pending = self._pending.partition(b"\n")
             text = line.decode(errors="replace")
@@ -120,3 +129,13 @@ class VllmSession:
         self._log.seek(0)
         tail = [line.strip() for line in self._log.read().splitlines() if line.strip()][-lines:]
         return f": {' | '.join(tail)}" if tail else ""
+
+
+class VllmSession(PeerSession):
+    """vllm_worker.py --serve: `cell` is the output tokens/s of one timed `generate` of the benchmark's prompts."""
+
+    def __init__(self, cmd: list[str], ready_timeout_s: float = 3600.0, cell_timeout_s: float = 1800.0):
+        super().__init__(cmd, READY_PREFIX, CELL_PREFIX, ready_timeout_s, cell_timeout_s)
+
+    def cell(self, batch: int, repeat: int) -> float:
+        return float(self.ask(batch, repeat)["output_tokens_per_s"])

@@ -57,9 +57,9 @@ class EngineConfig:
     device: str = "cpu"  # "cpu", "cuda" or "auto" (cuda when available): weights, KV cache and step tensors
     cuda_graphs: bool = True  # on CUDA, decode-only steps replay captured graphs (engine/cuda_graphs.py)
     cuda_graph_batch_sizes: tuple[int, ...] | None = None  # graph buckets; None: 1, 2, 4, 8, 16, 24, 32, 48, ...
-    # one of QUANTIZATIONS. "none" until the CPU kernels land (issue 18): through the torch paths of
-    # engine/kernels/quant_linear.py, a kept-quantized SmolLM2 decodes 2.5-3x slower than dense on CPU
-    quantization: str = "none"
+    # one of QUANTIZATIONS: auto keeps a GGUF's Q4/Q8 linears packed (the default model decodes ~2.5x faster from
+    # them on CPU than dense fp32: benchmarks/RESULTS.md, issue 18) and leaves a dense checkpoint dense
+    quantization: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype is not None:
@@ -184,8 +184,7 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
                "--max-num-seqs)"),
     EngineFlag("quantization", "--quantization", "how linear weights are held: auto = a GGUF file's Q4_0/Q4_1/"
                "Q8_0 kept as stored (other types dequantized), a dense checkpoint dense; none = dense in --dtype; "
-               "int8 / int4 = round-to-nearest on load (default: none, until the CPU kernels of issue 18 make "
-               "quantized decoding faster than dense)", choices=QUANTIZATIONS),
+               "int8 / int4 = round-to-nearest on load (default: auto)", choices=QUANTIZATIONS),
 )
 
 

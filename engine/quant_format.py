@@ -159,3 +159,26 @@ def quantized_linear_reference(x: torch.Tensor, w: QuantizedWeight, bias: torch.
     y = torch.nn.functional.linear(x.float(), dequantize(w).to(x.device),
                                    None if bias is None else bias.float())
     return y.to(x.dtype)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [rows, in] (in a multiple of 32) -> (qx int8 [rows, in], dx float32 [rows, in / 32]): each block of 32
+    inputs as dx * qx with dx = max|x| / 127 and qx = round(x * (127 / max|x|)) to nearest even (0 for an all-zero
+    block). The twin, bit for bit, of the C kernels' int8-activation path (csrc/quant_kernels.c)."""
+    rows, in_features = x.shape
+    blocks = x.float().reshape(rows, in_features // INT4_GROUP, INT4_GROUP)
+    amax = blocks.abs().amax(dim=-1)
+    # a true division, as C's 127.0f / amax (torch's `127.0 / tensor` multiplies by a reciprocal: 1 ulp apart)
+    inverse = torch.where(amax > 0, torch.full_like(amax, 127.0).div(amax), torch.zeros_like(amax))
+    qx = torch.round(blocks * inverse.unsqueeze(-1)).to(torch.int8).reshape(rows, in_features)
+    return qx, amax / 127.0
+
+
+def quantized_linear_int8_activations_reference(x: torch.Tensor, w: QuantizedWeight,
+                                                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`quantized_linear_reference` of x rounded as `quantize_activations` rounds it: the twin of the C kernels'
+    int8-activation path (which sums the same products as integers per block, so only in another order)."""
+    flat = x.reshape(-1, w.in_features)
+    qx, dx = quantize_activations(flat)
+    rounded = (qx.float().reshape(flat.shape[0], -1, INT4_GROUP) * dx.unsqueeze(-1)).reshape(flat.shape)
+    return quantized_linear_reference(rounded, w, bias).to(x.dtype).reshape(*x.shape[:-1], w.out_features)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from engine.kernels.quant_linear import quantized_linear
+from engine.kernels.quant_linear import PreparedQuantizedLinear
 from engine.quant_format import QuantizedWeight
 
 
@@ -31,7 +31,21 @@ class QuantizedLinear(nn.Module):
         if bias is not None and tuple(bias.shape) != (self.out_features,):
             raise ValueError(f"bias shape {tuple(bias.shape)} must be ({self.out_features},)")
         self.all_reduce = all_reduce
+        self._bind(weight)
+
+    def _bind(self, weight: QuantizedWeight) -> None:
         self._weight = weight
+        self._kernel: PreparedQuantizedLinear | None = None  # bound on first use (loading fills the tensors first)
+
+    def _bound_kernel(self) -> PreparedQuantizedLinear:
+        """The kernel bound to this weight (and bias, unless a row-parallel layer adds it after the all-reduce),
+        bound again if any of those tensors' storage changed since (a loader that assigns `.data`)."""
+        bias = self.bias if self.all_reduce is None else None
+        tensors = (self.qweight, self.scales, self.mins, bias)
+        kernel = self._kernel
+        if kernel is None or not kernel.bound_to(tensors):
+            kernel = self._kernel = PreparedQuantizedLinear(self._weight, bias)
+        return kernel
 
     @property
     def weight_q(self) -> QuantizedWeight:
@@ -40,13 +54,13 @@ class QuantizedLinear(nn.Module):
 
     def _apply(self, fn, recurse: bool = True):
         super()._apply(fn, recurse)  # moves the buffers; the QuantizedWeight view is rebuilt over the new ones
-        self._weight = QuantizedWeight(self.kind, self.qweight, self.scales, self.mins, self.group_size)
+        self._bind(QuantizedWeight(self.kind, self.qweight, self.scales, self.mins, self.group_size))
         return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.all_reduce is None:
-            return quantized_linear(x, self._weight, self.bias)
-        y = quantized_linear(x, self._weight, None)
+            return self._bound_kernel()(x)
+        y = self._bound_kernel()(x)
         self.all_reduce(y)
         return y if self.bias is None else y + self.bias
 

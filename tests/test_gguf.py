@@ -285,7 +285,7 @@ def test_unsupported_tensor_type_is_refused(tmp_path):
 def test_quantization_modes_and_their_flag():
     import argparse
 
-    assert EngineConfig().quantization == "none"  # until the CPU kernels make quantized decoding the faster one
+    assert EngineConfig().quantization == "auto"
     with pytest.raises(ValueError, match=r"quantization='int3' is invalid: must be one of auto, none, int8, int4"):
         EngineConfig(quantization="int3")
     parser = argparse.ArgumentParser()

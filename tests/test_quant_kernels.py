@@ -22,7 +22,14 @@ import pytest
 import torch
 
 from engine.kernels import cpu_native
-from engine.quant_format import INT4_GROUP, QuantizedWeight, dequantize, quantized_linear_reference
+from engine.quant_format import (
+    INT4_GROUP,
+    QuantizedWeight,
+    dequantize,
+    quantize_activations,
+    quantized_linear_int8_activations_reference,
+    quantized_linear_reference,
+)
 
 pytestmark = pytest.mark.skipif(cpu_native.native_library() is None, reason="the C kernels could not be built here")
 
@@ -173,3 +180,60 @@ def test_what_the_c_side_cannot_take_is_refused():
         cpu_native.quantized_linear_native(torch.randn(1, 32), w)
     with pytest.raises(ValueError, match="bias has 7 elements"):
         cpu_native.quantized_linear_native(torch.randn(1, 64), w, torch.randn(7))
+
+
+# -- int8 activations: x rounded per 32 inputs, integer dot products ---------------------------------------------
+
+def test_each_build_compiles_its_int8_activation_path(libraries):
+    assert libraries["plain"].duet_quant_int8_dot_bits() == 0
+    cpu_flags = cpu_native._cpu_signature()
+    expect = 256 if " avx2" in cpu_flags and " fma" in cpu_flags else 0
+    assert libraries["native"].duet_quant_int8_dot_bits() == expect
+
+
+@pytest.mark.usefixtures("build")
+def test_quantize_activations_native_is_the_twin_bit_for_bit():
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(6, 96, generator=g) * torch.tensor([1e-3, 1.0, 50.0]).repeat_interleave(32)
+    x[1, :32] = 0.0  # an all-zero block: dx 0, qx 0
+    x[2, :32] = torch.linspace(-1, 1, 32)  # +-1 is the block's max: exactly +-127
+    x[3, 32:64] = torch.cat([torch.tensor([127.0]), torch.arange(31) + 0.5]) / 16  # x * 127 / max = k + 0.5
+    x[4, 64:96] = 0.5
+    x[4, 64:66] = torch.tensor([2.296875, -1.1484375])  # x * (127 / max) = -63.5 only as a true division: -64
+    qx, dx = cpu_native.quantize_activations_native(x)
+    want_qx, want_dx = quantize_activations(x)
+    assert torch.equal(qx, want_qx) and torch.equal(dx, want_dx)
+    assert int(qx.abs().max()) == 127 and not bool(qx[1, :32].any()) and float(dx[1, 0]) == 0.0
+    assert qx[2, 0] == -127 and qx[2, 31] == 127
+    assert qx[3, 33:40].tolist() == [0, 2, 2, 4, 4, 6, 6]  # ties to even
+    assert qx[4, 65] == -64
+    error = (x - (qx.float().reshape(6, 3, 32) * dx.unsqueeze(-1)).reshape(6, 96)).abs()
+    assert bool((error <= dx.repeat_interleave(32, dim=1) / 2 * (1 + 1e-6)).all())  # round to nearest
+
+
+@pytest.mark.usefixtures("build")
+@pytest.mark.parametrize("kind", ["int8-channel", "int8-q8_0", "int4"])
+def test_int8_activation_linear_matches_its_twin(kind):
+    for n, (rows, out, in_features, group, dtype, with_bias) in enumerate(cases(kind, 16, seed=3 * len(kind))):
+        in_features = in_features // 32 * 32 or 32  # this path takes whole blocks only
+        group = in_features if kind == "int8-channel" else 32
+        w = random_weight(kind[:4], out, in_features, group, seed=n)
+        g = torch.Generator().manual_seed(200 + n)
+        x = torch.randn(rows, in_features, generator=g).to(dtype)
+        bias = torch.randn(out, generator=g).to(dtype) if with_bias else None
+        got = cpu_native.quantized_linear_int8_activations_native(x, w, bias)
+        want = quantized_linear_int8_activations_reference(x, w, bias)
+        qx, dx = quantize_activations(x.float().reshape(-1, in_features))
+        rounded = (qx.float().reshape(rows, -1, 32) * dx.unsqueeze(-1)).reshape(rows, in_features)
+        bound = FP32_REL * magnitude(rounded, w, bias)
+        if dtype == torch.bfloat16:
+            bound = bound + want.float().abs() * BF16_ULP
+        assert got.dtype == dtype and got.shape == want.shape
+        err = (got.float() - want.float()).abs()
+        assert bool((err <= bound).all()), f"case {n}: max error {float((err - bound).max())} over the bound"
+
+
+def test_int8_activations_refuse_partial_blocks():
+    w = random_weight("int8", 8, 40, 40, seed=6)
+    with pytest.raises(ValueError, match="in_features 40 is invalid for int8 activations"):
+        cpu_native.quantized_linear_int8_activations_native(torch.randn(1, 40), w)

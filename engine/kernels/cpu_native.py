@@ -111,8 +111,11 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "duet_int8_dequantize": [p, p, i64, p, i64, i64],
         "duet_int4_dequantize": [p, p, p, p, i64, i64],
         "duet_quant_vector_bits": [],
+        "duet_quantize_activations": [p, i64, i64, i64, p, p, p],
+        "duet_quantized_linear_q8": [p, i64, i32, p, p, p, i64, p, p, i64, i64, i64, i32],
+        "duet_quant_int8_dot_bits": [],
     }
-    returns = {"duet_rotary_store_kv": i64, "duet_quant_vector_bits": i32}
+    returns = {"duet_rotary_store_kv": i64, "duet_quant_vector_bits": i32, "duet_quant_int8_dot_bits": i32}
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, returns.get(name)
@@ -304,25 +307,82 @@ def gemv_bf16_native(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return y
 
 
+class NativeQuantizedLinear:
+    """One quantized weight (and bias) bound to its C kernel, checked and converted once: a call only turns x into
+    a pointer and a row count. The checked wrappers below cost ~40 us a call on the 2-core VM (tensor checks,
+    reshapes, 13 ctypes conversions), more than the kernel on a small weight, and a decode step makes ~120 such
+    calls; a QuantizedLinear holds one of these (engine/kernels/quant_linear.py). The weight's tensors must not
+    change while it is bound (a loaded model's never do). `int8_activations`: x's rows rounded to int8 per 32
+    inputs and integer dot products (`quantized_linear_int8_activations_reference` is that path's twin)."""
+
+    def __init__(self, w: QuantizedWeight, bias: torch.Tensor | None = None, int8_activations: bool = False):
+        lib = native_library()
+        if lib is None:
+            raise RuntimeError("quantized linears: the C kernels are not built here (see the cpu_kernels log line)")
+        _check_quantized(w)
+        if int8_activations and w.in_features % INT4_GROUP:
+            raise ValueError(f"in_features {w.in_features} is invalid for int8 activations: must be a multiple of "
+                             f"{INT4_GROUP}")
+        self.in_features, self.out_features = w.in_features, w.out_features
+        qweight, scales = _contiguous(w.qweight), _contiguous(w.scales)
+        mins = None if w.mins is None else _contiguous(w.mins)
+        if bias is not None:
+            bias = _dense(bias, torch.float32, w.out_features, "bias")
+        self._tensors = (qweight, scales, mins, bias)  # held: the pointers below point into them
+        n, k = w.out_features, w.in_features
+        if int8_activations:
+            self._fn = lib.duet_quantized_linear_q8
+            self._weight_args = (4 if w.kind == "int4" else 8, qweight.data_ptr(), scales.data_ptr(), _ptr(mins),
+                                 w.group_size, _ptr(bias))
+        elif w.kind == "int8":
+            self._fn = lib.duet_int8_linear
+            self._weight_args = (qweight.data_ptr(), scales.data_ptr(), w.group_size, _ptr(bias))
+        else:
+            self._fn = lib.duet_int4_linear
+            self._weight_args = (qweight.data_ptr(), scales.data_ptr(), _ptr(mins), _ptr(bias))
+        self._sizes = (n, k)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] on the CPU, float32 or bfloat16 -> [..., out] in x's dtype."""
+        k = self.in_features
+        if not x.is_cpu or x.dtype not in DTYPES or x.shape[-1] != k:
+            raise ValueError(f"quantized linear: x {tuple(x.shape)} {x.dtype} on {x.device} is invalid: must be a "
+                             f"CPU float32 / bfloat16 tensor [..., {k}]")
+        x2 = x.reshape(-1, k)
+        if x2.stride(-1) != 1 or (x2.shape[0] > 1 and x2.stride(0) < k):  # a broadcast row: the C side reads rows apart
+            x2 = x2.contiguous()
+        rows = x2.shape[0]
+        y = torch.empty((rows, self.out_features), dtype=x.dtype)
+        self._fn(x2.data_ptr(), x2.stride(0), *self._weight_args, y.data_ptr(), rows, *self._sizes,
+                 int(x.dtype == torch.bfloat16))
+        return y.view(*x.shape[:-1], self.out_features)
+
+
 def quantized_linear_native(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] (CPU, float32 or bfloat16) times `w`'s weight (int8 or int4, engine/quant_format.py) plus `bias`
     -> [..., out] in x's dtype: the weight dequantized in registers, products summed in float32, rounded once.
     Equals `quantized_linear_reference` up to float32 summation order. For any row count; fastest for few rows
     (the weight is read once, x's rows in tiles of 4 share each unpacked block)."""
+    return NativeQuantizedLinear(w, bias)(x)
+
+
+def quantized_linear_int8_activations_native(x: torch.Tensor, w: QuantizedWeight,
+                                            bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`quantized_linear_native` with x's rows rounded to int8 per 32 inputs first (`quantize_activations`) and
+    integer dot products per block: fewer instructions a block, at the price of x's rounding. Equals
+    `quantized_linear_int8_activations_reference` up to float32 summation order. in_features a multiple of 32."""
+    return NativeQuantizedLinear(w, bias, int8_activations=True)(x)
+
+
+def quantize_activations_native(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_activations` (engine/quant_format.py) in C: (qx int8 [rows, in], dx float32 [rows, in / 32])."""
     lib = native_library()
-    if lib is None:
-        raise RuntimeError("quantized_linear_native: the C kernels are not built here (see the cpu_kernels log line)")
-    x2, y, bias = _quantized_args(x, w, bias)
-    rows, k_in = x2.shape
-    qweight, scales = _contiguous(w.qweight), _contiguous(w.scales)
-    if w.kind == "int8":
-        lib.duet_int8_linear(x2.data_ptr(), x2.stride(0), qweight.data_ptr(), scales.data_ptr(), w.group_size,
-                             _ptr(bias), y.data_ptr(), rows, w.out_features, k_in, _bf16(x))
-    else:
-        lib.duet_int4_linear(x2.data_ptr(), x2.stride(0), qweight.data_ptr(), scales.data_ptr(),
-                             _contiguous(w.mins).data_ptr(), _ptr(bias), y.data_ptr(), rows, w.out_features, k_in,
-                             _bf16(x))
-    return y.reshape(*x.shape[:-1], w.out_features)
+    x = _unit_last(_dense(x, torch.float32, x.numel(), "x").reshape(x.shape))
+    rows, k_in = x.shape
+    qx = torch.empty((rows, k_in), dtype=torch.int8)
+    dx, sx = torch.empty((rows, k_in // INT4_GROUP)), torch.empty((rows, k_in // INT4_GROUP))
+    lib.duet_quantize_activations(x.data_ptr(), x.stride(0), rows, k_in, qx.data_ptr(), dx.data_ptr(), sx.data_ptr())
+    return qx, dx
 
 
 def int8_linear_native(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -381,20 +441,6 @@ def _quantized_problem(w: QuantizedWeight) -> str | None:
 def _check_quantized(w: QuantizedWeight) -> None:
     if (problem := _quantized_problem(w)) is not None:
         raise ValueError(problem)
-
-
-def _quantized_args(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None):
-    """x as [rows, in] with a unit last stride, the output [rows, out] in x's dtype, bias as float32 [out]."""
-    _check_quantized(w)
-    if not x.is_cpu or x.dtype not in DTYPES or x.shape[-1] != w.in_features:
-        raise ValueError(f"quantized_linear_native: x {tuple(x.shape)} {x.dtype} on {x.device} is invalid: must be "
-                         f"a CPU float32 / bfloat16 tensor [..., {w.in_features}]")
-    x2 = _unit_last(x.reshape(-1, w.in_features))
-    if x2.shape[0] > 1 and x2.stride(0) < w.in_features:  # a broadcast (stride 0) row: the C side reads rows apart
-        x2 = x2.contiguous()
-    if bias is not None:
-        bias = _dense(bias, torch.float32, w.out_features, "bias")
-    return x2, torch.empty((x2.shape[0], w.out_features), dtype=x.dtype), bias
 
 
 def _contiguous(t: torch.Tensor) -> torch.Tensor:

@@ -57,6 +57,34 @@ def quantized_linear_backend(x: torch.Tensor, w: QuantizedWeight) -> QuantizedLi
     return dequantized_linear_torch
 
 
+class PreparedQuantizedLinear:
+    """`quantized_linear(x, w, bias)` for one weight, with what can be settled once settled: on a CPU with the C
+    kernels built, the weight bound to its kernel (`cpu_native.NativeQuantizedLinear`), so a few-row call costs the
+    kernel and little else; other calls go through `quantized_linear_backend`. What QuantizedLinear holds."""
+
+    def __init__(self, w: QuantizedWeight, bias: torch.Tensor | None = None):
+        self.weight, self.bias = w, bias
+        self._pointers = _pointers((w.qweight, w.scales, w.mins, bias))
+        self.native_max_rows = NATIVE_MAX_ROWS[w.kind]
+        probe = torch.empty(0, dtype=torch.float32, device=w.qweight.device)
+        self.native = cpu_native.NativeQuantizedLinear(w, bias) if cpu_native.quantized_native_applies(probe, w) \
+            else None
+
+    def bound_to(self, tensors: tuple[torch.Tensor | None, ...]) -> bool:
+        """Whether these (qweight, scales, mins, bias) are still the storage this was prepared over."""
+        return _pointers(tensors) == self._pointers
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        native = self.native
+        if native is not None and x.dtype in cpu_native.DTYPES and x.numel() <= self.native_max_rows * x.shape[-1]:
+            return native(x)
+        return quantized_linear_backend(x, self.weight)(x, self.weight, self.bias)
+
+
+def _pointers(tensors: tuple[torch.Tensor | None, ...]) -> tuple[int, ...]:
+    return tuple(0 if t is None else t.data_ptr() for t in tensors)
+
+
 def dequantized_linear_torch(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The twin: the weight dequantized to fp32 for this call only, one GEMM."""
     return quantized_linear_reference(x, w, bias)

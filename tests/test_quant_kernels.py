@@ -208,7 +208,7 @@ def test_quantize_activations_native_is_the_twin_bit_for_bit():
     assert qx[3, 33:40].tolist() == [0, 2, 2, 4, 4, 6, 6]  # ties to even
     assert qx[4, 65] == -64
     error = (x - (qx.float().reshape(6, 3, 32) * dx.unsqueeze(-1)).reshape(6, 96)).abs()
-    assert bool((error <= dx.repeat_interleave(32, dim=1) / 2 * (1 + 1e-6)).all())  # round to nearest
+    assert bool((error <= dx.repeat_interleave(32, dim=1) / 2 * (1 + 1e-5)).all())  # round to nearest (+ fp32)
 
 
 @pytest.mark.usefixtures("build")

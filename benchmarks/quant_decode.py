@@ -8,6 +8,7 @@ Modes (duet's `LLM(quantization=..., dtype=...)` on the same file):
     float32 / bfloat16   quantization="none": the file dequantized to a dense model of that dtype
     int8 / int4          round-to-nearest of the dequantized weights on load (fp32 activations)
     auto                 the file's Q4_1 / Q8_0 tensors kept as stored (the default), fp32 activations
+    auto-int8act         auto with --quantized-activations int8 (x rounded per 32 inputs: llama.cpp's way)
 
 A cell is `--steps` decode steps of `--batch` sequences after a `--prompt-len`-token prefill each, timed from the
 step after every sequence has its first token to the last: duet through its engine (`LLMEngine.step`: scheduler,
@@ -42,8 +43,9 @@ from engine.model import RMSNorm  # noqa: E402
 from engine.quantized_linear import QuantizedLinear  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 
-MODES = {"float32": ("none", "float32"), "bfloat16": ("none", "bfloat16"), "int8": ("int8", "float32"),
-         "int4": ("int4", "float32"), "auto": ("auto", "float32")}
+MODES = {"float32": ("none", "float32", "float"), "bfloat16": ("none", "bfloat16", "float"),
+         "int8": ("int8", "float32", "float"), "int4": ("int4", "float32", "float"), "auto": ("auto", "float32", "float"),
+         "auto-int8act": ("auto", "float32", "int8")}
 LLAMA = "llama.cpp"
 
 
@@ -104,8 +106,9 @@ def main(argv: list[str] | None = None) -> None:
     engines: dict[str, LLM] = {}
     step_bytes: dict[str, int] = {}
     for mode in modes:
-        quantization, dtype = MODES[mode]
-        engines[mode] = LLM(model_path, quantization=quantization, dtype=dtype, max_num_seqs=max(batches))
+        quantization, dtype, activations = MODES[mode]
+        engines[mode] = LLM(model_path, quantization=quantization, dtype=dtype, quantized_activations=activations,
+                            max_num_seqs=max(batches))
         step_bytes[mode] = step_weight_bytes(engines[mode])
         duet_cell(engines[mode], min(8, max(batches)), args.prompt_len, 4, repeat=-1)  # warm-up, untimed
     llama = None
@@ -153,9 +156,9 @@ def main(argv: list[str] | None = None) -> None:
             ratios = [statistics.median(rates[(other, b)]) / statistics.median(rates[("float32", b)])
                       for b in batches]
             print(f"{other} / float32 (medians): " + ", ".join(f"batch {b}: {r:.2f}x" for b, r in zip(batches, ratios)))
-    if llama is not None and "auto" in names:
-        ratios = [statistics.median(rates[("auto", b)]) / statistics.median(rates[(LLAMA, b)]) for b in batches]
-        print("auto / llama.cpp (medians): " + ", ".join(f"batch {b}: {r:.2f}x" for b, r in zip(batches, ratios)))
+    for mine in [n for n in ("auto", "auto-int8act") if n in names and llama is not None]:
+        ratios = [statistics.median(rates[(mine, b)]) / statistics.median(rates[(LLAMA, b)]) for b in batches]
+        print(f"{mine} / llama.cpp (medians): " + ", ".join(f"batch {b}: {r:.2f}x" for b, r in zip(batches, ratios)))
 
 
 if __name__ == "__main__":

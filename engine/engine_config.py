@@ -22,6 +22,10 @@ DEVICES = ("cpu", "cuda", "auto")
 # How linear weights are held (engine/quantization.py): auto = a GGUF file's Q4_0/Q4_1/Q8_0 kept as stored, a
 # dense checkpoint dense; none = dense in the engine dtype; int8 / int4 = round-to-nearest on load.
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
+# What quantized linears multiply their weights with on CPU: float = x as it is (results equal the dequantized
+# model's up to fp32 summation order); int8 = x rounded per 32 inputs to int8, integer dot products (llama.cpp's
+# way: ~1.2-1.4x faster kernels, benchmarks/RESULTS.md, at the price of that rounding).
+QUANTIZED_ACTIVATIONS = ("float", "int8")
 
 
 def canonical_dtype(name: str) -> str:
@@ -60,6 +64,7 @@ class EngineConfig:
     # one of QUANTIZATIONS: auto keeps a GGUF's Q4/Q8 linears packed (the default model decodes ~2.5x faster from
     # them on CPU than dense fp32: benchmarks/RESULTS.md, issue 18) and leaves a dense checkpoint dense
     quantization: str = "auto"
+    quantized_activations: str = "float"  # one of QUANTIZED_ACTIVATIONS
 
     def __post_init__(self) -> None:
         if self.dtype is not None:
@@ -83,6 +88,12 @@ class EngineConfig:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization={self.quantization!r} is invalid: must be one of "
                              f"{', '.join(QUANTIZATIONS)}")
+        if self.quantized_activations not in QUANTIZED_ACTIVATIONS:
+            raise ValueError(f"quantized_activations={self.quantized_activations!r} is invalid: must be one of "
+                             f"{', '.join(QUANTIZED_ACTIVATIONS)}")
+        if self.quantized_activations == "int8" and self.device != "cpu":
+            raise ValueError(f"quantized_activations='int8' is invalid with device={self.device!r}: it is a CPU "
+                             "kernel path (CUDA runs the Triton kernels on float activations)")
         sizes = self.cuda_graph_batch_sizes
         if sizes is not None:
             sizes = tuple(sizes)
@@ -185,6 +196,10 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag("quantization", "--quantization", "how linear weights are held: auto = a GGUF file's Q4_0/Q4_1/"
                "Q8_0 kept as stored (other types dequantized), a dense checkpoint dense; none = dense in --dtype; "
                "int8 / int4 = round-to-nearest on load (default: auto)", choices=QUANTIZATIONS),
+    EngineFlag("quantized_activations", "--quantized-activations", "what quantized linears multiply on CPU: float = "
+               "the activations as they are (default; the dequantized model's results), int8 = rounded per 32 "
+               "inputs to int8 for integer dot products, as llama.cpp does (faster, not exact)",
+               choices=QUANTIZED_ACTIVATIONS),
 )
 
 

@@ -35,6 +35,7 @@ fp32, one bf16 ulp in bf16): tests/test_fast_paths.py pins that, and the same gr
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +43,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.kernels.cpu_native import gemv_bf16_native, native_library
+
+log = logging.getLogger("duet.engine")
 
 # oneDNN picks its blocked layout for a batch size; one layout serves every batch size (a mismatch
 # costs speed, never correctness). 8 was as fast as 64 at 8-64 rows and faster than 1 (linear_prepack.py).
@@ -189,3 +192,18 @@ def fast_linears(model: nn.Module, min_packed_bytes: int = MIN_PACKED_BYTES) -> 
             model.lm_head = fast
             swapped.append("lm_head")
     return swapped
+
+
+def linear_fast_paths(model: nn.Module, fast: bool, quantized_activations: str = "float") -> None:
+    """The linear-layer fast paths an engine config asks for (`fast_linears`, `--quantized-activations`), applied
+    to a loaded (and sharded) model by every process that builds one."""
+    from engine.quantized_linear import use_int8_activations
+
+    if fast:
+        fast_linears(model)
+    if quantized_activations == "int8":
+        switched = use_int8_activations(model)
+        log.info("linears event=int8_activations quantized_linears=%d", switched)
+        if switched == 0:
+            log.warning("linears event=int8_activations_unused reason=the model has no quantized linears "
+                        "(--quantization none on a dense checkpoint)")

@@ -31,6 +31,7 @@ class QuantizedLinear(nn.Module):
         if bias is not None and tuple(bias.shape) != (self.out_features,):
             raise ValueError(f"bias shape {tuple(bias.shape)} must be ({self.out_features},)")
         self.all_reduce = all_reduce
+        self.int8_activations = False  # set by `use_int8_activations`
         self._bind(weight)
 
     def _bind(self, weight: QuantizedWeight) -> None:
@@ -44,7 +45,7 @@ class QuantizedLinear(nn.Module):
         tensors = (self.qweight, self.scales, self.mins, bias)
         kernel = self._kernel
         if kernel is None or not kernel.bound_to(tensors):
-            kernel = self._kernel = PreparedQuantizedLinear(self._weight, bias)
+            kernel = self._kernel = PreparedQuantizedLinear(self._weight, bias, self.int8_activations)
         return kernel
 
     @property
@@ -67,3 +68,18 @@ class QuantizedLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, kind={self.kind}, "
                 f"group_size={self.group_size}, bias={self.bias is not None}")
+
+
+def use_int8_activations(model: nn.Module) -> int:
+    """Every QuantizedLinear of `model` rounds its input to int8 per 32 inputs and takes the C kernels' integer dot
+    products (`--quantized-activations int8`); the number of layers switched. A transformation of a loaded model,
+    like engine/linear_fast.py's: the weights are not touched."""
+    switched = 0
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear):
+            if module.in_features % 32:
+                raise ValueError(f"quantized_activations='int8' is invalid for this model: a quantized linear takes "
+                                 f"{module.in_features} inputs, not a multiple of 32")
+            module.int8_activations, module._kernel = True, None
+            switched += 1
+    return switched

@@ -22,7 +22,7 @@ from engine.errors import ModelLoadError
 from engine.grammar_compiler import GrammarCompiler
 from engine.kernels.cpu_native import native_library
 from engine.kv_cache_manager import KVCacheManager, cdiv
-from engine.linear_fast import fast_linears
+from engine.linear_fast import linear_fast_paths
 from engine.memory_budget import device_memory, kv_cache_budget_bytes, weight_bytes
 from engine.model import KVCache, LlamaForCausalLM
 from engine.model_runner import ModelRunner, allocate_kv_caches, kv_bytes_per_block
@@ -145,8 +145,8 @@ def build_runtime(model_dir: str | Path, config: EngineConfig, follower_module: 
     else:
         model = build_model(model_config, model_dir, dtype, max_positions=max_positions, device=device,
                             quantization=config.quantization)
-        if config.fast_linears:
-            fast_linears(model)  # after loading (and any sharding): a transformation of the plain model
+        # after loading (and any sharding): transformations of the plain model
+        linear_fast_paths(model, config.fast_linears, config.quantized_activations)
         weights_by_kind = weight_bytes_by_kind(model)
     assert kv_bytes_per_block(model, config.block_size, dtype) == block_bytes
     if torch.device(device).type == "cpu":

@@ -249,7 +249,7 @@ def start_group(model_config: ModelConfig, model_dir: str | Path, dtype: torch.d
     here, join the process group, load rank 0's shard, wait until every rank has loaded (and built its
     hooks). On CUDA rank r runs on cuda:r of the GPUs this process sees. Returns (model, follower
     processes, control group)."""
-    from engine.linear_fast import fast_linears
+    from engine.linear_fast import linear_fast_paths
     from engine.tensor_parallel import TPGroup
     from engine.weights import build_model
 
@@ -265,8 +265,8 @@ def start_group(model_config: ModelConfig, model_dir: str | Path, dtype: torch.d
         control = init_group(0, config.tp_size, init_method, device=device)
         model = build_model(model_config, model_dir, dtype, max_positions, device, TPGroup(0, config.tp_size),
                             config.quantization)
-        if config.fast_linears:
-            fast_linears(model)  # every shard's GEMMs and the lm_head shard (CPU only; no-op on CUDA)
+        # every shard's GEMMs and the lm_head shard (CPU only; no-op on CUDA)
+        linear_fast_paths(model, config.fast_linears, config.quantized_activations)
         dist.barrier()
     except BaseException:
         for proc in followers:

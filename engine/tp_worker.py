@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from engine.config import EngineConfig, ModelConfig, parse_dtype
 from engine.cpu_allocator import reuse_freed_memory
-from engine.linear_fast import fast_linears
+from engine.linear_fast import linear_fast_paths
 from engine.model_runner import allocate_kv_caches
 from engine.tensor_parallel import TPGroup
 from engine.tp_runner import FollowerHooks, follow, init_group
@@ -75,8 +75,7 @@ def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None =
         dtype = parse_dtype(config.dtype)
         tp = TPGroup(args.rank, args.size)
         model = build_model(model_config, args.model, dtype, config.max_model_len, device, tp, config.quantization)
-        if config.fast_linears:
-            fast_linears(model)  # as rank 0 does
+        linear_fast_paths(model, config.fast_linears, config.quantized_activations)  # as rank 0 does
         kv_caches = allocate_kv_caches(model, config.num_kv_blocks, config.block_size, dtype)
         hooks = make_hooks(args, model, kv_caches, dtype) if make_hooks else None
         if device.type == "cpu":

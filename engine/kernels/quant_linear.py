@@ -60,15 +60,20 @@ def quantized_linear_backend(x: torch.Tensor, w: QuantizedWeight) -> QuantizedLi
 class PreparedQuantizedLinear:
     """`quantized_linear(x, w, bias)` for one weight, with what can be settled once settled: on a CPU with the C
     kernels built, the weight bound to its kernel (`cpu_native.NativeQuantizedLinear`), so a few-row call costs the
-    kernel and little else; other calls go through `quantized_linear_backend`. What QuantizedLinear holds."""
+    kernel and little else; other calls go through `quantized_linear_backend`. What QuantizedLinear holds.
+    `int8_activations` (CPU kernel only, every row count there): x rounded to int8 per 32 inputs first."""
 
-    def __init__(self, w: QuantizedWeight, bias: torch.Tensor | None = None):
+    def __init__(self, w: QuantizedWeight, bias: torch.Tensor | None = None, int8_activations: bool = False):
         self.weight, self.bias = w, bias
         self._pointers = _pointers((w.qweight, w.scales, w.mins, bias))
-        self.native_max_rows = NATIVE_MAX_ROWS[w.kind]
         probe = torch.empty(0, dtype=torch.float32, device=w.qweight.device)
-        self.native = cpu_native.NativeQuantizedLinear(w, bias) if cpu_native.quantized_native_applies(probe, w) \
-            else None
+        native = cpu_native.quantized_native_applies(probe, w)
+        if int8_activations and not native:
+            raise ValueError(f"int8 activations need the C kernels on a CPU weight: {w.kind} on {w.qweight.device}, "
+                             f"kernels built: {cpu_native.native_library() is not None}")
+        # int8 activations: the C kernel at any row count (there is no dequantize-and-GEMM twin of that rounding)
+        self.native_max_rows = 1 << 62 if int8_activations else NATIVE_MAX_ROWS[w.kind]
+        self.native = cpu_native.NativeQuantizedLinear(w, bias, int8_activations) if native else None
 
     def bound_to(self, tensors: tuple[torch.Tensor | None, ...]) -> bool:
         """Whether these (qweight, scales, mins, bias) are still the storage this was prepared over."""

@@ -44,8 +44,8 @@ from engine.quantized_linear import QuantizedLinear  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 
 MODES = {"float32": ("none", "float32", "float"), "bfloat16": ("none", "bfloat16", "float"),
-         "int8": ("int8", "float32", "float"), "int4": ("int4", "float32", "float"), "auto": ("auto", "float32", "float"),
-         "auto-int8act": ("auto", "float32", "int8")}
+         "int8": ("int8", "float32", "float"), "int4": ("int4", "float32", "float"),
+         "auto": ("auto", "float32", "float"), "auto-int8act": ("auto", "float32", "int8")}
 LLAMA = "llama.cpp"
 
 

@@ -571,6 +571,8 @@ def test_every_flag_the_chart_passes_is_accepted_by_duet(case):
             assert engine.kv_cache_memory_fraction == (fraction or None)
             default = EngineConfig().quantization
             assert engine.quantization == (merged_values(case)[role]["engine"]["quantization"] or default)
+            activations = merged_values(case)[role]["engine"]["quantizedActivations"]
+            assert engine.quantized_activations == (activations or EngineConfig().quantized_activations)
             assert engine.device == ("cuda" if merged_values(case)["gpu"]["enabled"] else "cpu")
 
 

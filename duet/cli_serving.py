@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -162,12 +163,26 @@ def cmd_up(args: argparse.Namespace) -> int:
     router_args += ["--worker-wait-s", f"{args.worker_wait_s:g}"]
     if args.shutdown_grace is not None:
         router_args += ["--shutdown-grace", f"{args.shutdown_grace:g}"]
+    role_args = {role: shlex.split(getattr(args, f"{role}_args")) for role in ("prefill", "decode")}
+    for role, extra in role_args.items():  # refused here, in one line, rather than by every worker it starts
+        # the --redis-url is a stand-in: the cluster gives each worker its own redis-server's
+        _worker_parser(role).parse_args(["--model", str(model), "--redis-url", "redis://127.0.0.1:6379", *worker_args,
+                                         *extra])
     config = ClusterConfig(
         model_dir=str(model), num_prefill=args.prefill, num_decode=args.decode, host=args.host, port=args.port,
         http_port=None if args.no_http else args.http_port, metrics_port=args.metrics_port,
         auth_token=auth_token(args), tls_cert=args.tls_cert,
-        tls_key=args.tls_key, worker_args=worker_args, router_args=router_args)
+        tls_key=args.tls_key, worker_args=worker_args, prefill_args=role_args["prefill"],
+        decode_args=role_args["decode"], router_args=router_args)
     return run_up(config)
+
+
+def _worker_parser(role: str) -> argparse.ArgumentParser:
+    """The `duet prefill` / `duet decode` parser, as the workers `duet up` starts will parse their flags."""
+    from duet.cli import build_parser
+
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    return commands[role]
 
 
 def cmd_client(args: argparse.Namespace) -> int:
@@ -260,6 +275,10 @@ def add_serving_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill", type=int, default=1, help="prefill workers")
     p.add_argument("--decode", type=int, default=1, help="decode workers")
     p.add_argument("--kv-transport", choices=["tcp", "torch"], default="tcp")
+    p.add_argument("--prefill-args", default="", help="extra flags for the prefill workers only, after the engine "
+                   "flags above, e.g. \"--quantization none\" (a dense prefill pool next to a quantized decode pool)")
+    p.add_argument("--decode-args", default="", help="extra flags for the decode workers only, e.g. "
+                   "\"--quantized-activations int8\"")
     add_router_args(p, up=True)
     p.set_defaults(func=cmd_up)
 

@@ -115,6 +115,26 @@ def test_up_takes_every_router_option_from_the_one_definition(capsys):
     assert "argument --http-port: not allowed with argument --no-http" in capsys.readouterr().err
 
 
+def test_up_gives_each_pool_its_own_flags_and_refuses_bad_ones_before_starting(monkeypatch, capsys):
+    from deploy import local_cluster
+    from duet.cli import main
+
+    started = []
+    monkeypatch.setattr(local_cluster, "run_up", lambda config: started.append(config) or 0)
+    assert main(["up", "--quantization", "int4", "--prefill-args", "--quantization none",
+                 "--decode-args", "--quantization int8 --quantized-activations int8"]) == 0
+    config = started.pop()
+    assert config.prefill_args == ["--quantization", "none"]
+    assert config.decode_args == ["--quantization", "int8", "--quantized-activations", "int8"]
+    # the shared engine flags come first (local_cluster puts a pool's own after them): the pool's own win
+    assert config.worker_args[:2] == ["--quantization", "int4"]
+    with pytest.raises(SystemExit) as exit_:
+        main(["up", "--decode-args", "--quantized-activations int4"])
+    assert exit_.value.code == 2 and not started
+    err = capsys.readouterr().err
+    assert "duet decode: error: argument --quantized-activations: invalid choice: 'int4'" in err
+
+
 def test_errors_are_one_line_without_a_traceback_unless_asked_for():
     r = duet("client", "--addr", "127.0.0.1:1", "--prompt", "hi", "--timeout", "10", timeout=60)
     assert (r.returncode, r.stdout) == (1, "")

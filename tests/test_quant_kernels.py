@@ -134,6 +134,19 @@ def test_quantized_linear_matches_the_twin(kind):
 
 
 @pytest.mark.usefixtures("build")
+@pytest.mark.parametrize("kind,in_features,group", [("int8", 77, 77), ("int8", 200, 200), ("int8", 576, 32),
+                                                    ("int4", 96, 32), ("int4", 576, 32)])
+def test_one_row_takes_four_outputs_at_a_time_and_the_rest_alone(kind, in_features, group):
+    """Batch-1 decode's path (AVX2: four output rows per pass over x, the last n_out % 4 one by one)."""
+    for n, out in enumerate([1, 4, 9, 301]):
+        w = random_weight(kind, out, in_features, group, seed=40 + n)
+        g = torch.Generator().manual_seed(50 + n)
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(1, in_features, generator=g).to(dtype)
+            assert_matches_twin(x, w, torch.randn(out, generator=g).to(dtype) if n % 2 else None)
+
+
+@pytest.mark.usefixtures("build")
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_strided_batched_and_empty_inputs(kind):
     w = random_weight(kind, 45, 128, 128 if kind == "int8" else 32, seed=7)

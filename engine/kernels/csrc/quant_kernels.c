@@ -173,7 +173,69 @@ static inline __attribute__((always_inline)) void int4_tile_avx2(const float *x,
     for (int r = 0; r < rt; r++) sums[r] = hsum256(acc[r]);
     add_min_terms(rt, m, xsum, k_in / BLOCK, sums);
 }
+/* One row of x (batch-1 decode) against four output rows at once: each load of x serves four weight rows, and
+ * the four rows' FMA chains are independent (one row's 18-block chain of dependent FMAs would otherwise bound the
+ * loop by FMA latency, not by its instructions). */
+static inline __m256 int4_block_avx2(const uint8_t *q, const __m256 xv[4]) { /* x . q over one group */
+    const __m128i nibble = _mm_set1_epi8(0x0F);
+    __m128i raw = _mm_loadu_si128((const __m128i *)q);
+    __m128i lo = _mm_and_si128(raw, nibble), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), nibble);
+    __m256 d01 = _mm256_fmadd_ps(xv[1], _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(lo, lo))),
+                                 _mm256_mul_ps(xv[0], _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo))));
+    __m256 d23 = _mm256_fmadd_ps(xv[3], _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(hi, hi))),
+                                 _mm256_mul_ps(xv[2], _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi))));
+    return _mm256_add_ps(d01, d23);
+}
+
+static void int4_gemv4_avx2(const float *x, const uint8_t *q, const float *s, const float *m, const float *xsum,
+                            int64_t k_in, float out[4]) {
+    int64_t groups = k_in / BLOCK, row_bytes = k_in / 2;
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t g = 0; g < groups; g++) {
+        const __m256 xv[4] = {_mm256_loadu_ps(x + g * BLOCK), _mm256_loadu_ps(x + g * BLOCK + 8),
+                              _mm256_loadu_ps(x + g * BLOCK + 16), _mm256_loadu_ps(x + g * BLOCK + 24)};
+        for (int i = 0; i < 4; i++)
+            acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(s[i * groups + g]), int4_block_avx2(q + i * row_bytes + g * 16, xv),
+                                     acc[i]);
+    }
+    for (int i = 0; i < 4; i++) {
+        out[i] = hsum256(acc[i]);
+        add_min_terms(1, m + i * groups, xsum, groups, out + i);
+    }
+}
+
+static inline __m256 int8_block_avx2(const int8_t *q, const __m256 xv[4]) { /* x . q over one block */
+    __m256 w[4];
+    for (int v = 0; v < 4; v++) w[v] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8 * v))));
+    __m256 d01 = _mm256_fmadd_ps(xv[1], w[1], _mm256_mul_ps(xv[0], w[0]));
+    __m256 d23 = _mm256_fmadd_ps(xv[3], w[3], _mm256_mul_ps(xv[2], w[2]));
+    return _mm256_add_ps(d01, d23);
+}
+
+static void int8_gemv4_avx2(const float *x, const int8_t *q, const float *s, int64_t group, int64_t k_in,
+                            float out[4]) {
+    int64_t groups = k_in / group;
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    int64_t k32 = k_in / BLOCK * BLOCK;
+    for (int64_t k = 0; k < k32; k += BLOCK) {
+        const __m256 xv[4] = {_mm256_loadu_ps(x + k), _mm256_loadu_ps(x + k + 8), _mm256_loadu_ps(x + k + 16),
+                              _mm256_loadu_ps(x + k + 24)};
+        for (int i = 0; i < 4; i++)
+            acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(s[i * groups + k / group]), int8_block_avx2(q + i * k_in + k, xv),
+                                     acc[i]);
+    }
+    for (int i = 0; i < 4; i++) {
+        out[i] = hsum256(acc[i]);
+        if (k32 < k_in) { /* per-channel int8 of a width that is no multiple of 32: the plain loop for the rest */
+            float tail;
+            int8_tile_plain(x + k32, k_in, 1, q + i * k_in + k32, s + i * groups, group, k_in - k32, &tail);
+            out[i] += tail;
+        }
+    }
+}
+#define QUANT_GEMV4 1
 #endif
+
 
 /* ---- AVX-512: a 32-input block is 2 vectors of 16 ------------------------------------------------------------
  * UNTESTED: the development machine has no AVX-512 (compiled there with -march=skylake-avx512 only). The AVX2
@@ -295,8 +357,20 @@ void duet_int8_linear(const void *x, int64_t ldx, const int8_t *qweight, const f
     int64_t ldf, groups = k_in / group;
     float *owned;
     const float *xf = activations_f32(x, ldx, rows, k_in, bf16, &ldf, &owned);
+    int64_t first = 0; /* output rows before this are done by the one-row path */
+#if defined(QUANT_GEMV4)
+    if (rows == 1) {
+        first = n_out / 4 * 4;
 #pragma omp parallel for schedule(static) if (n_out * k_in >= PARALLEL_MIN_WEIGHTS)
-    for (int64_t o = 0; o < n_out; o++) {
+        for (int64_t o = 0; o < first; o += 4) {
+            float sums[4];
+            int8_gemv4_avx2(xf, qweight + o * k_in, scales + o * groups, group, k_in, sums);
+            for (int i = 0; i < 4; i++) store(y, o + i, sums[i], bias, o + i, bf16);
+        }
+    }
+#endif
+#pragma omp parallel for schedule(static) if (n_out * k_in >= PARALLEL_MIN_WEIGHTS)
+    for (int64_t o = first; o < n_out; o++) {
         for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
             int rt = rows - r0 < ROW_TILE ? (int)(rows - r0) : ROW_TILE;
             float sums[ROW_TILE];
@@ -320,8 +394,20 @@ void duet_int4_linear(const void *x, int64_t ldx, const uint8_t *qweight, const 
             for (int j = 0; j < BLOCK; j++) sum += xf[r * ldf + g * BLOCK + j];
             xsum[r * groups + g] = sum;
         }
+    int64_t first = 0; /* output rows before this are done by the one-row path */
+#if defined(QUANT_GEMV4)
+    if (rows == 1) {
+        first = n_out / 4 * 4;
 #pragma omp parallel for schedule(static) if (n_out * k_in >= PARALLEL_MIN_WEIGHTS)
-    for (int64_t o = 0; o < n_out; o++) {
+        for (int64_t o = 0; o < first; o += 4) {
+            float sums[4];
+            int4_gemv4_avx2(xf, qweight + o * (k_in / 2), scales + o * groups, mins + o * groups, xsum, k_in, sums);
+            for (int i = 0; i < 4; i++) store(y, o + i, sums[i], bias, o + i, bf16);
+        }
+    }
+#endif
+#pragma omp parallel for schedule(static) if (n_out * k_in >= PARALLEL_MIN_WEIGHTS)
+    for (int64_t o = first; o < n_out; o++) {
         for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
             int rt = rows - r0 < ROW_TILE ? (int)(rows - r0) : ROW_TILE;
             float sums[ROW_TILE];
@@ -365,7 +451,7 @@ void duet_quantize_activations(const float *x, int64_t ldx, int64_t rows, int64_
         }
 }
 
-static void q8_tile_plain(const int8_t *qx, const float *dx, const float *sx, int64_t k_in, int rt, int kind,
+static __attribute__((unused)) void q8_tile_plain(const int8_t *qx, const float *dx, const float *sx, int64_t k_in, int rt, int kind,
                           const void *qweight, const float *s, const float *m, int64_t group, float *sums) {
     int64_t blocks = k_in / BLOCK;
     for (int r = 0; r < rt; r++) {

@@ -143,7 +143,10 @@ def test_one_row_takes_four_outputs_at_a_time_and_the_rest_alone(kind, in_featur
         g = torch.Generator().manual_seed(50 + n)
         for dtype in (torch.float32, torch.bfloat16):
             x = torch.randn(1, in_features, generator=g).to(dtype)
-            assert_matches_twin(x, w, torch.randn(out, generator=g).to(dtype) if n % 2 else None)
+            bias = torch.randn(out, generator=g).to(dtype) if n % 2 else None
+            assert_matches_twin(x, w, bias)
+            if in_features % 32 == 0:
+                assert_int8_activations_match_twin(x, w, bias)
 
 
 @pytest.mark.usefixtures("build")
@@ -234,16 +237,21 @@ def test_int8_activation_linear_matches_its_twin(kind):
         g = torch.Generator().manual_seed(200 + n)
         x = torch.randn(rows, in_features, generator=g).to(dtype)
         bias = torch.randn(out, generator=g).to(dtype) if with_bias else None
-        got = cpu_native.quantized_linear_int8_activations_native(x, w, bias)
-        want = quantized_linear_int8_activations_reference(x, w, bias)
-        qx, dx = quantize_activations(x.float().reshape(-1, in_features))
-        rounded = (qx.float().reshape(rows, -1, 32) * dx.unsqueeze(-1)).reshape(rows, in_features)
-        bound = FP32_REL * magnitude(rounded, w, bias)
-        if dtype == torch.bfloat16:
-            bound = bound + want.float().abs() * BF16_ULP
-        assert got.dtype == dtype and got.shape == want.shape
-        err = (got.float() - want.float()).abs()
-        assert bool((err <= bound).all()), f"case {n}: max error {float((err - bound).max())} over the bound"
+        assert_int8_activations_match_twin(x, w, bias)
+
+
+def assert_int8_activations_match_twin(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> None:
+    got = cpu_native.quantized_linear_int8_activations_native(x, w, bias)
+    want = quantized_linear_int8_activations_reference(x, w, bias)
+    rows = x.shape[0]
+    qx, dx = quantize_activations(x.float().reshape(-1, w.in_features))
+    rounded = (qx.float().reshape(rows, -1, 32) * dx.unsqueeze(-1)).reshape(rows, w.in_features)
+    bound = FP32_REL * magnitude(rounded, w, bias)
+    if x.dtype == torch.bfloat16:
+        bound = bound + want.float().abs() * BF16_ULP
+    assert got.dtype == x.dtype and got.shape == want.shape
+    err = (got.float() - want.float()).abs()
+    assert bool((err <= bound).all()), f"max error {float((err - bound).max())} over the bound"
 
 
 def test_int8_activations_refuse_partial_blocks():

@@ -522,6 +522,36 @@ static inline __attribute__((always_inline)) void q8_tile_avx2(const int8_t *qx,
     for (int r = 0; r < rt; r++) sums[r] = hsum256(acc[r]);
     if (kind == 4) add_min_terms(rt, m, sx, blocks, sums);
 }
+/* One row of x against four output rows (batch-1 decode), as int4_gemv4_avx2: each x block is loaded once for four
+ * weight rows, and the four FMA chains are independent. */
+static void q8_gemv4_avx2(const int8_t *qx, const float *dx, const float *sx, int64_t k_in, int kind,
+                          const void *qweight, const float *s, const float *m, int64_t group, float out[4]) {
+    int64_t blocks = k_in / BLOCK, groups = k_in / group, row_bytes = kind == 4 ? k_in / 2 : k_in;
+    const __m256i ones = _mm256_set1_epi16(1);
+    const __m128i nibble = _mm_set1_epi8(0x0F);
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t b = 0; b < blocks; b++) {
+        __m256i xv = _mm256_loadu_si256((const __m256i *)(qx + b * BLOCK));
+        for (int i = 0; i < 4; i++) {
+            __m256i dot;
+            if (kind == 4) {
+                __m128i raw = _mm_loadu_si128((const __m128i *)((const uint8_t *)qweight + i * row_bytes + b * 16));
+                __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), nibble), _mm_and_si128(raw, nibble));
+                dot = _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), ones);
+            } else {
+                __m256i w = _mm256_loadu_si256((const __m256i *)((const int8_t *)qweight + i * row_bytes + b * BLOCK));
+                dot = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w)), ones);
+            }
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(s[i * groups + b * BLOCK / group] * dx[b]),
+                                     acc[i]);
+        }
+    }
+    for (int i = 0; i < 4; i++) {
+        out[i] = hsum256(acc[i]);
+        if (kind == 4) add_min_terms(1, m + i * groups, sx, blocks, out + i);
+    }
+}
+#define QUANT_Q8_GEMV4 1
 #define Q8_TILE(rt) q8_tile_avx2(qx, dx, sx, k_in, rt, kind, qweight, s, m, group, sums)
 #else
 #define Q8_TILE(rt) q8_tile_plain(qx, dx, sx, k_in, rt, kind, qweight, s, m, group, sums)
@@ -559,8 +589,21 @@ void duet_quantized_linear_q8(const void *x, int64_t ldx, int kind, const void *
     float *dx = malloc(sizeof(float) * nb), *sx = malloc(sizeof(float) * nb);
     duet_quantize_activations(xf, ldf, rows, k_in, qx, dx, sx);
     int64_t row_bytes = kind == 4 ? k_in / 2 : k_in;
+    int64_t first = 0; /* output rows before this are done by the one-row path */
+#if defined(QUANT_Q8_GEMV4)
+    if (rows == 1) {
+        first = n_out / 4 * 4;
 #pragma omp parallel for schedule(static) if (n_out * k_in >= PARALLEL_MIN_WEIGHTS)
-    for (int64_t o = 0; o < n_out; o++) {
+        for (int64_t o = 0; o < first; o += 4) {
+            float sums[4];
+            q8_gemv4_avx2(qx, dx, sx, k_in, kind, (const uint8_t *)qweight + o * row_bytes, scales + o * groups,
+                          kind == 4 ? mins + o * groups : NULL, group, sums);
+            for (int i = 0; i < 4; i++) store(y, o + i, sums[i], bias, o + i, bf16);
+        }
+    }
+#endif
+#pragma omp parallel for schedule(static) if (n_out * k_in >= PARALLEL_MIN_WEIGHTS)
+    for (int64_t o = first; o < n_out; o++) {
         for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
             int rt = rows - r0 < ROW_TILE ? (int)(rows - r0) : ROW_TILE;
             float sums[ROW_TILE];

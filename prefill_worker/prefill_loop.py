@@ -34,6 +34,7 @@ from engine.runtime import Runtime
 from engine.sampler import TokenLogprobs
 from engine.scheduler import ScheduledChunk
 from prefill_worker.follower_acks import FollowerAcks
+from prefill_worker.prefill_speed import PrefillSpeed
 from prefill_worker.tp_ops import KVSendEntry, PrefillFollowers
 from prefill_worker.tp_rank import layer_group_callback
 from worker.engine_thread import EngineThread
@@ -109,12 +110,9 @@ class PrefillLoop(StepHooks):
         self._step_sends: list[_Send] = []
         self._step_failed = False  # set by `on_execute_failed`
         self._execute_start_s = 0.0  # when this step's sends were chosen: its measured time starts there
-        self._warmed_up = False  # the first step is not measured (see `_measure`)
         self.num_waiting_tokens = 0  # uncached prompt tokens not computed yet: the work queued here (a
         # waiting request counts its prompt minus the cache hit it had on arrival); recounted on the engine thread
-        self._decayed_tokens = 0.0
-        self._decayed_step_s = 0.0
-        self.tokens_per_s = 0.0  # measured speed, which the router's cost model uses
+        self.speed = PrefillSpeed()  # measured, for the router's cost model
         self.core = EngineCore.from_runtime(runtime, hooks=self)
         self.thread = EngineThread("prefill-engine", self.core.has_unfinished_requests, self._step)
 
@@ -208,7 +206,7 @@ class PrefillLoop(StepHooks):
             return
         now = time.monotonic()
         num_tokens = self.core.last_step_num_tokens
-        self._measure(num_tokens, now - self._execute_start_s)
+        self.speed.observe(num_tokens, now - self._execute_start_s)
         if self._on_step_tokens is not None:
             self._on_step_tokens(num_tokens)
         for new in new_tokens:
@@ -271,18 +269,6 @@ class PrefillLoop(StepHooks):
                 job.kv_bytes += (end - start) * len(send.block_ids) * self._block_layer_bytes * self.rt.tp_size
 
         return layer_group_callback(self.rt.model_config.num_layers, self.layer_group_size, ship)
-
-    def _measure(self, num_tokens: int, step_s: float) -> None:
-        """Decayed sums, so the speed follows the recent mix of prompt lengths and includes step overhead. The
-        worker's first step is left out: it pays one-time warm-up (lazy kernel loads, first allocations), and with
-        the slow decay it would make a fresh worker look several times slower than it is for many steps, so the
-        router would send a prefix away from the worker that holds it."""
-        if not self._warmed_up:
-            self._warmed_up = True
-            return
-        self._decayed_tokens = 0.95 * self._decayed_tokens + num_tokens
-        self._decayed_step_s = 0.95 * self._decayed_step_s + step_s
-        self.tokens_per_s = self._decayed_tokens / self._decayed_step_s if self._decayed_step_s > 0 else 0.0
 
     def _count_waiting_tokens(self) -> None:
         total = 0

@@ -91,7 +91,8 @@ class PrefillWorker(WorkerProcess, wpb_grpc.PrefillWorkerServicer):
         return WorkerLoad(
             num_waiting=core.num_waiting, num_running=core.num_running,
             num_free_blocks=self.rt.block_pool.num_free_blocks,
-            num_waiting_tokens=self.loop.num_waiting_tokens, prefill_tokens_per_s=round(self.loop.tokens_per_s, 1),
+            num_waiting_tokens=self.loop.num_waiting_tokens,
+            prefill_tokens_per_s=round(self.loop.speed.tokens_per_s, 1),
         )
 
     def role_stats(self) -> dict[str, int]:

@@ -194,9 +194,11 @@ static void int4_gemv4_avx2(const float *x, const uint8_t *q, const float *s, co
     for (int64_t g = 0; g < groups; g++) {
         const __m256 xv[4] = {_mm256_loadu_ps(x + g * BLOCK), _mm256_loadu_ps(x + g * BLOCK + 8),
                               _mm256_loadu_ps(x + g * BLOCK + 16), _mm256_loadu_ps(x + g * BLOCK + 24)};
-        for (int i = 0; i < 4; i++)
+        for (int i = 0; i < 4; i++) {
+            _mm_prefetch((const char *)(q + (4 + i) * row_bytes + g * 16), _MM_HINT_T0); /* as int8_gemv4_avx2 */
             acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(s[i * groups + g]), int4_block_avx2(q + i * row_bytes + g * 16, xv),
                                      acc[i]);
+        }
     }
     for (int i = 0; i < 4; i++) {
         out[i] = hsum256(acc[i]);
@@ -220,9 +222,13 @@ static void int8_gemv4_avx2(const float *x, const int8_t *q, const float *s, int
     for (int64_t k = 0; k < k32; k += BLOCK) {
         const __m256 xv[4] = {_mm256_loadu_ps(x + k), _mm256_loadu_ps(x + k + 8), _mm256_loadu_ps(x + k + 16),
                               _mm256_loadu_ps(x + k + 24)};
-        for (int i = 0; i < 4; i++)
+        for (int i = 0; i < 4; i++) {
+            /* the next four rows' same block: this pass hops between four rows, which the hardware prefetcher
+             * does not follow from DRAM (a 28 MB int8 lm_head ran 2x slower without it) */
+            _mm_prefetch((const char *)(q + (4 + i) * k_in + k), _MM_HINT_T0);
             acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(s[i * groups + k / group]), int8_block_avx2(q + i * k_in + k, xv),
                                      acc[i]);
+        }
     }
     for (int i = 0; i < 4; i++) {
         out[i] = hsum256(acc[i]);
@@ -534,6 +540,7 @@ static void q8_gemv4_avx2(const int8_t *qx, const float *dx, const float *sx, in
         __m256i xv = _mm256_loadu_si256((const __m256i *)(qx + b * BLOCK));
         for (int i = 0; i < 4; i++) {
             __m256i dot;
+            _mm_prefetch((const char *)qweight + (4 + i) * row_bytes + b * (kind == 4 ? 16 : BLOCK), _MM_HINT_T0);
             if (kind == 4) {
                 __m128i raw = _mm_loadu_si128((const __m128i *)((const uint8_t *)qweight + i * row_bytes + b * 16));
                 __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), nibble), _mm_and_si128(raw, nibble));

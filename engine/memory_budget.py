@@ -8,8 +8,9 @@ with everything it holds; the KV cache gets what is left of that once the weight
     | used_bytes (already in use) | weight_bytes | KV cache budget  | kept free   |
 
 Everything is measured before the weights load (the block count must be known before the model is built, so that
-tensor-parallel followers get it with their settings), so the weights are counted from the checkpoint's tensor
-shapes rather than measured (the embeddings counted whole: an upper bound at tensor parallelism). On CUDA
+tensor-parallel followers get it with their settings), so the weights are counted from the model planned on the
+meta device rather than measured (engine/weights.py's `planned_weight_bytes`: rank 0's shard, quantized linears
+as their packed tensors). On CUDA
 `used_bytes` is what the GPU already holds (other processes too, as vLLM counts it); on CPU it is this process's
 resident memory, and `total_bytes` is the container's memory limit (cgroup) when one is set, else the machine's RAM.
 """
@@ -22,9 +23,6 @@ from pathlib import Path
 
 import psutil
 import torch
-
-from engine.config import ModelConfig
-from engine.tensor_specs import tensor_specs
 
 CGROUP_V2_LIMIT = Path("/sys/fs/cgroup/memory.max")
 CGROUP_V1_LIMIT = Path("/sys/fs/cgroup/memory/memory.limit_in_bytes")
@@ -82,7 +80,3 @@ def container_memory_limit_bytes() -> int | None:
     return None
 
 
-def weight_bytes(model_config: ModelConfig, dtype: torch.dtype) -> int:
-    """The bytes the weights of `model_config` (one rank's shard config at tensor parallelism) take in `dtype`."""
-    element_bytes = torch.empty((), dtype=dtype).element_size()
-    return sum(math.prod(spec.shape) for spec in tensor_specs(model_config).specs) * element_bytes

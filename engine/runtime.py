@@ -23,14 +23,14 @@ from engine.grammar_compiler import GrammarCompiler
 from engine.kernels.cpu_native import native_library
 from engine.kv_cache_manager import KVCacheManager, cdiv
 from engine.linear_fast import linear_fast_paths
-from engine.memory_budget import device_memory, kv_cache_budget_bytes, weight_bytes
+from engine.memory_budget import device_memory, kv_cache_budget_bytes
 from engine.model import KVCache, LlamaForCausalLM
 from engine.model_runner import ModelRunner, allocate_kv_caches, kv_bytes_per_block
 from engine.quantization import memory_report, weight_bytes_by_kind
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.tokenizer import Tokenizer
-from engine.weights import build_model
+from engine.weights import build_model, planned_weight_bytes
 
 if TYPE_CHECKING:
     from engine.tp_runner import TPDriver
@@ -84,14 +84,16 @@ class Runtime:
         self.followers = []
 
 
-def kv_cache_bytes(config: EngineConfig, layer_config: ModelConfig, dtype: torch.dtype, device: torch.device) -> int:
-    """The KV cache's budget: `kv_cache_bytes`, or what `kv_cache_memory_fraction` of the device leaves after the
-    weights of `layer_config` (this rank's shard). Raises ModelLoadError when the fraction leaves nothing."""
+def kv_cache_bytes(config: EngineConfig, model_config: ModelConfig, model_dir: Path, dtype: torch.dtype,
+                   device: torch.device) -> int:
+    """The KV cache's budget: `kv_cache_bytes`, or what `kv_cache_memory_fraction` of the device leaves after this
+    rank's weights as they will be held (quantized ones packed). Raises ModelLoadError when the fraction leaves
+    nothing."""
     if config.kv_cache_memory_fraction is None:
         return config.kv_cache_bytes
+    weights = planned_weight_bytes(model_config, model_dir, dtype, config.tp_size, config.quantization)
     try:
-        return kv_cache_budget_bytes(config.kv_cache_memory_fraction, device_memory(device),
-                                     weight_bytes(layer_config, dtype))
+        return kv_cache_budget_bytes(config.kv_cache_memory_fraction, device_memory(device), weights)
     except ValueError as e:
         raise ModelLoadError(str(e)) from None
 
@@ -130,7 +132,7 @@ def build_runtime(model_dir: str | Path, config: EngineConfig, follower_module: 
     block_bytes = 2 * layer_config.num_layers * config.block_size * layer_config.num_kv_heads * \
         layer_config.head_dim * element_bytes  # this rank's shard of one block
     num_blocks = config.num_kv_blocks or max(
-        1, min(kv_cache_bytes(config, layer_config, dtype, device) // block_bytes,
+        1, min(kv_cache_bytes(config, model_config, model_dir, dtype, device) // block_bytes,
                config.max_num_seqs * cdiv(max_model_len, config.block_size))
     )
     if num_blocks * config.block_size < max_model_len:

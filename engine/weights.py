@@ -24,7 +24,7 @@ from engine.config import ModelConfig
 from engine.errors import ModelLoadError
 from engine.gguf_file import is_gguf_path
 from engine.model import LlamaForCausalLM
-from engine.quantization import load_quantized, plan_quantization, resolve_quantization
+from engine.quantization import load_quantized, plan_quantization, resolve_quantization, weight_bytes_by_kind
 from engine.tensor_parallel import Shard, TPGroup, local_config, parallelize, plan_shard
 from engine.tensor_source import TensorSlice, TensorSource, open_source
 from engine.tensor_specs import TensorSpec, TensorSpecs, tensor_specs
@@ -104,6 +104,30 @@ def _natural_key(name: str) -> list:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
 
+def _meta_model(config: ModelConfig, dtype: torch.dtype, max_positions: int, shard: Shard | None,
+                tp: TPGroup | None) -> LlamaForCausalLM:
+    """The plain model (or rank's parallelized shard) on the meta device: shapes and dtypes, no memory."""
+    with torch.device("meta"):
+        if shard is None:
+            model = LlamaForCausalLM(config, max_positions)
+        else:
+            model = parallelize(LlamaForCausalLM(local_config(config, shard), max_positions), config, shard, tp)
+        return model.to(dtype)
+
+
+def planned_weight_bytes(config: ModelConfig, model_dir: str | Path, dtype: torch.dtype, tp_size: int = 1,
+                         quantization: str = "none") -> int:
+    """The bytes of weights `build_model` will load for rank 0 (of `tp_size`), counted before anything is
+    allocated: the model planned on the meta device, quantized linears as their packed tensors (what
+    engine/quantization.py's `weight_bytes_by_kind` reports once loaded, before engine/linear_fast.py's copies)."""
+    shard = None if tp_size == 1 else plan_shard(config, 0, tp_size)
+    model = _meta_model(config, dtype, 2, shard, None if shard is None else TPGroup(0, tp_size))
+    with torch.no_grad(), open_source(model_dir) as source:
+        plan_quantization(model, tensor_specs(config), source,
+                          resolve_quantization(quantization, is_gguf_path(model_dir)), shard)
+    return sum(weight_bytes_by_kind(model).values())
+
+
 def build_model(config: ModelConfig, model_dir: str | Path, dtype: torch.dtype, max_positions: int,
                 device: torch.device | str = "cpu", tp: TPGroup | None = None,
                 quantization: str = "none") -> LlamaForCausalLM:
@@ -116,12 +140,7 @@ def build_model(config: ModelConfig, model_dir: str | Path, dtype: torch.dtype, 
     a quantization group)."""
     mode = resolve_quantization(quantization, is_gguf_path(model_dir))
     shard = None if tp is None else plan_shard(config, tp.rank, tp.size)
-    with torch.device("meta"):
-        if shard is None:
-            model = LlamaForCausalLM(config, max_positions)
-        else:
-            model = parallelize(LlamaForCausalLM(local_config(config, shard), max_positions), config, shard, tp)
-        model = model.to(dtype)
+    model = _meta_model(config, dtype, max_positions, shard, tp)
     with torch.no_grad(), open_source(model_dir) as source:
         plan = plan_quantization(model, tensor_specs(config), source, mode, shard)  # a transformation, on meta
         model.to_empty(device=device)

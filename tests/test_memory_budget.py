@@ -9,11 +9,14 @@ import torch
 
 from duet.cli_common import add_engine_args, engine_config
 from engine.config import ModelConfig
+from engine.default_model import default_model_path
 from engine.engine_config import EngineConfig
 from engine.errors import ModelLoadError
 from engine.kv_cache_manager import cdiv
-from engine.memory_budget import DeviceMemory, device_memory, kv_cache_budget_bytes, weight_bytes
+from engine.memory_budget import DeviceMemory, device_memory, kv_cache_budget_bytes
+from engine.quantization import weight_bytes_by_kind
 from engine.runtime import build_runtime
+from engine.weights import build_model, planned_weight_bytes
 
 GIB = 1024**3
 
@@ -48,10 +51,27 @@ def test_the_flag_sets_the_fraction_and_refuses_bad_values():
 
 
 def test_weights_are_counted_as_the_model_holds_them(tiny_llama_dir):
-    rt = build_runtime(tiny_llama_dir, EngineConfig(num_kv_blocks=4, dtype="float32"))
+    rt = build_runtime(tiny_llama_dir, EngineConfig(num_kv_blocks=4, dtype="float32", quantization="none"))
     held = sum(p.numel() * p.element_size() for p in rt.model.parameters())
-    assert weight_bytes(ModelConfig.from_path(tiny_llama_dir), torch.float32) == held
-    assert weight_bytes(ModelConfig.from_path(tiny_llama_dir), torch.bfloat16) == held // 2
+    config = ModelConfig.from_path(tiny_llama_dir)
+    assert planned_weight_bytes(config, tiny_llama_dir, torch.float32) == held
+    assert planned_weight_bytes(config, tiny_llama_dir, torch.bfloat16) == held // 2
+    assert held // 2 < planned_weight_bytes(config, tiny_llama_dir, torch.float32, tp_size=2) < held  # rank 0's
+    # int8 (this model's MLP width, 176, is no multiple of int4's groups): the linears as their packed tensors
+    model = build_model(config, tiny_llama_dir, torch.float32, 64, quantization="int8")
+    planned = planned_weight_bytes(config, tiny_llama_dir, torch.float32, quantization="int8")
+    assert planned == sum(weight_bytes_by_kind(model).values()) < held
+
+
+@pytest.mark.slow
+def test_the_default_gguf_kept_quantized_is_counted_packed():
+    path = default_model_path()
+    config = ModelConfig.from_path(path)
+    model = build_model(config, path, torch.float32, 64, quantization="auto")
+    planned = planned_weight_bytes(config, path, torch.float32, quantization="auto")
+    assert planned == sum(weight_bytes_by_kind(model).values())
+    # the embedding stays dense (113 MB in fp32) next to the packed tied lm_head (Q8_0)
+    assert planned < planned_weight_bytes(config, path, torch.float32, quantization="none") / 2
 
 
 def test_cpu_memory_is_the_container_limit_or_ram():
@@ -61,7 +81,7 @@ def test_cpu_memory_is_the_container_limit_or_ram():
 
 def test_runtime_sizes_the_cache_from_the_fraction(tiny_llama_dir):
     model_config = ModelConfig.from_path(tiny_llama_dir)
-    weights = weight_bytes(model_config, torch.float32)
+    weights = planned_weight_bytes(model_config, tiny_llama_dir, torch.float32)
     block_size = 256
     block_bytes = 2 * model_config.num_layers * block_size * model_config.num_kv_heads * model_config.head_dim * 4
     target_blocks = 3000  # 384 MiB, far below the cap (max_num_seqs x blocks per sequence): the fraction decides

@@ -25,6 +25,7 @@ import torch
 
 from engine.attention import AttentionMetadata, PrefillChunk
 from engine.cuda_graphs import GraphReplayer
+from engine.fused_decode import FusedDecode
 from engine.model import KVCache, LlamaForCausalLM
 from engine.sampler import SampledTokens, Sampler, SamplingRow
 from engine.scheduler import ScheduledChunk
@@ -75,6 +76,7 @@ class ModelRunner:
         self.graph_replayer = graph_replayer
         self.step_broadcaster = step_broadcaster
         self.device = kv_caches[0][0].device
+        self._fused_decode: FusedDecode | None | bool = False  # built on the first decode step (False: not yet)
 
     @torch.inference_mode()
     def execute(
@@ -99,8 +101,22 @@ class ModelRunner:
         input_ids, positions, meta = self.prepare_inputs(ordered)
         if self.step_broadcaster is not None:
             self.step_broadcaster.broadcast_step(input_ids, positions, meta, sample_rows(ordered)[0])
-        hidden = self.model(input_ids, positions, self.kv_caches, meta, on_layer_done)
+        fused = self._fused_decode_for(input_ids, meta) if on_layer_done is None else None
+        if fused is not None:  # a decode-only step on CPU with quantized linears: one C call per layer
+            hidden = fused(input_ids, positions, meta)
+        else:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta, on_layer_done)
         return self.sample(hidden, ordered)
+
+    def _fused_decode_for(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> FusedDecode | None:
+        """engine/fused_decode.py's fast path where it applies to this model and step (bound on first use, after
+        every transformation of the loaded model)."""
+        if self.step_broadcaster is not None or meta.num_decode_tokens != input_ids.shape[0]:
+            return None
+        if self._fused_decode is False:
+            self._fused_decode = FusedDecode.for_model(self.model, self.kv_caches)
+        fused = self._fused_decode
+        return fused if fused is not None and fused.applies_to(meta, input_ids.shape[0]) else None
 
     def sample(self, hidden: torch.Tensor, ordered: list[ScheduledChunk]) -> dict[str, SampledTokens]:
         """Sample for the chunks that ask for it, from `hidden` [T, hidden]: row i is `ordered`'s i-th token."""

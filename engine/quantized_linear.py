@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from engine.kernels.cpu_native import NativeQuantizedLinear
 from engine.kernels.quant_linear import PreparedQuantizedLinear
 from engine.quant_format import QuantizedWeight
 
@@ -57,6 +58,14 @@ class QuantizedLinear(nn.Module):
         super()._apply(fn, recurse)  # moves the buffers; the QuantizedWeight view is rebuilt over the new ones
         self._bind(QuantizedWeight(self.kind, self.qweight, self.scales, self.mins, self.group_size))
         return self
+
+    def native_kernel(self) -> NativeQuantizedLinear | None:
+        """The C kernel this layer's few-row calls run (None: not bound to one: no library, or not a CPU weight)."""
+        return self._bound_kernel().native
+
+    def native_max_rows(self) -> int:
+        """The most rows a call gives the C kernel (more go to dequantize + GEMM)."""
+        return self._bound_kernel().native_max_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.all_reduce is None:

@@ -39,7 +39,7 @@ from engine.quant_format import INT4_GROUP, QuantizedWeight
 log = logging.getLogger("duet.engine")
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = (CSRC / "cpu_kernels.c", CSRC / "quant_kernels.c")
+SOURCES = (CSRC / "cpu_kernels.c", CSRC / "quant_kernels.c", CSRC / "decode_layer.c")
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-ffp-contract=off", "-fno-math-errno",
          "-fno-trapping-math", "-shared", "-fPIC"]
 DTYPES = (torch.float32, torch.bfloat16)
@@ -324,6 +324,7 @@ class NativeQuantizedLinear:
             raise ValueError(f"in_features {w.in_features} is invalid for int8 activations: must be a multiple of "
                              f"{INT4_GROUP}")
         self.in_features, self.out_features = w.in_features, w.out_features
+        self.kind, self.group_size, self.int8_activations = w.kind, w.group_size, int8_activations
         qweight, scales = _contiguous(w.qweight), _contiguous(w.scales)
         mins = None if w.mins is None else _contiguous(w.mins)
         if bias is not None:
@@ -341,6 +342,13 @@ class NativeQuantizedLinear:
             self._fn = lib.duet_int4_linear
             self._weight_args = (qweight.data_ptr(), scales.data_ptr(), _ptr(mins), _ptr(bias))
         self._sizes = (n, k)
+
+    def struct_fields(self) -> tuple:
+        """(kind 4/8, int8_activations, qweight, scales, mins, bias pointers, group, out, in): csrc/decode_layer.c's
+        duet_qlinear, valid while this object lives."""
+        qweight, scales, mins, bias = self._tensors
+        return (4 if self.kind == "int4" else 8, int(self.int8_activations), qweight.data_ptr(), scales.data_ptr(),
+                _ptr(mins), _ptr(bias), self.group_size, self.out_features, self.in_features)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] on the CPU, float32 or bfloat16 -> [..., out] in x's dtype."""

@@ -1,0 +1,128 @@
+"""`FusedDecode`: a decode-only step's layers each in one C call (engine/kernels/csrc/decode_layer.c), a fast
+path of ModelRunner for CPU models whose linears are all quantized and bound to the C kernels.
+
+Why: at batch 1 a layer's kernels take ~0.3 ms and the Python around them (nine wrappers: tensor checks,
+allocations, ctypes conversions, module calls) about as much again (benchmarks/RESULTS.md, issue 18 part 2).
+Here every weight's pointers are bound once into C structs, and a step makes one call per layer into code that
+runs the same kernels in the same order as the plain forward (engine/model.py, the reference: equal up to the
+kernels' own float32 summation order, i.e. bit for bit on the same library; tests/test_fused_decode.py).
+
+Applies when: CPU, the C kernels built, no tensor parallelism, fp32 or bf16 activations, and every layer's four
+linears `QuantizedLinear`s bound to a native kernel. The structs point into the model's tensors and the KV
+caches given at construction: valid while those live (a ModelRunner owns both for its life).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.kernels import cpu_native
+from engine.model import LlamaForCausalLM
+from engine.quantized_linear import QuantizedLinear
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+p, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
+
+
+class _QLinear(ctypes.Structure):
+    _fields_ = [("kind", i32), ("int8_activations", i32), ("qweight", p), ("scales", p), ("mins", p), ("bias", p),
+                ("group", i64), ("n_out", i64), ("k_in", i64)]
+
+
+class _LayerWeights(ctypes.Structure):
+    _fields_ = [("input_norm", p), ("post_norm", p), ("qkv", _QLinear), ("o", _QLinear), ("gate_up", _QLinear),
+                ("down", _QLinear)]
+
+
+class _LayerShape(ctypes.Structure):
+    _fields_ = [("hidden", i64), ("heads", i64), ("kv_heads", i64), ("head_dim", i64), ("inter", i64),
+                ("num_blocks", i64), ("block_size", i64), ("eps", f32), ("scale", f32), ("bf16", i32)]
+
+
+class FusedDecode:
+    @classmethod
+    def for_model(cls, model: LlamaForCausalLM, kv_caches: list[KVCache]) -> FusedDecode | None:
+        """The fast path for this model and these caches, or None where it does not apply (see the docstring)."""
+        lib = cpu_native.native_library()
+        dtype = model.embed_tokens.weight.dtype
+        if lib is None or model.gather_vocab is not None or dtype not in cpu_native.DTYPES:
+            return None
+        if not all(k.is_cpu and k.dtype == dtype and k.is_contiguous() and v.is_contiguous() for k, v in kv_caches):
+            return None
+        max_rows = 1 << 62
+        for layer in model.layers:
+            linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+            if not all(isinstance(m, QuantizedLinear) and m.all_reduce is None and m.native_kernel() is not None
+                       for m in linears):
+                return None
+            max_rows = min(max_rows, *(m.native_max_rows() for m in linears))
+        return cls(model, kv_caches, lib, max_rows)
+
+    def __init__(self, model: LlamaForCausalLM, kv_caches: list[KVCache], lib: ctypes.CDLL, max_rows: int):
+        self.model, self.kv_caches = model, kv_caches
+        # the most rows every linear's own dispatch gives its C kernel (more: dequantize + GEMM wins there)
+        self.max_rows = max_rows
+        self._layer = lib.duet_decode_layer
+        self._layer.argtypes = [p] * 13 + [i64, i64, p]
+        self._layer.restype = i64
+        self._scratch_bytes = lib.duet_decode_layer_scratch_bytes
+        self._scratch_bytes.argtypes, self._scratch_bytes.restype = [p, i64], i64
+        config, dtype = model.config, model.embed_tokens.weight.dtype
+        k_cache = kv_caches[0][0]
+        self.shape = _LayerShape(config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
+                                 config.intermediate_size, k_cache.shape[1], k_cache.shape[2], config.rms_norm_eps,
+                                 config.head_dim**-0.5, int(dtype == torch.bfloat16))
+        self._held: list[torch.Tensor] = []  # the norm weights in the activation dtype, if converted
+        self.layers = [self._bind(layer) for layer in model.layers]
+
+    def _bind(self, layer) -> _LayerWeights:
+        attn, mlp = layer.self_attn, layer.mlp
+        norms = [self._dense(n.weight) for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+        return _LayerWeights(norms[0], norms[1], *(_qlinear(m) for m in (attn.qkv_proj, attn.o_proj,
+                                                                          mlp.gate_up_proj, mlp.down_proj)))
+
+    def _dense(self, t: torch.Tensor) -> int:
+        dtype = self.model.embed_tokens.weight.dtype
+        if t.dtype != dtype or not t.is_contiguous():
+            t = t.to(dtype).contiguous()
+            self._held.append(t)
+        return t.data_ptr()
+
+    def applies_to(self, meta: AttentionMetadata, num_tokens: int) -> bool:
+        """Whether a step is one this path runs: decodes only, with the padded mask the C attention reads, and no
+        more rows than the linears' C kernels take."""
+        return meta.num_decode_tokens == num_tokens <= self.max_rows and meta.decode_mask is not None
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The model's forward (hidden states after the final norm) for a decode-only step (`applies_to`)."""
+        model, shape = self.model, self.shape
+        rows = input_ids.shape[0]
+        x = model.embed_tokens(input_ids)
+        cos, sin = (t.reshape(rows, shape.head_dim).contiguous() for t in model.rotary.cos_sin(positions, x.dtype))
+        slots = meta.slot_mapping.contiguous()
+        block_ids, mask = meta.decode_block_ids.contiguous(), meta.decode_mask.contiguous()
+        width = block_ids.numel() // rows
+        scratch = torch.empty(self._scratch_bytes(ctypes.byref(shape), rows), dtype=torch.uint8)
+        out, residual = torch.empty_like(x), torch.empty_like(x)
+        nxt, nxt_residual = torch.empty_like(x), torch.empty_like(x)
+        x_ptr, residual_ptr = x.data_ptr(), None
+        for layer, (k_cache, v_cache) in zip(self.layers, self.kv_caches):
+            bad = self._layer(ctypes.byref(shape), ctypes.byref(layer), x_ptr, residual_ptr, out.data_ptr(),
+                              residual.data_ptr(), cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
+                              v_cache.data_ptr(), slots.data_ptr(), block_ids.data_ptr(), mask.data_ptr(), rows,
+                              width, scratch.data_ptr())
+            if bad:
+                raise ValueError(f"slot_mapping[{bad - 1}] = {int(slots[bad - 1])} is invalid: must be in "
+                                 f"[0, {shape.num_blocks * shape.block_size})")
+            x_ptr, residual_ptr = out.data_ptr(), residual.data_ptr()
+            out, nxt, residual, nxt_residual = nxt, out, nxt_residual, residual  # the next layer reads these
+        x, residual = nxt, nxt_residual  # the last layer's outputs (swapped in above)
+        return model.norm.add_and_norm(x, residual)[0]
+
+
+def _qlinear(module: QuantizedLinear) -> _QLinear:
+    native = module.native_kernel()
+    return _QLinear(*native.struct_fields())

@@ -1,0 +1,119 @@
+/* One decoder layer of a decode step in one call: engine/model.py's DecoderLayer.forward for `rows` single-token
+ * sequences, as the library's kernels compute each part (cpu_kernels.c, quant_kernels.c), with every weight's
+ * pointers bound once (engine/fused_decode.py builds the structs). Why: called op by op from Python, a layer pays
+ * ~0.2-0.3 ms of wrappers (tensor checks, allocations, ctypes conversions) around ~0.3 ms of kernels at batch 1;
+ * here it pays one call. The plain model's forward is the reference (tests/test_fused_decode.py).
+ *
+ *   x --add_rms_norm(residual)--> xn --qkv--> [q | k | v] --rotary + K/V store--> qk --decode attention--> attn
+ *     --o_proj--> o --add_rms_norm(residual')--> xn2 --gate_up--> gu --silu * up--> act --down--> out
+ *
+ * Activations float32 or bfloat16 (`bf16`), rows contiguous; the linears are quantized (int4 / int8, float or
+ * int8 activations), the layout of engine/quant_format.py. */
+
+#include <stdint.h>
+#include <string.h>
+
+void duet_add_rms_norm(const void *x, int64_t x_stride, const void *residual, int64_t residual_stride,
+                       const void *weight, float eps, void *out, void *residual_out, int64_t rows, int64_t hidden,
+                       int bf16);
+void duet_silu_and_mul(const void *gate_up, int64_t gu_stride, void *out, int64_t rows, int64_t inter, int bf16);
+int64_t duet_rotary_store_kv(const void *x, int64_t x_st, int64_t x_sh, const void *cos_t, const void *sin_t,
+                             void *out, const void *v, int64_t v_st, void *k_cache, void *v_cache,
+                             const int64_t *slots, int64_t num_slots, int64_t tokens, int64_t heads,
+                             int64_t kv_heads, int64_t head_dim, int bf16);
+void duet_decode_attention(const void *q, int64_t q_sb, int64_t q_sh, const void *k_cache, const void *v_cache,
+                           const int64_t *block_ids, const float *mask, void *out, int64_t batch, int64_t heads,
+                           int64_t kv_heads, int64_t head_dim, int64_t num_blocks, int64_t block_size,
+                           int64_t width, float scale, int bf16);
+void duet_int8_linear(const void *x, int64_t ldx, const int8_t *qweight, const float *scales, int64_t group,
+                      const float *bias, void *y, int64_t rows, int64_t n_out, int64_t k_in, int bf16);
+void duet_int4_linear(const void *x, int64_t ldx, const uint8_t *qweight, const float *scales, const float *mins,
+                      const float *bias, void *y, int64_t rows, int64_t n_out, int64_t k_in, int bf16);
+void duet_quantized_linear_q8(const void *x, int64_t ldx, int kind, const void *qweight, const float *scales,
+                              const float *mins, int64_t group, const float *bias, void *y, int64_t rows,
+                              int64_t n_out, int64_t k_in, int bf16);
+
+typedef struct {
+    int32_t kind;             /* 4: int4, 8: int8 */
+    int32_t int8_activations; /* x rounded per 32 inputs, integer dot products */
+    const void *qweight;
+    const float *scales, *mins, *bias; /* mins: int4 only; bias float32 or NULL */
+    int64_t group, n_out, k_in;
+} duet_qlinear;
+
+typedef struct {
+    const void *input_norm, *post_norm; /* RMSNorm weights [hidden], in the activation dtype */
+    duet_qlinear qkv, o, gate_up, down;
+} duet_layer_weights;
+
+typedef struct { /* the model's shape, the same for every layer */
+    int64_t hidden, heads, kv_heads, head_dim, inter, num_blocks, block_size;
+    float eps, scale;
+    int32_t bf16;
+} duet_layer_shape;
+
+static void qlinear(const duet_qlinear *l, const void *x, void *y, int64_t rows, int bf16) {
+    if (l->int8_activations)
+        duet_quantized_linear_q8(x, l->k_in, l->kind, l->qweight, l->scales, l->mins, l->group, l->bias, y, rows,
+                                 l->n_out, l->k_in, bf16);
+    else if (l->kind == 4)
+        duet_int4_linear(x, l->k_in, l->qweight, l->scales, l->mins, l->bias, y, rows, l->n_out, l->k_in, bf16);
+    else
+        duet_int8_linear(x, l->k_in, l->qweight, l->scales, l->group, l->bias, y, rows, l->n_out, l->k_in, bf16);
+}
+
+/* Scratch bytes duet_decode_layer needs for `rows` tokens. */
+int64_t duet_decode_layer_scratch_bytes(const duet_layer_shape *s, int64_t rows) {
+    int64_t qkv = (s->heads + 2 * s->kv_heads) * s->head_dim, qk = (s->heads + s->kv_heads) * s->head_dim;
+    int64_t elements = rows * (s->hidden /* xn */ + qkv + qk + s->heads * s->head_dim /* attn */ +
+                               s->hidden /* o */ + s->hidden /* xn2 */ + s->hidden /* residual' */ +
+                               2 * s->inter /* gu */ + s->inter /* act */);
+    return elements * (s->bf16 ? 2 : 4);
+}
+
+/* x [rows, hidden]: the previous layer's MLP output, or the embeddings when residual is NULL (the first layer);
+ * residual [rows, hidden] or NULL. Writes out [rows, hidden] (this layer's MLP output) and residual_out
+ * [rows, hidden] (the stream without it: DecoderLayer.forward's pair), and the step's K/V at `slots` of the
+ * caches [kv_heads, num_blocks, block_size, head_dim]. cos/sin [rows, head_dim]; block_ids [rows * width] and
+ * mask [rows, width * block_size] as decode attention takes them. Returns 0, or 1 + the index of a slot outside
+ * the cache (nothing after the K/V store ran). */
+int64_t duet_decode_layer(const duet_layer_shape *s, const duet_layer_weights *w, const void *x,
+                          const void *residual, void *out, void *residual_out, const void *cos_t,
+                          const void *sin_t, void *k_cache, void *v_cache, const int64_t *slots,
+                          const int64_t *block_ids, const float *mask, int64_t rows, int64_t width, void *scratch) {
+    int bf16 = s->bf16;
+    int64_t esize = bf16 ? 2 : 4, hd = s->head_dim;
+    int64_t qkv_width = (s->heads + 2 * s->kv_heads) * hd, qk_width = (s->heads + s->kv_heads) * hd;
+    char *p = scratch;
+    void *xn = p;                p += rows * s->hidden * esize;
+    void *qkv = p;               p += rows * qkv_width * esize;
+    void *qk = p;                p += rows * qk_width * esize;
+    void *attn = p;              p += rows * s->heads * hd * esize;
+    void *o = p;                 p += rows * s->hidden * esize;
+    void *xn2 = p;               p += rows * s->hidden * esize;
+    void *residual_mid = p;      p += rows * s->hidden * esize;
+    void *gu = p;                p += rows * 2 * s->inter * esize;
+    void *act = p;
+
+    if (residual == NULL) { /* the first layer: norm(x), and x itself is the residual stream */
+        duet_add_rms_norm(x, s->hidden, NULL, 0, w->input_norm, s->eps, xn, NULL, rows, s->hidden, bf16);
+        memcpy(residual_mid, x, (size_t)(rows * s->hidden * esize));
+    } else {
+        duet_add_rms_norm(x, s->hidden, residual, s->hidden, w->input_norm, s->eps, xn, residual_mid, rows,
+                          s->hidden, bf16);
+    }
+    qlinear(&w->qkv, xn, qkv, rows, bf16);
+    int64_t bad = duet_rotary_store_kv(qkv, qkv_width, hd, cos_t, sin_t, qk, (const char *)qkv + qk_width * esize,
+                                       qkv_width, k_cache, v_cache, slots, s->num_blocks * s->block_size, rows,
+                                       s->heads + s->kv_heads, s->kv_heads, hd, bf16);
+    if (bad) return bad;
+    duet_decode_attention(qk, qk_width, hd, k_cache, v_cache, block_ids, mask, attn, rows, s->heads, s->kv_heads, hd,
+                          s->num_blocks, s->block_size, width, s->scale, bf16);
+    qlinear(&w->o, attn, o, rows, bf16);
+    duet_add_rms_norm(o, s->hidden, residual_mid, s->hidden, w->post_norm, s->eps, xn2, residual_out, rows,
+                      s->hidden, bf16);
+    qlinear(&w->gate_up, xn2, gu, rows, bf16);
+    duet_silu_and_mul(gu, 2 * s->inter, act, rows, s->inter, bf16);
+    qlinear(&w->down, act, out, rows, bf16);
+    return 0;
+}

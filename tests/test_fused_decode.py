@@ -1,0 +1,95 @@
+"""engine/fused_decode.py (a decode-only step's layers in one C call each) against the plain forward of
+engine/model.py on the same weights and caches: the same kernels in the same order, so hidden states and the
+K/V written agree to float32 summation order (the C kernels' own), and greedy tokens are the same."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.config import ModelConfig
+from engine.fused_decode import FusedDecode
+from engine.kernels import cpu_native
+from engine.model_runner import ModelRunner, allocate_kv_caches
+from engine.quantized_linear import use_int8_activations
+from engine.scheduler import ScheduledChunk
+from engine.tiny_model import make_tiny_model
+from engine.weights import build_model
+
+pytestmark = pytest.mark.skipif(cpu_native.native_library() is None, reason="the C kernels could not be built here")
+
+BLOCK = 16
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-fused"), arch="llama", layers=3, hidden=64, heads=4,
+                           kv_heads=2, vocab=512, intermediate=128, seed=5)
+
+
+def chunk(i: int, token_ids: list[int], start: int, blocks: list[int]) -> ScheduledChunk:
+    return ScheduledChunk(f"r{i}", token_ids, start, blocks, True, SamplingParams(), [], [])
+
+
+@pytest.mark.parametrize("mode,activations,dtype", [("int4", "float", torch.float32), ("int8", "float", torch.float32),
+                                                    ("int4", "int8", torch.float32), ("int4", "float", torch.bfloat16)])
+def test_a_decode_step_equals_the_plain_forward(tiny_dir, mode, activations, dtype):
+    model = build_model(ModelConfig.from_dir(tiny_dir), tiny_dir, dtype, 256, quantization=mode)
+    if activations == "int8":
+        use_int8_activations(model)
+    caches = allocate_kv_caches(model, num_blocks=16, block_size=BLOCK, dtype=dtype)
+    plain_caches = [(k.clone(), v.clone()) for k, v in caches]
+    runner = ModelRunner(model, caches, BLOCK, sampler=None)
+    fused = FusedDecode.for_model(model, caches)
+    assert fused is not None
+    gen = torch.Generator().manual_seed(1)
+    lengths = [5, 16, 33]  # contexts ending mid-block, on a block edge, past two blocks
+    tables = [[1, 2, 3], [4, 5, 6], [7, 8, 9, 10]]
+    prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in lengths]
+    with torch.inference_mode():
+        ids, pos, meta = runner.prepare_inputs([chunk(i, p, 0, t) for i, (p, t) in enumerate(zip(prompts, tables))])
+        for kv in (caches, plain_caches):  # the same prefill into both caches, by the plain forward
+            model(ids, pos, kv, meta)
+        for step in range(3):  # decode steps: the fused path on `caches`, the plain forward on `plain_caches`
+            tokens = torch.randint(0, 512, (3,), generator=gen).tolist()
+            ids, pos, meta = runner.prepare_inputs([chunk(i, [t], n + step, tb) for i, (t, n, tb) in
+                                                    enumerate(zip(tokens, lengths, tables))])
+            assert fused.applies_to(meta, len(tokens))
+            got, want = fused(ids, pos, meta), model(ids, pos, plain_caches, meta)
+            tol = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 0.05, "rtol": 0.02}
+            torch.testing.assert_close(got, want, **tol)
+            for (k, v), (pk, pv) in zip(caches, plain_caches):
+                torch.testing.assert_close(k, pk, **tol)
+                torch.testing.assert_close(v, pv, **tol)
+
+
+def test_a_bad_slot_is_refused_before_anything_is_written(tiny_dir):
+    model = build_model(ModelConfig.from_dir(tiny_dir), tiny_dir, torch.float32, 256, quantization="int4")
+    caches = allocate_kv_caches(model, num_blocks=4, block_size=BLOCK, dtype=torch.float32)
+    runner = ModelRunner(model, caches, BLOCK, sampler=None)
+    ids, pos, meta = runner.prepare_inputs([chunk(0, [7], 3, [1])])
+    meta.slot_mapping[0] = 4 * BLOCK  # one past the cache
+    with pytest.raises(ValueError, match=r"slot_mapping\[0\] = 64 is invalid: must be in \[0, 64\)"):
+        FusedDecode.for_model(model, caches)(ids, pos, meta)
+
+
+def test_it_applies_only_where_every_linear_is_quantized_and_bound(tiny_dir):
+    config = ModelConfig.from_dir(tiny_dir)
+    dense = build_model(config, tiny_dir, torch.float32, 256, quantization="none")
+    assert FusedDecode.for_model(dense, allocate_kv_caches(dense, 4, BLOCK, torch.float32)) is None
+    quantized = build_model(config, tiny_dir, torch.float32, 256, quantization="int8")
+    fused = FusedDecode.for_model(quantized, allocate_kv_caches(quantized, 4, BLOCK, torch.float32))
+    assert fused is not None and fused.max_rows == 16  # int8's C kernel takes up to 16 rows (quant_linear.py)
+
+
+def test_the_engine_gives_the_plain_forwards_tokens(tiny_dir, monkeypatch):
+    prompts = [[3, 9, 27, 81], list(range(40, 75))]
+    llm = LLM(tiny_dir, quantization="int4", max_model_len=256)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+    assert isinstance(llm.engine.runner._fused_decode, FusedDecode)  # the decode steps took the fast path
+    monkeypatch.setattr(FusedDecode, "for_model", classmethod(lambda cls, model, caches: None))
+    plain = LLM(tiny_dir, quantization="int4", max_model_len=256)
+    assert [o.outputs[0].token_ids for o in plain.generate(prompts, GREEDY)] == got
+    assert plain.engine.runner._fused_decode is None

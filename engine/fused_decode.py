@@ -4,8 +4,8 @@ path of ModelRunner for CPU models whose linears are all quantized and bound to 
 Why: at batch 1 a layer's kernels take ~0.3 ms and the Python around them (nine wrappers: tensor checks,
 allocations, ctypes conversions, module calls) about as much again (benchmarks/RESULTS.md, issue 18 part 2).
 Here every weight's pointers are bound once into C structs, and a step makes one call per layer into code that
-runs the same kernels in the same order as the plain forward (engine/model.py, the reference: equal up to the
-kernels' own float32 summation order, i.e. bit for bit on the same library; tests/test_fused_decode.py).
+runs the same kernels on the same inputs in the same order as the plain forward (engine/model.py, the reference:
+equal bit for bit, tests/test_fused_decode.py).
 
 Applies when: CPU, the C kernels built, no tensor parallelism, fp32 or bf16 activations, and every layer's four
 linears `QuantizedLinear`s bound to a native kernel. The structs point into the model's tensors and the KV
@@ -75,14 +75,17 @@ class FusedDecode:
         self.shape = _LayerShape(config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
                                  config.intermediate_size, k_cache.shape[1], k_cache.shape[2], config.rms_norm_eps,
                                  config.head_dim**-0.5, int(dtype == torch.bfloat16))
-        self._held: list[torch.Tensor] = []  # the norm weights in the activation dtype, if converted
+        # what the structs point into, kept alive here: the linears' bound kernels (their tensors) and the norm
+        # weights in the activation dtype where they had to be converted
+        self._held: list[object] = []
         self.layers = [self._bind(layer) for layer in model.layers]
 
     def _bind(self, layer) -> _LayerWeights:
         attn, mlp = layer.self_attn, layer.mlp
         norms = [self._dense(n.weight) for n in (layer.input_layernorm, layer.post_attention_layernorm)]
-        return _LayerWeights(norms[0], norms[1], *(_qlinear(m) for m in (attn.qkv_proj, attn.o_proj,
-                                                                          mlp.gate_up_proj, mlp.down_proj)))
+        kernels = [m.native_kernel() for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        self._held += kernels
+        return _LayerWeights(norms[0], norms[1], *(_QLinear(*kernel.struct_fields()) for kernel in kernels))
 
     def _dense(self, t: torch.Tensor) -> int:
         dtype = self.model.embed_tokens.weight.dtype
@@ -122,7 +125,3 @@ class FusedDecode:
         x, residual = nxt, nxt_residual  # the last layer's outputs (swapped in above)
         return model.norm.add_and_norm(x, residual)[0]
 
-
-def _qlinear(module: QuantizedLinear) -> _QLinear:
-    native = module.native_kernel()
-    return _QLinear(*native.struct_fields())

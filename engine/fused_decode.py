@@ -65,11 +65,7 @@ class FusedDecode:
         self.model, self.kv_caches = model, kv_caches
         # the most rows every linear's own dispatch gives its C kernel (more: dequantize + GEMM wins there)
         self.max_rows = max_rows
-        self._layer = lib.duet_decode_layer
-        self._layer.argtypes = [p] * 13 + [i64, i64, p]
-        self._layer.restype = i64
-        self._scratch_bytes = lib.duet_decode_layer_scratch_bytes
-        self._scratch_bytes.argtypes, self._scratch_bytes.restype = [p, i64], i64
+        self._layer, self._scratch_bytes = lib.duet_decode_layer, lib.duet_decode_layer_scratch_bytes
         config, dtype = model.config, model.embed_tokens.weight.dtype
         k_cache = kv_caches[0][0]
         self.shape = _LayerShape(config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,

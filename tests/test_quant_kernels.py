@@ -1,8 +1,9 @@
 """The C quantized linears (engine/kernels/csrc/quant_kernels.c via cpu_native) against their twin,
 `quantized_linear_reference` (engine/quant_format.py).
 
-Each case runs on four builds of the same source: as built for this CPU (AVX-512 where the CPU has it, AVX2 here),
-with -mno-avx512f (AVX2 + FMA), the AVX-512 path with its intrinsics emulated in plain C (so every CPU checks its
+Each case runs on five builds of the same source: as built for this CPU (AVX-512 and its VNNI int8 dot products
+where the CPU has them), with -mno-avx512vnni (the AVX-512 float paths, AVX2 integer dot products), with
+-mno-avx512f (AVX2 + FMA), the AVX-512 path with its intrinsics emulated in plain C (so every CPU checks its
 lane arithmetic), and with -mno-avx2 -mno-fma -mno-avx512f (the plain C loops). Shapes are drawn
 from a seeded generator: rows 1..64, odd output sizes, inputs of several groups (and, per-channel int8, widths that
 are no multiple of 32), bias or none, float32 or bfloat16 activations.
@@ -37,8 +38,8 @@ FP32_REL = 1e-5
 BF16_ULP = 2.0**-7  # spacing of bfloat16 values relative to their magnitude (8 significant bits)
 PLAIN_FLAGS = ["-mno-avx512f", "-mno-avx2", "-mno-fma"]
 # the AVX-512 path's lanes emulated in plain C (csrc/avx512_emulation.h): checked on every CPU, not only AVX-512 ones
-BUILDS = {"native": [], "no-avx512": ["-mno-avx512f"], "emulated-avx512": ["-mno-avx512f", "-DDUET_EMULATE_AVX512"],
-          "plain": PLAIN_FLAGS}
+BUILDS = {"native": [], "no-vnni": ["-mno-avx512vnni"], "no-avx512": ["-mno-avx512f"],
+          "emulated-avx512": ["-mno-avx512f", "-DDUET_EMULATE_AVX512"], "plain": PLAIN_FLAGS}
 
 
 @pytest.fixture(scope="module")
@@ -135,9 +136,10 @@ def test_quantized_linear_matches_the_twin(kind):
 
 @pytest.mark.usefixtures("build")
 @pytest.mark.parametrize("kind,in_features,group", [("int8", 77, 77), ("int8", 200, 200), ("int8", 576, 32),
-                                                    ("int4", 96, 32), ("int4", 576, 32)])
+                                                    ("int8", 288, 96), ("int4", 96, 32), ("int4", 576, 32)])
 def test_one_row_takes_four_outputs_at_a_time_and_the_rest_alone(kind, in_features, group):
-    """Batch-1 decode's path (AVX2: four output rows per pass over x, the last n_out % 4 one by one)."""
+    """Batch-1 decode's path (AVX2 / AVX-512: four output rows per pass over x, the last n_out % 4 one by one; a
+    group of 96 puts two int8 blocks of one VNNI step under different scales)."""
     for n, out in enumerate([1, 4, 9, 301]):
         w = random_weight(kind, out, in_features, group, seed=40 + n)
         g = torch.Generator().manual_seed(50 + n)
@@ -203,8 +205,10 @@ def test_what_the_c_side_cannot_take_is_refused():
 def test_each_build_compiles_its_int8_activation_path(libraries):
     assert libraries["plain"].duet_quant_int8_dot_bits() == 0
     cpu_flags = cpu_native._cpu_signature()
-    expect = 256 if " avx2" in cpu_flags and " fma" in cpu_flags else 0
-    assert libraries["native"].duet_quant_int8_dot_bits() == expect
+    avx2 = 256 if " avx2" in cpu_flags and " fma" in cpu_flags else 0
+    assert libraries["no-vnni"].duet_quant_int8_dot_bits() == avx2
+    vnni = all(f" {flag}" in cpu_flags for flag in ("avx512bw", "avx512vl", "avx512_vnni"))
+    assert libraries["native"].duet_quant_int8_dot_bits() == (512 if vnni else avx2)
 
 
 @pytest.mark.usefixtures("build")

@@ -240,12 +240,14 @@ static void int8_gemv4_avx2(const float *x, const int8_t *q, const float *s, int
     }
 }
 #define QUANT_GEMV4 1
+#define INT4_GEMV4 int4_gemv4_avx2
+#define INT8_GEMV4 int8_gemv4_avx2
 #endif
 
 
 /* ---- AVX-512: a 32-input block is 2 vectors of 16 ------------------------------------------------------------
- * UNTESTED: the development machine has no AVX-512 (compiled there with -march=skylake-avx512 only). The AVX2
- * path's structure and factored form, 16 lanes: q widened with vpmovzxbd / vpmovsxbd straight from 16 bytes. */
+ * The AVX2 path's structure and factored form, 16 lanes: q widened with vpmovzxbd / vpmovsxbd straight from 16
+ * bytes. Checked natively on AVX-512 CPUs and, everywhere, through csrc/avx512_emulation.h. */
 #if defined(QUANT_AVX512)
 static inline __attribute__((always_inline)) void block_fma_avx512(const float *x, int64_t ldx, const int rt,
                                                                    const __m512 q[2], __m512 scale,
@@ -297,6 +299,65 @@ static inline __attribute__((always_inline)) void int4_tile_avx512(const float *
     for (int r = 0; r < rt; r++) sums[r] = _mm512_reduce_add_ps(acc[r]);
     add_min_terms(rt, m, xsum, k_in / BLOCK, sums);
 }
+/* One row of x against four output rows (batch-1 decode), as int4_gemv4_avx2: x's block loaded once for four
+ * weight rows, four independent FMA chains, the next four rows' blocks prefetched. */
+static inline __m512 int4_block_avx512(const uint8_t *q, const __m512 xv[2]) { /* x . q over one group */
+    const __m128i nibble = _mm_set1_epi8(0x0F);
+    __m128i raw = _mm_loadu_si128((const __m128i *)q);
+    __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, nibble)));
+    __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), nibble)));
+    return _mm512_fmadd_ps(xv[1], hi, _mm512_mul_ps(xv[0], lo));
+}
+
+static void int4_gemv4_avx512(const float *x, const uint8_t *q, const float *s, const float *m, const float *xsum,
+                              int64_t k_in, float out[4]) {
+    int64_t groups = k_in / BLOCK, row_bytes = k_in / 2;
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t g = 0; g < groups; g++) {
+        const __m512 xv[2] = {_mm512_loadu_ps(x + g * BLOCK), _mm512_loadu_ps(x + g * BLOCK + 16)};
+        for (int i = 0; i < 4; i++) {
+            _mm_prefetch((const char *)(q + (4 + i) * row_bytes + g * 16), _MM_HINT_T0);
+            acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(s[i * groups + g]),
+                                     int4_block_avx512(q + i * row_bytes + g * 16, xv), acc[i]);
+        }
+    }
+    for (int i = 0; i < 4; i++) {
+        out[i] = _mm512_reduce_add_ps(acc[i]);
+        add_min_terms(1, m + i * groups, xsum, groups, out + i);
+    }
+}
+
+static inline __m512 int8_block_avx512(const int8_t *q, const __m512 xv[2]) { /* x . q over one block */
+    __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q)));
+    __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16))));
+    return _mm512_fmadd_ps(xv[1], w1, _mm512_mul_ps(xv[0], w0));
+}
+
+static void int8_gemv4_avx512(const float *x, const int8_t *q, const float *s, int64_t group, int64_t k_in,
+                              float out[4]) {
+    int64_t groups = k_in / group;
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    int64_t k32 = k_in / BLOCK * BLOCK;
+    for (int64_t k = 0; k < k32; k += BLOCK) {
+        const __m512 xv[2] = {_mm512_loadu_ps(x + k), _mm512_loadu_ps(x + k + 16)};
+        for (int i = 0; i < 4; i++) {
+            _mm_prefetch((const char *)(q + (4 + i) * k_in + k), _MM_HINT_T0); /* why: int8_gemv4_avx2 */
+            acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(s[i * groups + k / group]),
+                                     int8_block_avx512(q + i * k_in + k, xv), acc[i]);
+        }
+    }
+    for (int i = 0; i < 4; i++) {
+        out[i] = _mm512_reduce_add_ps(acc[i]);
+        if (k32 < k_in) { /* per-channel int8 of a width that is no multiple of 32: the plain loop for the rest */
+            float tail;
+            int8_tile_plain(x + k32, k_in, 1, q + i * k_in + k32, s + i * groups, group, k_in - k32, &tail);
+            out[i] += tail;
+        }
+    }
+}
+#define QUANT_GEMV4 1
+#define INT4_GEMV4 int4_gemv4_avx512
+#define INT8_GEMV4 int8_gemv4_avx512
 #endif
 
 /* ---- one output row against one tile of x's rows: the build's path, with rt a constant in each case --------- */
@@ -370,7 +431,7 @@ void duet_int8_linear(const void *x, int64_t ldx, const int8_t *qweight, const f
 #pragma omp parallel for schedule(static) if (n_out * k_in >= PARALLEL_MIN_WEIGHTS)
         for (int64_t o = 0; o < first; o += 4) {
             float sums[4];
-            int8_gemv4_avx2(xf, qweight + o * k_in, scales + o * groups, group, k_in, sums);
+            INT8_GEMV4(xf, qweight + o * k_in, scales + o * groups, group, k_in, sums);
             for (int i = 0; i < 4; i++) store(y, o + i, sums[i], bias, o + i, bf16);
         }
     }
@@ -407,7 +468,7 @@ void duet_int4_linear(const void *x, int64_t ldx, const uint8_t *qweight, const 
 #pragma omp parallel for schedule(static) if (n_out * k_in >= PARALLEL_MIN_WEIGHTS)
         for (int64_t o = 0; o < first; o += 4) {
             float sums[4];
-            int4_gemv4_avx2(xf, qweight + o * (k_in / 2), scales + o * groups, mins + o * groups, xsum, k_in, sums);
+            INT4_GEMV4(xf, qweight + o * (k_in / 2), scales + o * groups, mins + o * groups, xsum, k_in, sums);
             for (int i = 0; i < 4; i++) store(y, o + i, sums[i], bias, o + i, bf16);
         }
     }
@@ -530,7 +591,7 @@ static inline __attribute__((always_inline)) void q8_tile_avx2(const int8_t *qx,
 }
 /* One row of x against four output rows (batch-1 decode), as int4_gemv4_avx2: each x block is loaded once for four
  * weight rows, and the four FMA chains are independent. */
-static void q8_gemv4_avx2(const int8_t *qx, const float *dx, const float *sx, int64_t k_in, int kind,
+static __attribute__((unused)) void q8_gemv4_avx2(const int8_t *qx, const float *dx, const float *sx, int64_t k_in, int kind,
                           const void *qweight, const float *s, const float *m, int64_t group, float out[4]) {
     int64_t blocks = k_in / BLOCK, groups = k_in / group, row_bytes = kind == 4 ? k_in / 2 : k_in;
     const __m256i ones = _mm256_set1_epi16(1);
@@ -564,7 +625,7 @@ static void q8_gemv4_avx2(const int8_t *qx, const float *dx, const float *sx, in
 #define Q8_TILE(rt) q8_tile_plain(qx, dx, sx, k_in, rt, kind, qweight, s, m, group, sums)
 #endif
 
-static void q8_tile(const int8_t *qx, const float *dx, const float *sx, int64_t k_in, int rt, int kind,
+static __attribute__((unused)) void q8_tile(const int8_t *qx, const float *dx, const float *sx, int64_t k_in, int rt, int kind,
                     const void *qweight, const float *s, const float *m, int64_t group, float *sums) {
     switch (rt) {
     case 1: Q8_TILE(1); break;
@@ -574,9 +635,19 @@ static void q8_tile(const int8_t *qx, const float *dx, const float *sx, int64_t 
     }
 }
 
-/* Which int8-activation path this build compiled: 256 (AVX2 integer dot products) or 0 (plain loops). */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define QUANT_VNNI 1 /* csrc/quant_vnni.c: vpdpbusd, every row count */
+void duet_q8_linear_vnni(const int8_t *qx, const float *dx, const float *sx, int64_t rows, int64_t k_in, int kind,
+                         const void *qweight, const float *scales, const float *mins, int64_t group, float *sums,
+                         int64_t n_out);
+#endif
+
+/* Which int8-activation path this build compiled: 512 (AVX-512 VNNI), 256 (AVX2 integer dot products) or 0 (plain
+ * loops). */
 int duet_quant_int8_dot_bits(void) {
-#if defined(QUANT_INT8_DOT)
+#if defined(QUANT_VNNI)
+    return 512;
+#elif defined(QUANT_INT8_DOT)
     return 256;
 #else
     return 0;
@@ -595,6 +666,15 @@ void duet_quantized_linear_q8(const void *x, int64_t ldx, int kind, const void *
     int8_t *qx = malloc((size_t)(rows * k_in > 0 ? rows * k_in : 1));
     float *dx = malloc(sizeof(float) * nb), *sx = malloc(sizeof(float) * nb);
     duet_quantize_activations(xf, ldf, rows, k_in, qx, dx, sx);
+#if defined(QUANT_VNNI)
+    float *sums = malloc(sizeof(float) * (size_t)(rows * n_out > 0 ? rows * n_out : 1));
+    duet_q8_linear_vnni(qx, dx, sx, rows, k_in, kind, qweight, scales, mins, group, sums, n_out);
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t o = 0; o < n_out; o++) store(y, r * n_out + o, sums[r * n_out + o], bias, o, bf16);
+    free(sums);
+    (void)blocks;
+    (void)groups;
+#else
     int64_t row_bytes = kind == 4 ? k_in / 2 : k_in;
     int64_t first = 0; /* output rows before this are done by the one-row path */
 #if defined(QUANT_Q8_GEMV4)
@@ -620,6 +700,7 @@ void duet_quantized_linear_q8(const void *x, int64_t ldx, int kind, const void *
             for (int r = 0; r < rt; r++) store(y, (r0 + r) * n_out + o, sums[r], bias, o, bf16);
         }
     }
+#endif
     free(qx);
     free(dx);
     free(sx);

@@ -1,0 +1,212 @@
+/* Quantized linears on int8 activations with AVX-512 VNNI (vpdpbusd: 64 u8 x s8 products summed four by four
+ * into 16 int32 lanes, one instruction): quant_kernels.c's `duet_quantized_linear_q8` hands its quantized rows of
+ * x here on CPUs that have it. Same arithmetic as that file's int8-activation paths (exact int32 dot products per
+ * 32-input block, one float scale per block): its twin, `quantized_linear_int8_activations_reference`, is the test's
+ * reference. Why a second file: these loops need x rearranged once per call (below) and share nothing else.
+ *
+ * int4, four groups (128 inputs, 64 weight bytes) per step: the bytes' low nibbles are inputs 0-15 of each group,
+ * the high nibbles inputs 16-31, one group per 128-bit lane:
+ *
+ *   weight bytes  | g0 bytes 0-15 | g1 bytes 0-15 | g2 ... | g3 ... |   lo = & 0x0F, hi = >> 4 & 0x0F
+ *   x, lo half    | g0 x 0-15     | g1 x 0-15     | g2 ... | g3 ... |   (xq4: x rearranged once per call)
+ *   x, hi half    | g0 x 16-31    | g1 x 16-31    | g2 ... | g3 ... |
+ *   dpbusd(dpbusd(0, lo, x lo), hi, x hi): int32 lanes 4k..4k+3 hold group k's dot product in four parts
+ *   y += Σ lanes cvt(dot) * (s[g] * dx[g])  +  Σ_g m[g] * sx[g]          (sx = dx * sum(qx), per group)
+ *
+ * int8, two blocks (64 inputs) per step: vpdpbusd takes unsigned bytes first, so the weights are offset by 128
+ * (w ^ 0x80 = w + 128 as u8) and the offset's share, 128 * Σ qx over each lane's four inputs, is taken out by
+ * starting the sum from its negation (xneg: from x alone, once per call). Lanes 0-7 hold block 2p, lanes 8-15
+ * block 2p + 1.
+ *
+ * A step's missing groups or blocks at the end of a row (K / 32 not a multiple of 4, or of 2) are masked loads of
+ * zeros: zero weight bytes against zero x bytes and zero scales add nothing. */
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#define BLOCK 32
+#define TILE 4 /* rows of x sharing one unpacked weight step */
+#define PARALLEL_MIN_WEIGHTS 65536 /* as quant_kernels.c */
+
+typedef struct { /* rows of x in the layout of one weight kind (see the top of the file) */
+    int64_t steps, row_bytes, row_lanes;
+    int8_t *xq;    /* [rows][steps * 128] int4: lo | hi halves;  [rows][steps * 64] int8: x as it is, padded */
+    int32_t *xneg; /* int8 only: [rows][steps * 16], -128 * Σ of each lane's four qx */
+    float *dxe;    /* [rows][steps * 16]: dx of each lane's group / block */
+    float *sxc;    /* int4 only: [rows][steps * 4], sx per group, zero past the last */
+} vnni_x;
+
+static void prepare_int4(const int8_t *qx, const float *dx, const float *sx, int64_t rows, int64_t k_in, vnni_x *v) {
+    int64_t groups = k_in / BLOCK;
+    v->steps = (groups + 3) / 4;
+    v->row_bytes = v->steps * 128;
+    v->row_lanes = v->steps * 16;
+    v->xq = calloc((size_t)(rows * v->row_bytes), 1);
+    v->dxe = calloc((size_t)(rows * v->row_lanes), sizeof(float));
+    v->sxc = calloc((size_t)(rows * v->steps * 4), sizeof(float));
+    v->xneg = NULL;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t g = 0; g < groups; g++) {
+            int64_t step = g / 4, lane = g % 4;
+            int8_t *dst = v->xq + r * v->row_bytes + step * 128 + lane * 16;
+            const int8_t *src = qx + r * k_in + g * BLOCK;
+            for (int j = 0; j < 16; j++) {
+                dst[j] = src[j];
+                dst[64 + j] = src[16 + j];
+            }
+            for (int j = 0; j < 4; j++) v->dxe[r * v->row_lanes + step * 16 + lane * 4 + j] = dx[r * groups + g];
+            v->sxc[r * v->steps * 4 + g] = sx[r * groups + g];
+        }
+}
+
+static void prepare_int8(const int8_t *qx, const float *dx, int64_t rows, int64_t k_in, vnni_x *v) {
+    int64_t blocks = k_in / BLOCK;
+    v->steps = (blocks + 1) / 2;
+    v->row_bytes = v->steps * 64;
+    v->row_lanes = v->steps * 16;
+    v->xq = calloc((size_t)(rows * v->row_bytes), 1);
+    v->xneg = calloc((size_t)(rows * v->row_lanes), sizeof(int32_t));
+    v->dxe = calloc((size_t)(rows * v->row_lanes), sizeof(float));
+    v->sxc = NULL;
+    for (int64_t r = 0; r < rows; r++) {
+        int8_t *dst = v->xq + r * v->row_bytes;
+        for (int64_t k = 0; k < k_in; k++) dst[k] = qx[r * k_in + k];
+        for (int64_t lane = 0; lane < k_in / 4; lane++) {
+            int sum = dst[4 * lane] + dst[4 * lane + 1] + dst[4 * lane + 2] + dst[4 * lane + 3];
+            v->xneg[r * v->row_lanes + lane] = -128 * sum;
+            v->dxe[r * v->row_lanes + lane] = dx[r * blocks + lane / 8];
+        }
+    }
+}
+
+static void release(vnni_x *v) {
+    free(v->xq);
+    free(v->xneg);
+    free(v->dxe);
+    free(v->sxc);
+}
+
+/* which group's scale each lane takes: lanes 4k..4k+3 take element k of a 4-float vector */
+static inline __m512 spread4(__m128 s4) {
+    const __m512i idx = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(s4));
+}
+
+static inline float hsum128(__m128 v) {
+    v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+    return _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)));
+}
+
+/* One step of four int4 groups of one output row against rt rows of x (masks: the row's last, partial step) */
+static inline __attribute__((always_inline)) void int4_step(const vnni_x *v, int64_t step, const int rt,
+                                                            const uint8_t *q, const float *s, const float *m,
+                                                            __mmask64 byte_mask, __mmask8 group_mask,
+                                                            __m512 acc[TILE], __m128 macc[TILE]) {
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    __m512i raw = _mm512_maskz_loadu_epi8(byte_mask, q + step * 64);
+    __m512i lo = _mm512_and_si512(raw, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
+    __m512 scale = spread4(_mm_maskz_loadu_ps(group_mask, s + step * 4));
+    __m128 min = _mm_maskz_loadu_ps(group_mask, m + step * 4);
+    for (int r = 0; r < rt; r++) {
+        const int8_t *xr = v->xq + r * v->row_bytes + step * 128;
+        __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xr));
+        dot = _mm512_dpbusd_epi32(dot, hi, _mm512_loadu_si512(xr + 64));
+        __m512 dscale = _mm512_mul_ps(scale, _mm512_loadu_ps(v->dxe + r * v->row_lanes + step * 16));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), dscale, acc[r]);
+        macc[r] = _mm_fmadd_ps(min, _mm_loadu_ps(v->sxc + r * v->steps * 4 + step * 4), macc[r]);
+    }
+}
+
+static inline __attribute__((always_inline)) void int4_row(const vnni_x *v, int64_t groups, const int rt,
+                                                           const uint8_t *q, const float *s, const float *m,
+                                                           float *sums) {
+    __m512 acc[TILE];
+    __m128 macc[TILE];
+    for (int r = 0; r < rt; r++) {
+        acc[r] = _mm512_setzero_ps();
+        macc[r] = _mm_setzero_ps();
+    }
+    int64_t full = groups / 4;
+    for (int64_t step = 0; step < full; step++) int4_step(v, step, rt, q, s, m, ~0ULL, 0x0F, acc, macc);
+    if (groups % 4) {
+        int left = (int)(groups % 4);
+        int4_step(v, full, rt, q, s, m, (1ULL << (16 * left)) - 1, (__mmask8)((1 << left) - 1), acc, macc);
+    }
+    for (int r = 0; r < rt; r++) sums[r] = _mm512_reduce_add_ps(acc[r]) + hsum128(macc[r]);
+}
+
+/* One step of two int8 blocks of one output row against rt rows of x */
+static inline __attribute__((always_inline)) void int8_step(const vnni_x *v, int64_t step, const int rt,
+                                                            const int8_t *q, __m512 scale, __mmask64 byte_mask,
+                                                            __m512 acc[TILE]) {
+    __m512i w = _mm512_xor_si512(_mm512_maskz_loadu_epi8(byte_mask, q + step * 64), _mm512_set1_epi8((char)0x80));
+    for (int r = 0; r < rt; r++) {
+        __m512i dot = _mm512_dpbusd_epi32(_mm512_loadu_si512(v->xneg + r * v->row_lanes + step * 16), w,
+                                          _mm512_loadu_si512(v->xq + r * v->row_bytes + step * 64));
+        __m512 dscale = _mm512_mul_ps(scale, _mm512_loadu_ps(v->dxe + r * v->row_lanes + step * 16));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), dscale, acc[r]);
+    }
+}
+
+static inline __attribute__((always_inline)) void int8_row(const vnni_x *v, int64_t blocks, const int rt,
+                                                           const int8_t *q, const float *s, int64_t group,
+                                                           float *sums) {
+    __m512 acc[TILE];
+    for (int r = 0; r < rt; r++) acc[r] = _mm512_setzero_ps();
+    int64_t full = blocks / 2;
+    for (int64_t step = 0; step < full; step++) {
+        __m512 scale = _mm512_insertf32x8(_mm512_set1_ps(s[2 * step * BLOCK / group]),
+                                          _mm256_set1_ps(s[(2 * step + 1) * BLOCK / group]), 1);
+        int8_step(v, step, rt, q, scale, ~0ULL, acc);
+    }
+    if (blocks % 2) /* the last block alone: lanes 8-15 masked to zero */
+        int8_step(v, full, rt, q, _mm512_maskz_mov_ps(0x00FF, _mm512_set1_ps(s[2 * full * BLOCK / group])),
+                  0xFFFFFFFFULL, acc);
+    for (int r = 0; r < rt; r++) sums[r] = _mm512_reduce_add_ps(acc[r]);
+}
+
+static void tile(const vnni_x *v, int kind, int64_t k_in, int rt, const void *q, const float *s, const float *m,
+                 int64_t group, float *sums) {
+#define ROW(n) (kind == 4 ? int4_row(v, k_in / BLOCK, n, q, s, m, sums) : int8_row(v, k_in / BLOCK, n, q, s, group, sums))
+    switch (rt) {
+    case 1: ROW(1); break;
+    case 2: ROW(2); break;
+    case 3: ROW(3); break;
+    default: ROW(4); break;
+    }
+#undef ROW
+}
+
+/* sums [rows, n_out] (float32, without bias) = x · W ᵀ for x quantized as quantize_activations (qx, dx, sx), W int4
+ * (kind 4) or int8 (kind 8, scales per `group`); k_in a multiple of 32. */
+void duet_q8_linear_vnni(const int8_t *qx, const float *dx, const float *sx, int64_t rows, int64_t k_in, int kind,
+                         const void *qweight, const float *scales, const float *mins, int64_t group, float *sums,
+                         int64_t n_out) {
+    vnni_x v;
+    if (kind == 4)
+        prepare_int4(qx, dx, sx, rows, k_in, &v);
+    else
+        prepare_int8(qx, dx, rows, k_in, &v);
+    int64_t row_bytes = kind == 4 ? k_in / 2 : k_in, groups = k_in / group;
+#pragma omp parallel for schedule(static) if (n_out * k_in >= PARALLEL_MIN_WEIGHTS)
+    for (int64_t o = 0; o < n_out; o++) {
+        for (int64_t r0 = 0; r0 < rows; r0 += TILE) {
+            int rt = rows - r0 < TILE ? (int)(rows - r0) : TILE;
+            float out[TILE];
+            vnni_x at = v; /* the tile's rows */
+            at.xq += r0 * v.row_bytes;
+            at.dxe += r0 * v.row_lanes;
+            if (at.xneg) at.xneg += r0 * v.row_lanes;
+            if (at.sxc) at.sxc += r0 * v.steps * 4;
+            tile(&at, kind, k_in, rt, (const uint8_t *)qweight + o * row_bytes, scales + o * groups,
+                 kind == 4 ? mins + o * groups : NULL, group, out);
+            for (int r = 0; r < rt; r++) sums[(r0 + r) * n_out + o] = out[r];
+        }
+    }
+    release(&v);
+}
+#else
+typedef int duet_quant_vnni_not_built; /* this CPU has no AVX-512 VNNI: quant_kernels.c's paths serve it */
+#endif

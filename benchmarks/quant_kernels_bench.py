@@ -6,7 +6,9 @@ ceiling is the DRAM read bandwidth measured in the same run (benchmarks/bandwidt
 call reads a different copy of the weight, rotating through copies that together exceed 3x the last-level cache,
 so the weight comes from DRAM as in a decode step over the whole model, not from cache. The peer is fp32
 `F.linear` on the dense weight (same rotation); for many rows, also the dequantize-then-GEMM path
-(`dequantized_linear_native`), whose crossover with the kernel the dispatcher uses.
+(`dequantized_linear_native`), whose crossover with the kernel the dispatcher uses, and the same library built
+with -DPANELS_OFF (the per-output-row loops at every row count), whose crossover with the dequantized panels
+(csrc/quant_panels.c) sets PANEL_MIN_ROWS.
 
 Shapes: SmolLM2-135M (hidden 576, intermediate 1536, fused qkv 576 -> 960, fused gate_up 576 -> 3072, down
 1536 -> 576, lm_head 576 -> 49152). min / median / max over repeats, each repeat the mean of one rotation.
@@ -30,7 +32,7 @@ from engine.quant_format import QuantizedWeight, quantize_int4, quantize_int8
 SHAPES = {"qkv": (960, 576), "o_proj": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
           "lm_head": (49152, 576)}
 ROTATION_BYTES = 96 << 20  # > 3x a 32 MiB L3
-CROSSOVER_ROWS = (1, 8, 16, 32, 64, 128, 256)
+CROSSOVER_ROWS = (1, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
 def copies_for(num_bytes: int) -> int:
@@ -84,10 +86,23 @@ def roofline_table(rows_list: list[int], repeats: int, bandwidth: float) -> None
 
 
 def crossover_table(repeats: int) -> None:
-    """Kernel vs dequantize-then-GEMM by row count, on gate_up and down (weights rotated as above)."""
-    print("\n| shape | kind | rows | kernel us | dequantize + GEMM us | kernel / dequantize+GEMM (median) |")
-    print("|---|---|---:|---|---|---:|")
-    for name in ("gate_up", "down"):
+    """Kernel vs dequantize-then-GEMM and vs the per-output-row loops (a -DPANELS_OFF build) by row count, on
+    gate_up, down and lm_head (weights rotated as above)."""
+    native = cpu_native.native_library()
+    compiler = cpu_native._compiler()
+    panels_off = cpu_native.load(cpu_native._build(compiler, [*cpu_native.FLAGS, "-DPANELS_OFF"]))
+
+    def row_loops(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+        cpu_native._library = panels_off
+        try:
+            return cpu_native.quantized_linear_native(x, w)
+        finally:
+            cpu_native._library = native
+
+    print("\n| shape | kind | rows | kernel us | row loops us | dequantize + GEMM us | kernel / row loops | "
+          "kernel / dequantize+GEMM |")
+    print("|---|---|---:|---|---|---|---:|---:|")
+    for name in ("gate_up", "down", "lm_head"):
         out, inp = SHAPES[name]
         dense = torch.randn(out, inp, generator=torch.Generator().manual_seed(0)) * 0.05
         for kind in ("int8", "int4"):
@@ -98,9 +113,11 @@ def crossover_table(repeats: int) -> None:
             for rows in CROSSOVER_ROWS:
                 x = torch.randn(rows, inp, generator=torch.Generator().manual_seed(1))
                 kernel = time_rotation(cpu_native.quantized_linear_native, x, weights, repeats)
+                loops = time_rotation(row_loops, x, weights, repeats)
                 gemm = time_rotation(cpu_native.dequantized_linear_native, x, weights, repeats)
-                print(f"| {name} | {kind} | {rows} | {fmt(kernel, 1e6, 1)} | {fmt(gemm, 1e6, 1)} | "
-                      f"{kernel.median / gemm.median:.2f} |")
+                print(f"| {name} | {kind} | {rows} | {fmt(kernel, 1e6, 1)} | {fmt(loops, 1e6, 1)} | "
+                      f"{fmt(gemm, 1e6, 1)} | {kernel.median / loops.median:.2f} | {kernel.median / gemm.median:.2f} |",
+                      flush=True)
 
 
 def main() -> None:

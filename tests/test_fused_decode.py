@@ -11,6 +11,7 @@ from engine import LLM, SamplingParams
 from engine.config import ModelConfig
 from engine.fused_decode import FusedDecode
 from engine.kernels import cpu_native
+from engine.kernels.quant_linear import NATIVE_MAX_ROWS
 from engine.model_runner import ModelRunner, allocate_kv_caches
 from engine.quantized_linear import use_int8_activations
 from engine.scheduler import ScheduledChunk
@@ -79,7 +80,7 @@ def test_it_applies_only_where_every_linear_is_quantized_and_bound(tiny_dir):
     assert FusedDecode.for_model(dense, allocate_kv_caches(dense, 4, BLOCK, torch.float32)) is None
     quantized = build_model(config, tiny_dir, torch.float32, 256, quantization="int8")
     fused = FusedDecode.for_model(quantized, allocate_kv_caches(quantized, 4, BLOCK, torch.float32))
-    assert fused is not None and fused.max_rows == 16  # int8's C kernel takes up to 16 rows (quant_linear.py)
+    assert fused is not None and fused.max_rows == NATIVE_MAX_ROWS["int8"]  # more: dequantize + GEMM per linear
 
 
 def test_the_engine_gives_the_plain_forwards_tokens(tiny_dir, monkeypatch):

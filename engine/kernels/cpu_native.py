@@ -39,7 +39,8 @@ from engine.quant_format import INT4_GROUP, QuantizedWeight
 log = logging.getLogger("duet.engine")
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = (CSRC / "cpu_kernels.c", CSRC / "quant_kernels.c", CSRC / "quant_vnni.c", CSRC / "decode_layer.c")
+SOURCES = (CSRC / "cpu_kernels.c", CSRC / "quant_kernels.c", CSRC / "quant_vnni.c", CSRC / "quant_panels.c",
+           CSRC / "decode_layer.c")
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-ffp-contract=off", "-fno-math-errno",
          "-fno-trapping-math", "-shared", "-fPIC"]
 DTYPES = (torch.float32, torch.bfloat16)

@@ -6,8 +6,9 @@ Backends, picked per call by device and row count (`quantized_linear_backend`):
 
     torch, few rows   `grouped_linear_torch`: per-group dot products on the raw q values, scaled afterwards
     torch, many rows  `dequantized_linear_torch`: the twin itself (dequantize the weight, one GEMM)
-    C (CPU)           engine/kernels/cpu_native.py: `quantized_linear_native` (dequantizes in registers) up to
-                      NATIVE_MAX_ROWS[kind] rows, `dequantized_linear_native` (one dequantize pass + GEMM) above
+    C (CPU)           engine/kernels/cpu_native.py: `quantized_linear_native` (dequantizes in registers, or in
+                      panels that stay in cache) up to NATIVE_MAX_ROWS[kind] rows, `dequantized_linear_native`
+                      (one dequantize pass + GEMM) above
     Triton (CUDA)     engine/kernels/quant_linear_triton.py's `quantized_linear_triton` (GEMV or tiled GEMM)
 
 No dequantized copy of a weight outlives a call: holding one would give back the memory quantization saves.
@@ -31,9 +32,10 @@ QuantizedLinearFn = Callable[[torch.Tensor, QuantizedWeight, torch.Tensor | None
 # those partial sums outgrow the weight and one dequantize + GEMM is cheaper.
 GROUPED_MAX_ROWS = 8
 
-# The C kernel beats dequantize + GEMM up to these row counts (benchmarks/quant_kernels_bench.py's crossover table,
-# RESULTS.md: int8 between 16 and 32 rows, int4 between 128 and 256: its dequantize pass costs more than int8's).
-NATIVE_MAX_ROWS = {"int8": 16, "int4": 128}
+# The C kernels (one-row passes, per-output-row loops, dequantized panels past a few rows) beat dequantizing the
+# whole weight for torch's GEMM up to these row counts (benchmarks/quant_kernels_bench.py's crossover table,
+# RESULTS.md: equal at 256 rows, 1.3-1.6x slower at 512-1024, where the one dequantize pass is amortized).
+NATIVE_MAX_ROWS = {"int8": 256, "int4": 256}
 
 
 def quantized_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:

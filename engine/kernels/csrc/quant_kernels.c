@@ -418,12 +418,38 @@ static inline void store(void *y, int64_t at, float sum, const float *bias, int6
         ((float *)y)[at] = v;
 }
 
+/* Many rows: csrc/quant_panels.c (dequantized panels, 4 x 4 tiles) from this many rows of x on, where it beats the
+ * per-output-row loops (benchmarks/quant_kernels_bench.py's crossover table; int8's dequantize pass costs more a
+ * weight than int4's, so it pays off later). A -DPANELS_OFF build (that benchmark's peer) never takes it. */
+#if defined(PANELS_OFF)
+#define PANEL_MIN_ROWS(kind) INT64_MAX
+#else
+#define PANEL_MIN_ROWS(kind) ((kind) == 4 ? 8 : 16)
+#endif
+void duet_quant_panels(const float *x, int64_t ldx, int kind, const void *qweight, const float *scales,
+                       const float *mins, int64_t group, float *sums, int64_t rows, int64_t n_out, int64_t k_in);
+
+static void linear_by_panels(const float *xf, int64_t ldf, int kind, const void *qweight, const float *scales,
+                             const float *mins, int64_t group, const float *bias, void *y, int64_t rows,
+                             int64_t n_out, int64_t k_in, int bf16) {
+    float *sums = malloc(sizeof(float) * (size_t)(rows * n_out));
+    duet_quant_panels(xf, ldf, kind, qweight, scales, mins, group, sums, rows, n_out, k_in);
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t o = 0; o < n_out; o++) store(y, r * n_out + o, sums[r * n_out + o], bias, o, bf16);
+    free(sums);
+}
+
 /* y [rows, n_out] = x [rows, k_in] · int8 W [n_out, k_in]ᵀ + bias; group == k_in or a multiple of 32 */
 void duet_int8_linear(const void *x, int64_t ldx, const int8_t *qweight, const float *scales, int64_t group,
                       const float *bias, void *y, int64_t rows, int64_t n_out, int64_t k_in, int bf16) {
     int64_t ldf, groups = k_in / group;
     float *owned;
     const float *xf = activations_f32(x, ldx, rows, k_in, bf16, &ldf, &owned);
+    if (rows >= PANEL_MIN_ROWS(8)) {
+        linear_by_panels(xf, ldf, 8, qweight, scales, NULL, group, bias, y, rows, n_out, k_in, bf16);
+        free(owned);
+        return;
+    }
     int64_t first = 0; /* output rows before this are done by the one-row path */
 #if defined(QUANT_GEMV4)
     if (rows == 1) {
@@ -454,6 +480,11 @@ void duet_int4_linear(const void *x, int64_t ldx, const uint8_t *qweight, const 
     int64_t ldf, groups = k_in / BLOCK;
     float *owned;
     const float *xf = activations_f32(x, ldx, rows, k_in, bf16, &ldf, &owned);
+    if (rows >= PANEL_MIN_ROWS(4)) {
+        linear_by_panels(xf, ldf, 4, qweight, scales, mins, BLOCK, bias, y, rows, n_out, k_in, bf16);
+        free(owned);
+        return;
+    }
     float *xsum = malloc(sizeof(float) * (size_t)(rows * groups > 0 ? rows * groups : 1)); /* [rows][groups] */
     for (int64_t r = 0; r < rows; r++)
         for (int64_t g = 0; g < groups; g++) {

@@ -34,8 +34,8 @@ GROUPED_MAX_ROWS = 8
 
 # The C kernels (one-row passes, per-output-row loops, dequantized panels past a few rows) beat dequantizing the
 # whole weight for torch's GEMM up to these row counts (benchmarks/quant_kernels_bench.py's crossover table,
-# RESULTS.md: equal at 256 rows, 1.3-1.6x slower at 512-1024, where the one dequantize pass is amortized).
-NATIVE_MAX_ROWS = {"int8": 256, "int4": 256}
+# RESULTS.md, AVX-512: int8 gate_up / down even at 64 rows, int4 at 128; the 28 MB lm_head wins up to 512).
+NATIVE_MAX_ROWS = {"int8": 64, "int4": 128}
 
 
 def quantized_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:

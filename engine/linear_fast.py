@@ -17,9 +17,10 @@ Two named tricks, each a few percent of code and each measured in benchmarks/RES
   of the weight (bf16 -> fp32 is lossless; products of bf16 values are exact in fp32, so this is a bf16
   GEMM with fp32 accumulation, like the emulated one, in another summation order); single rows, which
   are bandwidth-bound, keep reading the bf16 copy. Costs 3x the bf16 weight memory.
-- **A bf16 GEMV kernel for those single rows** (`bf16_gemv`, engine/kernels/cpu_native.py, where the C
-  kernels build): torch's bf16 GEMV reaches ~11 GB/s here and oneDNN's packed one ~14; the kernel streams
-  the plain bf16 weight at ~17 (all of qwen05b's GEMMs at one row, 2 threads: 72 ms packed -> 59-63).
+- **C GEMVs for single rows** (`one_row`: `bf16_gemv` and `f32_gemv`, engine/kernels/cpu_native.py, where the
+  C kernels build), for weights of MIN_GEMV_BYTES and up and for every bf16 weight on CPUs that emulate bf16:
+  torch's one-row GEMMs stream a weight well below the read bandwidth (fp32 MKL ~7-9 GB/s on the AVX-512 VM,
+  unpacked bf16 ~5-7, oneDNN's packed bf16 ~10-18), the kernels at ~12-15 (RESULTS.md, issue 18).
 
 Both are a transformation of a loaded model, applied after any sharding, never part of loading:
 
@@ -42,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.kernels.cpu_native import gemv_bf16_native, native_library
+from engine.kernels.cpu_native import gemv_bf16_native, gemv_f32_native, native_library
 
 log = logging.getLogger("duet.engine")
 
@@ -54,6 +55,9 @@ PACK_BATCH_HINT = 8
 MIN_PACKED_BYTES = 2 * 1024**2
 # Up to this many fp32 rows MKL on the plain weight beats the packed GEMM (from 4 it drops to ~10 GB/s).
 PLAIN_MAX_ROWS = 3
+# One row takes the C GEMVs from this many weight bytes on: below, the call's fixed cost (~10 us) is a large share
+# of the read (the tiny test models' weights, 512 KiB at most, stay on F.linear).
+MIN_GEMV_BYTES = 640 * 1024
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -83,13 +87,13 @@ def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tens
 @dataclass(frozen=True)
 class GemmWeight:
     """One copy of a linear's weight and how it is multiplied: `plain` ([out, in], F.linear), `packed`
-    (packed_linear) or `bf16_gemv` (a plain bf16 weight, one row at a time through the C kernel)."""
+    (packed_linear), `bf16_gemv` or `f32_gemv` (a plain weight of that dtype, one row through the C kernel)."""
 
     weight: torch.Tensor
     bias: torch.Tensor | None
     kind: str
 
-    KINDS = ("plain", "packed", "bf16_gemv")
+    KINDS = ("plain", "packed", "bf16_gemv", "f32_gemv")
 
     @classmethod
     def make(cls, weight: torch.Tensor, bias: torch.Tensor | None, kind: str) -> GemmWeight:
@@ -107,6 +111,8 @@ class GemmWeight:
             return packed_linear(x, self.weight, self.bias)
         if self.kind == "bf16_gemv":
             return gemv_bf16_native(x, self.weight, self.bias).view(*x.shape[:-1], -1)
+        if self.kind == "f32_gemv":
+            return gemv_f32_native(x, self.weight, self.bias).view(*x.shape[:-1], -1)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -116,21 +122,26 @@ class FastLinear(nn.Module):
     `pack`: the weight is packed for oneDNN; in fp32 up to PLAIN_MAX_ROWS rows still read the plain weight,
     which the module keeps (without copying it). `fp32_math` (bf16 weights only): inputs of more than one row
     are computed in fp32 on an fp32 copy, one row on the bf16 weight; the output is bf16 either way.
+    `one_row`: a single row is the C GEMV of the weight's dtype on the plain weight (the C kernels must be built).
     The module has no `weight` parameter to read back (a packed copy is opaque).
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, pack: bool, fp32_math: bool = False):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, pack: bool, fp32_math: bool = False,
+                 one_row: bool = False):
         super().__init__()
         if fp32_math and weight.dtype != torch.bfloat16:
             raise ValueError(f"fp32_math is for bfloat16 weights, not {weight.dtype}")
         if pack and not can_pack(weight):
             raise ValueError(f"weight {tuple(weight.shape)} {weight.dtype} on {weight.device} cannot be packed")
+        if one_row and native_library() is None:
+            raise ValueError("one_row needs the C kernels, which are not built here (see the cpu_kernels log line)")
         self.out_features, self.in_features = weight.shape
         self.pack, self.fp32_math = pack, fp32_math
-        self.few_rows_max = 1  # rows that take `few_rows` (the bf16 GEMV takes one)
-        if fp32_math:
-            kind = "bf16_gemv" if native_library() is not None else "packed" if pack else "plain"
-            self.few_rows: GemmWeight | None = GemmWeight.make(weight, bias, kind)
+        gemv = "bf16_gemv" if weight.dtype == torch.bfloat16 else "f32_gemv"
+        self.one_row = GemmWeight.make(weight, bias, gemv) if one_row else None
+        self.few_rows_max = 1  # rows that take `few_rows`
+        if fp32_math:  # one row keeps reading the bf16 weight
+            self.few_rows: GemmWeight | None = GemmWeight.make(weight, bias, "packed" if pack else "plain")
         elif pack and weight.dtype == torch.float32:
             self.few_rows = GemmWeight.make(weight, bias, "plain")  # MKL's GEMV: see the module docstring
             self.few_rows_max = PLAIN_MAX_ROWS
@@ -142,6 +153,8 @@ class FastLinear(nn.Module):
         self.math_dtype = weight.dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.one_row is not None and x.numel() == x.shape[-1]:
+            return self.one_row(x)
         if self.few_rows is not None and x.numel() <= self.few_rows_max * x.shape[-1]:
             return self.few_rows(x)
         if x.dtype != self.math_dtype:
@@ -150,7 +163,8 @@ class FastLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.rows.bias is not None}, pack={self.pack}, fp32_math={self.fp32_math}")
+                f"bias={self.rows.bias is not None}, pack={self.pack}, fp32_math={self.fp32_math}, "
+                f"one_row={self.one_row is not None}")
 
 
 def fast_linear_for(weight: torch.Tensor, bias: torch.Tensor | None,
@@ -159,10 +173,12 @@ def fast_linear_for(weight: torch.Tensor, bias: torch.Tensor | None,
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
         return None
     fp32_math = weight.dtype == torch.bfloat16 and not has_bf16_arithmetic()
-    pack = can_pack(weight) and weight.numel() * weight.element_size() >= min_packed_bytes
-    if not (pack or fp32_math):
+    weight_bytes = weight.numel() * weight.element_size()
+    pack = can_pack(weight) and weight_bytes >= min_packed_bytes
+    one_row = native_library() is not None and (fp32_math or weight_bytes >= MIN_GEMV_BYTES)
+    if not (pack or fp32_math or one_row):
         return None
-    return FastLinear(weight, bias, pack=pack, fp32_math=fp32_math)
+    return FastLinear(weight, bias, pack=pack, fp32_math=fp32_math, one_row=one_row)
 
 
 def fast_linears(model: nn.Module, min_packed_bytes: int = MIN_PACKED_BYTES) -> list[str]:

@@ -238,23 +238,33 @@ def weight_bytes_by_kind(model: nn.Module) -> dict[str, int]:
     each dense dtype ("float32", ...): parameters, quantized buffers, and the copies engine/linear_fast.py's
     FastLinears hold (plain and packed); each tensor once."""
     totals: dict[str, int] = {}
-    seen: set[int] = set()
+    seen: set[tuple[int, int]] = set()
 
     def add(kind: str, tensors: Iterable[torch.Tensor | None]) -> None:
         for t in tensors:
-            if t is not None and id(t) not in seen:
-                seen.add(id(t))
+            if t is not None and (key := _storage_key(t)) not in seen:
+                seen.add(key)
                 totals[kind] = totals.get(kind, 0) + t.numel() * t.element_size()
 
     for module in model.modules():
         if isinstance(module, QuantizedLinear):
             add(module.kind, (module.qweight, module.scales, module.mins))
-        for gemm in (getattr(module, "rows", None), getattr(module, "few_rows", None)):  # a FastLinear's copies
+        for gemm in (getattr(module, name, None) for name in ("rows", "few_rows", "one_row")):  # a FastLinear's
             if gemm is not None and isinstance(getattr(gemm, "weight", None), torch.Tensor):
                 add(str(gemm.weight.dtype).removeprefix("torch."), [gemm.weight])
         for p in module.parameters(recurse=False):
             add(str(p.dtype).removeprefix("torch."), [p])
     return totals
+
+
+def _storage_key(t: torch.Tensor) -> tuple[int, int]:
+    """What two views of the same memory share (a FastLinear's paths hold detached views of one weight); an opaque
+    oneDNN copy has no storage to ask and is its own."""
+    try:
+        t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return id(t), -1
+    return t.data_ptr(), t.numel()
 
 
 def memory_report(weights_by_kind: dict[str, int], kv_cache_bytes: int) -> str:

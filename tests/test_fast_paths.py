@@ -116,19 +116,24 @@ def test_fp32_few_rows_read_the_plain_weight_without_a_copy():
 
 
 @pytest.mark.skipif(native_library() is None, reason="the C kernels could not be built here")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("shape", [(1376, 512), (100, 37), (8, 4096)])
-def test_bf16_single_row_runs_the_gemv_kernel(shape, bias):
-    """Emulated bf16: one row is the C GEMV on the plain bf16 weight (no copy), within one bf16 ulp of F.linear."""
+@pytest.mark.parametrize("shape", [(1376, 512), (100, 37), (8, 4096), (33, 16)])
+def test_single_row_runs_the_gemv_kernel(shape, bias, dtype):
+    """One row is the C GEMV of the weight's dtype on the plain weight (no copy): within one bf16 ulp of F.linear
+    in bf16, float32 summation order in fp32 (odd sizes: the sixteen-output passes' and the inputs' tails)."""
     g = torch.Generator().manual_seed(shape[0])
-    w = (torch.randn(shape, generator=g) * 0.05).bfloat16()
-    b = torch.randn(shape[0], generator=g).bfloat16() if bias else None
-    fast = FastLinear(w, b, pack=False, fp32_math=True)
-    assert fast.few_rows.kind == "bf16_gemv" and fast.few_rows.weight.data_ptr() == w.data_ptr()
-    for x in (torch.randn(1, shape[1], generator=g).bfloat16(), torch.randn(1, 1, shape[1], generator=g).bfloat16()):
+    w = (torch.randn(shape, generator=g) * 0.05).to(dtype)
+    b = torch.randn(shape[0], generator=g).to(dtype) if bias else None
+    fast = FastLinear(w, b, pack=False, fp32_math=dtype == torch.bfloat16, one_row=True)
+    assert fast.one_row.kind == ("bf16_gemv" if dtype == torch.bfloat16 else "f32_gemv")
+    assert fast.one_row.weight.data_ptr() == w.data_ptr()
+    for x in (torch.randn(1, shape[1], generator=g).to(dtype), torch.randn(1, 1, shape[1], generator=g).to(dtype)):
         got = fast(x)
-        assert got.shape == (*x.shape[:-1], shape[0]) and got.dtype == torch.bfloat16
-        assert relative_error(got, F.linear(x, w, b)) < BF16_RTOL
+        assert got.shape == (*x.shape[:-1], shape[0]) and got.dtype == dtype
+        assert relative_error(got, F.linear(x, w, b)) < (BF16_RTOL if dtype == torch.bfloat16 else FP32_RTOL)
+    two = torch.randn(2, shape[1], generator=g).to(dtype)  # more rows: the other paths
+    assert relative_error(fast(two), F.linear(two, w, b)) < (BF16_RTOL if dtype == torch.bfloat16 else FP32_RTOL)
 
 
 def test_fast_path_is_chosen_only_where_it_helps():
@@ -140,6 +145,10 @@ def test_fast_path_is_chosen_only_where_it_helps():
         assert fast_linear_for(big, None).pack
     bf16 = fast_linear_for(small.bfloat16(), None)
     assert (bf16 is None) == has_bf16_arithmetic()  # emulated bf16: fp32 math even for small weights
+    medium = fast_linear_for(torch.empty(512, 512), None)  # 1 MiB: too small to pack, big enough for the GEMV
+    assert (medium is None) == (native_library() is None)
+    if medium is not None:
+        assert medium.one_row.kind == "f32_gemv" and not medium.pack
     model = nn.Sequential(nn.Linear(4, 4).half())
     assert fast_linears(model) == [] and type(model[0]) is nn.Linear
 

@@ -4,8 +4,8 @@ On CPU the model's small ops are torch twins that each make a pass over memory a
 a layer's decode step runs ~30 of them around its four GEMMs (qwen05b: ~35 ms of a 150 ms batch-1 step,
 and the padded-gather decode attention alone ~1.5-2.5 ms per layer at batch 64). The C kernels do each
 job in one pass: RMSNorm with its residual add, SiLU-and-multiply, rotary, and decode attention read in
-place from the paged cache. And one GEMV: a single bf16 row times a bf16 weight, which torch and oneDNN
-run well below DRAM bandwidth on CPUs without bf16 arithmetic (engine/linear_fast.py uses it). And the
+place from the paged cache. And two GEMVs: a single bf16 row times a bf16 weight and a single fp32 row times an
+fp32 weight, which torch (MKL, oneDNN) runs well below DRAM bandwidth (engine/linear_fast.py uses them). And the
 quantized linears (csrc/quant_kernels.c): int8 / int4 weights in engine/quant_format.py's layout, dequantized
 in registers, for one row (GEMV) and few rows.
 
@@ -39,8 +39,8 @@ from engine.quant_format import INT4_GROUP, QuantizedWeight
 log = logging.getLogger("duet.engine")
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = (CSRC / "cpu_kernels.c", CSRC / "quant_kernels.c", CSRC / "quant_vnni.c", CSRC / "quant_panels.c",
-           CSRC / "decode_layer.c")
+SOURCES = (CSRC / "cpu_kernels.c", CSRC / "gemv_f32.c", CSRC / "quant_kernels.c", CSRC / "quant_vnni.c",
+           CSRC / "quant_panels.c", CSRC / "decode_layer.c")
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-ffp-contract=off", "-fno-math-errno",
          "-fno-trapping-math", "-shared", "-fPIC"]
 DTYPES = (torch.float32, torch.bfloat16)
@@ -106,6 +106,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "duet_rotary": [p, i64, i64, p, p, p, i64, i64, i64, i32],
         "duet_decode_attention": [p, i64, i64, p, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, f32, i32],
         "duet_gemv_bf16": [p, p, p, p, i64, i64],
+        "duet_gemv_f32": [p, p, p, p, i64, i64],
         "duet_rotary_store_kv": [p, i64, i64, p, p, p, p, i64, p, p, p, i64, i64, i64, i64, i64, i32],
         "duet_int8_linear": [p, i64, p, p, i64, p, p, i64, i64, i64, i32],
         "duet_int4_linear": [p, i64, p, p, p, p, p, i64, i64, i64, i32],
@@ -308,6 +309,22 @@ def gemv_bf16_native(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     bias = None if bias is None else bias.contiguous()
     y = torch.empty((1, n_out), dtype=torch.bfloat16)
     lib.duet_gemv_bf16(x.data_ptr(), weight.data_ptr(), _ptr(bias), y.data_ptr(), n_out, k_in)
+    return y
+
+
+def gemv_f32_native(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear for one fp32 row: x [1, in] (or [in]) and weight [out, in] fp32 -> [1, out] fp32 (csrc/gemv_f32.c;
+    equal to F.linear up to float32 summation order)."""
+    lib = native_library()
+    n_out, k_in = weight.shape
+    if x.dtype != torch.float32 or weight.dtype != torch.float32 or x.numel() != k_in:
+        raise ValueError(f"gemv_f32_native: x {tuple(x.shape)} {x.dtype} and weight {tuple(weight.shape)} "
+                         f"{weight.dtype} are invalid: must be one fp32 row of {k_in} and an fp32 weight")
+    x, weight = _dense(x, torch.float32, k_in, "x"), _contiguous(weight)
+    if bias is not None:
+        bias = _dense(bias, torch.float32, n_out, "bias")
+    y = torch.empty((1, n_out), dtype=torch.float32)
+    lib.duet_gemv_f32(x.data_ptr(), weight.data_ptr(), _ptr(bias), y.data_ptr(), n_out, k_in)
     return y
 
 

@@ -429,14 +429,20 @@ static inline void store(void *y, int64_t at, float sum, const float *bias, int6
 void duet_quant_panels(const float *x, int64_t ldx, int kind, const void *qweight, const float *scales,
                        const float *mins, int64_t group, float *sums, int64_t rows, int64_t n_out, int64_t k_in);
 
-static void linear_by_panels(const float *xf, int64_t ldf, int kind, const void *qweight, const float *scales,
-                             const float *mins, int64_t group, const float *bias, void *y, int64_t rows,
-                             int64_t n_out, int64_t k_in, int bf16) {
-    float *sums = malloc(sizeof(float) * (size_t)(rows * n_out));
-    duet_quant_panels(xf, ldf, kind, qweight, scales, mins, group, sums, rows, n_out, k_in);
+/* y [rows, n_out] = sums + bias, rounded once to y's dtype; frees sums (what a kernel that writes float32 sums
+ * leaves for its caller) */
+static void store_sums(void *y, float *sums, const float *bias, int64_t rows, int64_t n_out, int bf16) {
     for (int64_t r = 0; r < rows; r++)
         for (int64_t o = 0; o < n_out; o++) store(y, r * n_out + o, sums[r * n_out + o], bias, o, bf16);
     free(sums);
+}
+
+static void linear_by_panels(const float *xf, int64_t ldf, int kind, const void *qweight, const float *scales,
+                             const float *mins, int64_t group, const float *bias, void *y, int64_t rows,
+                             int64_t n_out, int64_t k_in, int bf16) {
+    float *sums = malloc(sizeof(float) * (size_t)(rows * n_out > 0 ? rows * n_out : 1));
+    duet_quant_panels(xf, ldf, kind, qweight, scales, mins, group, sums, rows, n_out, k_in);
+    store_sums(y, sums, bias, rows, n_out, bf16);
 }
 
 /* y [rows, n_out] = x [rows, k_in] · int8 W [n_out, k_in]ᵀ + bias; group == k_in or a multiple of 32 */
@@ -700,9 +706,7 @@ void duet_quantized_linear_q8(const void *x, int64_t ldx, int kind, const void *
 #if defined(QUANT_VNNI)
     float *sums = malloc(sizeof(float) * (size_t)(rows * n_out > 0 ? rows * n_out : 1));
     duet_q8_linear_vnni(qx, dx, sx, rows, k_in, kind, qweight, scales, mins, group, sums, n_out);
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t o = 0; o < n_out; o++) store(y, r * n_out + o, sums[r * n_out + o], bias, o, bf16);
-    free(sums);
+    store_sums(y, sums, bias, rows, n_out, bf16);
     (void)blocks;
     (void)groups;
 #else

@@ -140,7 +140,7 @@ class FastLinear(nn.Module):
         gemv = "bf16_gemv" if weight.dtype == torch.bfloat16 else "f32_gemv"
         self.one_row = GemmWeight.make(weight, bias, gemv) if one_row else None
         self.few_rows_max = 1  # rows that take `few_rows`
-        if fp32_math:  # one row keeps reading the bf16 weight
+        if fp32_math and not one_row:  # one row keeps reading the bf16 weight
             self.few_rows: GemmWeight | None = GemmWeight.make(weight, bias, "packed" if pack else "plain")
         elif pack and weight.dtype == torch.float32:
             self.few_rows = GemmWeight.make(weight, bias, "plain")  # MKL's GEMV: see the module docstring

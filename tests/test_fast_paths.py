@@ -112,7 +112,10 @@ def test_fp32_few_rows_read_the_plain_weight_without_a_copy():
     assert torch.equal(fast(x[:4]), packed_linear(x[:4], fast.rows.weight, b))
     assert torch.equal(fast(x), packed_linear(x, fast.rows.weight, b))
     bf16 = FastLinear(w.bfloat16(), None, pack=False, fp32_math=True)
-    assert bf16.few_rows.weight.dtype == torch.bfloat16 and bf16.few_rows_max == 1  # the bf16 GEMV: one row
+    assert bf16.few_rows.weight.dtype == torch.bfloat16 and bf16.few_rows_max == 1  # one row reads the bf16 weight
+    if native_library() is not None:  # ... through the C GEMV, without a second copy for it
+        bf16 = FastLinear(w.bfloat16(), None, pack=False, fp32_math=True, one_row=True)
+        assert bf16.few_rows is None and bf16.one_row.weight.dtype == torch.bfloat16
 
 
 @pytest.mark.skipif(native_library() is None, reason="the C kernels could not be built here")

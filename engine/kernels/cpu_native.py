@@ -39,7 +39,7 @@ from engine.quant_format import INT4_GROUP, QuantizedWeight
 log = logging.getLogger("duet.engine")
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = (CSRC / "cpu_kernels.c", CSRC / "gemv_f32.c", CSRC / "quant_kernels.c", CSRC / "quant_vnni.c",
+SOURCES = (CSRC / "cpu_kernels.c", CSRC / "gemv.c", CSRC / "quant_kernels.c", CSRC / "quant_vnni.c",
            CSRC / "quant_panels.c", CSRC / "decode_layer.c")
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-ffp-contract=off", "-fno-math-errno",
          "-fno-trapping-math", "-shared", "-fPIC"]
@@ -313,7 +313,7 @@ def gemv_bf16_native(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 
 def gemv_f32_native(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear for one fp32 row: x [1, in] (or [in]) and weight [out, in] fp32 -> [1, out] fp32 (csrc/gemv_f32.c;
+    """F.linear for one fp32 row: x [1, in] (or [in]) and weight [out, in] fp32 -> [1, out] fp32 (csrc/gemv.c;
     equal to F.linear up to float32 summation order)."""
     lib = native_library()
     n_out, k_in = weight.shape

@@ -11,7 +11,7 @@
  * Loops are written so the compiler vectorizes them (plain typed loops, branch-free helpers, type
  * punning through a union). Where the compiler cannot find the fast form, an AVX-512 version sits inside
  * `#ifdef DUET_AVX512` next to the plain loop it replaces (the SiLU's exp, decode attention's dot products
- * and weighted sum, the bf16 GEMV); the tests run both builds against the twins. float32 rows are read
+ * and weighted sum); the tests run both builds against the twins. float32 rows are read
  * and written in place, never staged through copies. Threads: OpenMP, which binds to the libgomp torch
  * already loaded (same soname), so torch.set_num_threads applies; a kernel parallelizes only with enough
  * work for a barrier.
@@ -519,62 +519,4 @@ void duet_decode_attention(const void *q, int64_t q_sb, int64_t q_sh, const void
         }
         free(qf);
     }
-}
-
-/* ---- bf16 GEMV: y = x · wᵀ + bias for one row x [K], w [N, K] bf16 row-major, bias [N] or NULL -------
- * Accumulates in float32 (products of bf16 values are exact in float32), adds the bias, rounds y to bf16
- * once. One stream over w: each thread takes whole groups of GEMV_ROWS rows and prefetches the group
- * after next, which keeps DRAM busy (torch's bf16 GEMV runs at ~11 GB/s here, oneDNN's ~14, this ~17).
- * With AVX-512 a 64-byte load holds 32 bf16 values; shifting and masking its 32-bit lanes gives the even
- * and the odd elements as float32, which multiply x's even and odd elements (deinterleaved once). */
-#define GEMV_ROWS 8
-
-static float gemv_row_scalar(const float *x, const uint16_t *w, int64_t from, int64_t to) {
-    float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-    for (int64_t k = from; k < to; k++) s += x[k] * bf16_to_f32(w[k]);
-    return s;
-}
-
-void duet_gemv_bf16(const uint16_t *x_bf16, const uint16_t *w, const uint16_t *bias, uint16_t *y, int64_t n_out,
-                    int64_t k_in) {
-    float *x = malloc(sizeof(float) * 2 * (k_in + 32));
-    for (int64_t k = 0; k < k_in; k++) x[k] = bf16_to_f32(x_bf16[k]);
-    int64_t groups = (n_out + GEMV_ROWS - 1) / GEMV_ROWS;
-#ifdef __AVX512F__
-    int64_t k32 = k_in / 32 * 32;
-    float *xs = (float *)(((uintptr_t)(x + k_in) + 63) & ~(uintptr_t)63); /* deinterleaved, 64-byte aligned */
-    for (int64_t k = 0; k < k32; k += 32)
-        for (int i = 0; i < 16; i++) {
-            xs[k + i] = x[k + 2 * i];
-            xs[k + 16 + i] = x[k + 2 * i + 1];
-        }
-#endif
-#pragma omp parallel for schedule(static) if (n_out * k_in >= 4 * PARALLEL_MIN_ELEMENTS)
-    for (int64_t g = 0; g < groups; g++) {
-        int64_t n0 = g * GEMV_ROWS, rows = n_out - n0 < GEMV_ROWS ? n_out - n0 : GEMV_ROWS;
-        float sums[GEMV_ROWS];
-#ifdef __AVX512F__
-        if (rows == GEMV_ROWS) {
-            __m512 acc[GEMV_ROWS];
-            const __m512i odd = _mm512_set1_epi32((int)0xffff0000u);
-            for (int r = 0; r < GEMV_ROWS; r++) acc[r] = _mm512_setzero_ps();
-            for (int64_t k = 0; k < k32; k += 32) {
-                __m512 x_even = _mm512_load_ps(xs + k), x_odd = _mm512_load_ps(xs + k + 16);
-                for (int r = 0; r < GEMV_ROWS; r++) {
-                    const uint16_t *row = w + (n0 + r) * k_in + k;
-                    __m512i v = _mm512_loadu_si512((const void *)row);
-                    _mm_prefetch((const char *)(row + 2 * GEMV_ROWS * k_in), _MM_HINT_T0);
-                    acc[r] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(v, 16)), x_even, acc[r]);
-                    acc[r] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(v, odd)), x_odd, acc[r]);
-                }
-            }
-            for (int r = 0; r < GEMV_ROWS; r++)
-                sums[r] = _mm512_reduce_add_ps(acc[r]) + gemv_row_scalar(x, w + (n0 + r) * k_in, k32, k_in);
-        } else
-#endif
-            for (int r = 0; r < rows; r++) sums[r] = gemv_row_scalar(x, w + (n0 + r) * k_in, 0, k_in);
-        for (int r = 0; r < rows; r++) y[n0 + r] = f32_to_bf16(sums[r] + (bias ? bf16_to_f32(bias[n0 + r]) : 0.0f));
-    }
-    free(x);
 }

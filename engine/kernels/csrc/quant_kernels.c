@@ -34,26 +34,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #define BLOCK 32          /* inputs per int4 group and per int8 scale step */
 #define ROW_TILE 4        /* rows of x sharing one unpacked weight block */
 #define PARALLEL_MIN_WEIGHTS 65536 /* below this a thread barrier costs more than the second core gives */
 
-/* bf16 <-> float32, as cpu_kernels.c (round to nearest even, NaN -> 0x7FC0, as torch) */
-typedef union {
-    uint32_t u;
-    float f;
-} quant_bits32;
-
-static inline float quant_bf16_to_f32(uint16_t h) {
-    quant_bits32 b = {.u = (uint32_t)h << 16};
-    return b.f;
-}
-
-static inline uint16_t quant_f32_to_bf16(float f) {
-    quant_bits32 b = {.f = f};
-    uint32_t rounded = (b.u + 0x7fffu + ((b.u >> 16) & 1u)) >> 16;
-    return (b.u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)0x7fc0 : (uint16_t)rounded;
-}
 
 /* Which vector path this build compiled: 512, 256, or 0 for the plain loops (the tests check each build's). */
 int duet_quant_vector_bits(void) {
@@ -404,7 +390,7 @@ static const float *activations_f32(const void *x, int64_t ldx, int64_t rows, in
     if (!bf16) return (const float *)x;
     float *wide = malloc(sizeof(float) * (size_t)(rows * k_in > 0 ? rows * k_in : 1));
     for (int64_t r = 0; r < rows; r++)
-        for (int64_t k = 0; k < k_in; k++) wide[r * k_in + k] = quant_bf16_to_f32(((const uint16_t *)x)[r * ldx + k]);
+        for (int64_t k = 0; k < k_in; k++) wide[r * k_in + k] = duet_bf16_to_f32(((const uint16_t *)x)[r * ldx + k]);
     *owned = wide;
     *ldx_f32 = k_in;
     return wide;
@@ -413,7 +399,7 @@ static const float *activations_f32(const void *x, int64_t ldx, int64_t rows, in
 static inline void store(void *y, int64_t at, float sum, const float *bias, int64_t o, int bf16) {
     float v = sum + (bias ? bias[o] : 0.0f);
     if (bf16)
-        ((uint16_t *)y)[at] = quant_f32_to_bf16(v);
+        ((uint16_t *)y)[at] = duet_f32_to_bf16(v);
     else
         ((float *)y)[at] = v;
 }

@@ -260,12 +260,12 @@ def weight_bytes_by_kind(model: nn.Module) -> dict[str, int]:
 
 def _storage_key(t: torch.Tensor) -> tuple[int, int]:
     """What two views of the same memory share (a FastLinear's paths hold detached views of one weight); an opaque
-    oneDNN copy has no storage to ask and is its own."""
+    oneDNN copy has no storage to ask, and a tensor on the meta device no address: each of those is its own."""
     try:
         t.untyped_storage()
     except (RuntimeError, NotImplementedError):
         return id(t), -1
-    return t.data_ptr(), t.numel()
+    return (t.data_ptr(), t.numel()) if t.data_ptr() else (id(t), -1)
 
 
 def memory_report(weights_by_kind: dict[str, int], kv_cache_bytes: int) -> str:

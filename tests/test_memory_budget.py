@@ -12,7 +12,9 @@ from engine.config import ModelConfig
 from engine.default_model import default_model_path
 from engine.engine_config import EngineConfig
 from engine.errors import ModelLoadError
+from engine.kernels import native_library
 from engine.kv_cache_manager import cdiv
+from engine.linear_fast import FastLinear
 from engine.memory_budget import DeviceMemory, device_memory, kv_cache_budget_bytes
 from engine.quantization import weight_bytes_by_kind
 from engine.runtime import build_runtime
@@ -97,3 +99,11 @@ def test_runtime_sizes_the_cache_from_the_fraction(tiny_llama_dir):
     assert rt.block_pool.num_free_blocks == rt.num_kv_blocks
     with pytest.raises(ModelLoadError, match=r"kv_cache_memory_fraction=1e-06 leaves no room for the KV cache"):
         build_runtime(tiny_llama_dir, EngineConfig(dtype="float32", kv_cache_memory_fraction=1e-6))
+
+
+@pytest.mark.skipif(native_library() is None, reason="the C kernels could not be built here")
+def test_a_fast_linears_views_of_one_weight_count_once():
+    weight = torch.randn(512, 512)  # 1 MiB: not packed, the one-row GEMV reads it in place
+    fast = FastLinear(weight, None, pack=False, one_row=True)
+    assert fast.one_row.weight.data_ptr() == fast.rows.weight.data_ptr() == weight.data_ptr()
+    assert weight_bytes_by_kind(torch.nn.Sequential(fast)) == {"float32": 512 * 512 * 4}

@@ -28,6 +28,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #define PARALLEL_MIN_ELEMENTS 32768 /* as torch's grain size for elementwise ops */
 #define MAX_HIDDEN_ON_STACK 8192
 
@@ -37,18 +39,7 @@ typedef union {
     float f;
 } bits32;
 
-static inline float bf16_to_f32(uint16_t h) {
-    bits32 b = {.u = (uint32_t)h << 16};
-    return b.f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    bits32 b = {.f = f};
-    uint32_t rounded = (b.u + 0x7fffu + ((b.u >> 16) & 1u)) >> 16;
-    return (b.u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)0x7fc0 : (uint16_t)rounded;
-}
-
-static inline float round_bf16(float v) { return bf16_to_f32(f32_to_bf16(v)); }
+static inline float round_bf16(float v) { return duet_bf16_to_f32(duet_f32_to_bf16(v)); }
 
 /* exp(x) in float32 within ~2 ulp (Cephes' expf: Cody-Waite reduction by ln 2, degree-6 polynomial),
  * branch-free; overflows to inf, underflows to 0 and passes NaN through, as expf. */
@@ -114,7 +105,7 @@ static inline __mmask16 tail_mask(int64_t left) { return left >= 16 ? (__mmask16
 static void widen(const void *src, int64_t offset, float *dst, int64_t n, int bf16) {
     if (bf16) {
         const uint16_t *s = (const uint16_t *)src + offset;
-        for (int64_t i = 0; i < n; i++) dst[i] = bf16_to_f32(s[i]);
+        for (int64_t i = 0; i < n; i++) dst[i] = duet_bf16_to_f32(s[i]);
     } else {
         const float *s = (const float *)src + offset;
         for (int64_t i = 0; i < n; i++) dst[i] = s[i];
@@ -124,7 +115,7 @@ static void widen(const void *src, int64_t offset, float *dst, int64_t n, int bf
 static void narrow(const float *src, void *dst, int64_t offset, int64_t n, int bf16) {
     if (bf16) {
         uint16_t *d = (uint16_t *)dst + offset;
-        for (int64_t i = 0; i < n; i++) d[i] = f32_to_bf16(src[i]);
+        for (int64_t i = 0; i < n; i++) d[i] = duet_f32_to_bf16(src[i]);
     } else {
         float *d = (float *)dst + offset;
         for (int64_t i = 0; i < n; i++) d[i] = src[i];
@@ -223,9 +214,9 @@ void duet_silu_and_mul(const void *gate_up, int64_t gu_stride, void *out, int64_
             const uint16_t *g = (const uint16_t *)gate_up + t * gu_stride, *u = g + inter;
             uint16_t *o = (uint16_t *)out + t * inter;
             for (int64_t i = 0; i < inter; i++) {
-                float gv = bf16_to_f32(g[i]);
+                float gv = duet_bf16_to_f32(g[i]);
                 float s = round_bf16(gv / (1.0f + exp_f32(-gv)));
-                o[i] = f32_to_bf16(s * bf16_to_f32(u[i]));
+                o[i] = duet_f32_to_bf16(s * duet_bf16_to_f32(u[i]));
             }
         } else {
             const float *g = (const float *)gate_up + t * gu_stride, *u = g + inter;

@@ -1,4 +1,4 @@
-"""Decode speed of the default model (SmolLM2-135M, Q4_1 GGUF) held five ways, each against its own memory
+"""Decode speed of the default model (SmolLM2-135M, Q4_1 GGUF) held six ways, each against its own memory
 roofline, and llama.cpp on the same file, interleaved in one run (issue 18's benchmark).
 
     .venv/bin/python benchmarks/quant_decode.py                     # llama.cpp from $DUET_LLAMA_VENV (see below)

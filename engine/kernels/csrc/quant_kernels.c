@@ -9,9 +9,12 @@
  *   x [R, K] (row stride ldx, float32, or bfloat16 widened once into a float32 copy), bias float32 [N] or NULL,
  *   y [R, N] contiguous in x's dtype, rounded once (after the bias) as the twin's final `.to(x.dtype)`.
  *
- * Work: OpenMP over output rows (each thread streams its own slice of W once); per output row, x's rows in tiles
- * of up to ROW_TILE, so a weight block is unpacked once per tile and reused from registers by every row of it.
- * One block is 32 inputs (an int4 group, or an int8 block sharing one scale since G is K or a multiple of 32).
+ * Work: OpenMP over output rows (each thread streams its own slice of W once); one row of x takes four output
+ * rows a pass (the one-row passes); a few rows go per output row, x's rows in tiles of up to ROW_TILE, so a weight
+ * block is unpacked once per tile and reused from registers by every row of it; from PANEL_MIN_ROWS rows on,
+ * csrc/quant_panels.c (dequantized panels in cache). One block is 32 inputs (an int4 group, or an int8 block
+ * sharing one scale since G is K or a multiple of 32). With int8 activations (duet_quantized_linear_q8) the
+ * same split, on integer dot products: csrc/quant_vnni.c where the CPU has AVX-512 VNNI.
  *
  * Paths, chosen at compile time by the build's -march: AVX-512F (16 lanes), AVX2 + FMA (8 lanes), or the plain C
  * loops (any CPU; the tests build it with -mno-avx2 -mno-fma). Each vector path computes the plain path's sums

@@ -30,6 +30,11 @@ static inline emu_m512 emu_mm512_mul_ps(emu_m512 a, emu_m512 b) {
     return a;
 }
 
+static inline emu_m512 emu_mm512_add_ps(emu_m512 a, emu_m512 b) {
+    for (int i = 0; i < 16; i++) a.f[i] += b.f[i];
+    return a;
+}
+
 static inline emu_m512 emu_mm512_fmadd_ps(emu_m512 a, emu_m512 b, emu_m512 c) {
     for (int i = 0; i < 16; i++) a.f[i] = fmaf(a.f[i], b.f[i], c.f[i]); /* one rounding, as vfmadd */
     return a;
@@ -66,6 +71,7 @@ static inline emu_m512 emu_mm512_cvtepi32_ps(emu_m512 a) { return a; }
 #define _mm512_set1_ps emu_mm512_set1_ps
 #define _mm512_loadu_ps emu_mm512_loadu_ps
 #define _mm512_mul_ps emu_mm512_mul_ps
+#define _mm512_add_ps emu_mm512_add_ps
 #define _mm512_fmadd_ps emu_mm512_fmadd_ps
 #define _mm512_reduce_add_ps emu_mm512_reduce_add_ps
 #define _mm512_cvtepi8_epi32 emu_mm512_cvtepi8_epi32

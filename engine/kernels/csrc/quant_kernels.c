@@ -322,24 +322,33 @@ static inline __m512 int8_block_avx512(const int8_t *q, const __m512 xv[2]) { /*
     return _mm512_fmadd_ps(xv[1], w1, _mm512_mul_ps(xv[0], w0));
 }
 
+/* int8, unlike int4, one output row after the other: each thread then reads its slice of W as one sequential stream
+ * (x stays in L1), which the hardware prefetcher follows; two accumulators a row. Measured on Zen 4 against the
+ * four-rows-a-block pass, weights from DRAM: 28 MB Q8_0 lm_head 1.60 -> 1.12 ms (20 -> 28 GB/s), 3072x576 per
+ * channel 116 -> 81 us; int4's rows (half as long) went the other way (lm_head 0.89 -> 1.03 ms), so it keeps the
+ * four-row pass. */
 static void int8_gemv4_avx512(const float *x, const int8_t *q, const float *s, int64_t group, int64_t k_in,
                               float out[4]) {
-    int64_t groups = k_in / group;
-    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-    int64_t k32 = k_in / BLOCK * BLOCK;
-    for (int64_t k = 0; k < k32; k += BLOCK) {
-        const __m512 xv[2] = {_mm512_loadu_ps(x + k), _mm512_loadu_ps(x + k + 16)};
-        for (int i = 0; i < 4; i++) {
-            _mm_prefetch((const char *)(q + (4 + i) * k_in + k), _MM_HINT_T0); /* why: int8_gemv4_avx2 */
-            acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(s[i * groups + k / group]),
-                                     int8_block_avx512(q + i * k_in + k, xv), acc[i]);
-        }
-    }
+    int64_t groups = k_in / group, k32 = k_in / BLOCK * BLOCK;
     for (int i = 0; i < 4; i++) {
-        out[i] = _mm512_reduce_add_ps(acc[i]);
+        const int8_t *qi = q + i * k_in;
+        const float *si = s + i * groups;
+        __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+        int64_t k = 0;
+        for (; k + 2 * BLOCK <= k32; k += 2 * BLOCK) {
+            const __m512 x0[2] = {_mm512_loadu_ps(x + k), _mm512_loadu_ps(x + k + 16)};
+            const __m512 x1[2] = {_mm512_loadu_ps(x + k + 32), _mm512_loadu_ps(x + k + 48)};
+            a0 = _mm512_fmadd_ps(_mm512_set1_ps(si[k / group]), int8_block_avx512(qi + k, x0), a0);
+            a1 = _mm512_fmadd_ps(_mm512_set1_ps(si[(k + BLOCK) / group]), int8_block_avx512(qi + k + BLOCK, x1), a1);
+        }
+        if (k < k32) { /* an odd number of blocks */
+            const __m512 x0[2] = {_mm512_loadu_ps(x + k), _mm512_loadu_ps(x + k + 16)};
+            a0 = _mm512_fmadd_ps(_mm512_set1_ps(si[k / group]), int8_block_avx512(qi + k, x0), a0);
+        }
+        out[i] = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
         if (k32 < k_in) { /* per-channel int8 of a width that is no multiple of 32: the plain loop for the rest */
             float tail;
-            int8_tile_plain(x + k32, k_in, 1, q + i * k_in + k32, s + i * groups, group, k_in - k32, &tail);
+            int8_tile_plain(x + k32, k_in, 1, qi + k32, si, group, k_in - k32, &tail);
             out[i] += tail;
         }
     }

@@ -20,7 +20,7 @@ Two named tricks, each a few percent of code and each measured in benchmarks/RES
 - **C GEMVs for single rows** (`one_row`: `bf16_gemv` and `f32_gemv`, engine/kernels/cpu_native.py, where the
   C kernels build), for weights of MIN_GEMV_BYTES and up and for every bf16 weight on CPUs that emulate bf16:
   torch's one-row GEMMs stream a weight well below the read bandwidth (fp32 MKL ~7-9 GB/s on the AVX-512 VM,
-  unpacked bf16 ~5-7, oneDNN's packed bf16 ~10-18), the kernels at ~12-15 (RESULTS.md, issue 18).
+  unpacked bf16 ~5-7, oneDNN's packed bf16 ~10-18), the kernels at ~29-45 (RESULTS.md, issue 18).
 
 Both are a transformation of a loaded model, applied after any sharding, never part of loading:
 

@@ -138,8 +138,9 @@ def test_quantized_linear_matches_the_twin(kind):
 @pytest.mark.parametrize("kind,in_features,group", [("int8", 77, 77), ("int8", 200, 200), ("int8", 576, 32),
                                                     ("int8", 288, 96), ("int4", 96, 32), ("int4", 576, 32)])
 def test_one_row_takes_four_outputs_at_a_time_and_the_rest_alone(kind, in_features, group):
-    """Batch-1 decode's path (AVX2 / AVX-512: four output rows per pass over x, the last n_out % 4 one by one; a
-    group of 96 puts two int8 blocks of one VNNI step under different scales)."""
+    """Batch-1 decode's path (AVX2 / AVX-512: four output rows per call, interleaved block by block or, int8 on
+    AVX-512, one after the other; the last n_out % 4 one by one; a group of 96 puts two int8 blocks of one VNNI step,
+    and of one AVX-512 pair, under different scales)."""
     for n, out in enumerate([1, 4, 9, 301]):
         w = random_weight(kind, out, in_features, group, seed=40 + n)
         g = torch.Generator().manual_seed(50 + n)

@@ -67,6 +67,12 @@ def step_weight_bytes(llm: LLM) -> int:
     return total
 
 
+def engine_for(model_path: Path, mode: str, **engine_args) -> LLM:
+    """duet's LLM on the file held as `mode` (MODES), with any further engine arguments."""
+    quantization, dtype, activations = MODES[mode]
+    return LLM(model_path, quantization=quantization, dtype=dtype, quantized_activations=activations, **engine_args)
+
+
 def duet_cell(llm: LLM, batch: int, prompt_len: int, steps: int, repeat: int) -> float:
     """Decode tokens/s of one cell (see the module docstring)."""
     engine = llm.engine
@@ -106,9 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     engines: dict[str, LLM] = {}
     step_bytes: dict[str, int] = {}
     for mode in modes:
-        quantization, dtype, activations = MODES[mode]
-        engines[mode] = LLM(model_path, quantization=quantization, dtype=dtype, quantized_activations=activations,
-                            max_num_seqs=max(batches))
+        engines[mode] = engine_for(model_path, mode, max_num_seqs=max(batches))
         step_bytes[mode] = step_weight_bytes(engines[mode])
         duet_cell(engines[mode], min(8, max(batches)), args.prompt_len, 4, repeat=-1)  # warm-up, untimed
     llama = None

@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_prompts import make_prompts  # noqa: E402
-from quant_decode import MODES, spread  # noqa: E402
+from quant_decode import MODES, engine_for, spread  # noqa: E402
 
 from engine.default_model import default_model_path  # noqa: E402
 from engine.llm import LLM  # noqa: E402
@@ -58,9 +58,7 @@ def main(argv: list[str] | None = None) -> None:
           f"model={model_path.name}", flush=True)
     engines = {}
     for mode in modes:
-        quantization, dtype, activations = MODES[mode]
-        engines[mode] = LLM(model_path, quantization=quantization, dtype=dtype, quantized_activations=activations,
-                            max_model_len=max(lengths) + 16)
+        engines[mode] = engine_for(model_path, mode, max_model_len=max(lengths) + 16)
         prefill_cell(engines[mode], 64, repeat=-1, seed=7)  # warm-up, untimed
     rates: dict[tuple[str, int], list[float]] = {(m, n): [] for m in modes for n in lengths}
     for repeat in range(args.repeats):

@@ -1,5 +1,5 @@
-/* Sixteen float32 lanes as a GCC vector extension, and the sums of sixteen such accumulators in one tree: what the
- * float32 tile kernels (quant_panels.c, gemv.c) share. Every build runs the same code: AVX-512 as it is,
+/* Sixteen float32 lanes as a GCC vector extension (quant_panels.c, gemv.c), and the sums of sixteen such
+ * accumulators in one tree (quant_panels.c's 4x4 tiles). Every build runs the same code: AVX-512 as it is,
  * AVX2 in pairs of 8 lanes, the plain build in scalars. Including this file lets the compiler fuse acc += x * w
  * into one FMA in the including file: the tiles' sums have no fixed order to keep (the library is otherwise built
  * with -ffp-contract=off, which other kernels' bit-for-bit twins need). */

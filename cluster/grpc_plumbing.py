@@ -1,5 +1,5 @@
 """gRPC plumbing shared by the router and the workers: servers with bounded messages, health, reflection,
-an optional bearer-token check, TLS, and channels to peers.
+an optional bearer-token check, TLS (public, or the internal plane's mutual TLS), and channels to peers.
 
 Message sizes are bounded on both ends: a message over the limit is refused by gRPC itself with
 RESOURCE_EXHAUSTED before any of our code runs.
@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha import reflection
 
 from cluster import cluster_secret as cluster_secret_module
 from cluster import reflection_v1
+from cluster.internal_tls import InternalTLS
 
 log = logging.getLogger("duet.grpc")
 
@@ -143,19 +144,23 @@ def make_server(max_workers: int, max_message_bytes: int, auth_token: str | None
     )
 
 
-def bind(server: grpc.Server, host: str, port: int, tls_cert: Path | None = None, tls_key: Path | None = None) -> int:
-    """Listen on host:port (0 picks a free port); TLS when a certificate and key are given. Returns the port."""
+def bind(server: grpc.Server, host: str, port: int, credentials: grpc.ServerCredentials | None = None) -> int:
+    """Listen on host:port (0 picks a free port); TLS with `credentials` (`public_tls_credentials`, or
+    InternalTLS.server_credentials for a worker). Returns the port."""
     address = f"{host}:{port}"
-    if tls_cert or tls_key:
-        if not (tls_cert and tls_key):
-            raise ValueError("TLS needs both --tls-cert and --tls-key")
-        creds = grpc.ssl_server_credentials([(Path(tls_key).read_bytes(), Path(tls_cert).read_bytes())])
-        bound = server.add_secure_port(address, creds)
-    else:
-        bound = server.add_insecure_port(address)
+    bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if bound == 0:
         raise OSError(f"cannot listen on {address}: the port is in use or the host is not local")
     return bound
+
+
+def public_tls_credentials(tls_cert: Path | None, tls_key: Path | None) -> grpc.ServerCredentials | None:
+    """The router's public TLS (--tls-cert/--tls-key), or None when neither is given."""
+    if not (tls_cert or tls_key):
+        return None
+    if not (tls_cert and tls_key):
+        raise ValueError("TLS needs both --tls-cert and --tls-key")
+    return grpc.ssl_server_credentials([(Path(tls_key).read_bytes(), Path(tls_cert).read_bytes())])
 
 
 def add_health_and_reflection(server: grpc.Server, service_names: Iterable[str]) -> health.HealthServicer:
@@ -194,29 +199,35 @@ class _MetadataInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamCli
 
 
 def channel(address: str, max_message_bytes: int = INTERNAL_MAX_MESSAGE_BYTES,
-            cluster_secret: bytes | None = None) -> grpc.Channel:
-    """A channel to a peer; with `cluster_secret`, every call carries the internal bearer token."""
-    ch = grpc.insecure_channel(
-        address,
-        options=[
-            ("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.max_send_message_length", max_message_bytes),
-            ("grpc.enable_retries", 0),  # the router decides what to retry
-            ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
-            ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
-            ("grpc.http2.max_pings_without_data", 0),  # a stalled stream sends no data: keep probing it
-            ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),  # gRPC core waits on this one (default 60 s)
-            # a peer that is down is tried again at least every second: `duet up` restarts a dead worker on
-            # its port, and gRPC's default backoff (growing to 120 s) kept failing calls for seconds after
-            # the worker served again (benchmarks/chaos.py)
-            ("grpc.initial_reconnect_backoff_ms", 100),
-            ("grpc.max_reconnect_backoff_ms", 1000),
-        ],
-    )
+            cluster_secret: bytes | None = None, tls: InternalTLS | None = None) -> grpc.Channel:
+    """A channel to a peer; with `cluster_secret`, every call carries the internal bearer token; with `tls`,
+    the channel is mutual TLS under the cluster's CA (cluster/internal_tls.py)."""
+    options = [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.enable_retries", 0),  # the router decides what to retry
+        ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        ("grpc.http2.max_pings_without_data", 0),  # a stalled stream sends no data: keep probing it
+        ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),  # gRPC core waits on this one (default 60 s)
+        # a peer that is down is tried again at least every second: `duet up` restarts a dead worker on
+        # its port, and gRPC's default backoff (growing to 120 s) kept failing calls for seconds after
+        # the worker served again (benchmarks/chaos.py)
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 1000),
+    ]
+    ch = dial(address, options, tls)
     if cluster_secret is None:
         return ch
     token = (("authorization", f"Bearer {cluster_secret_module.grpc_token(cluster_secret)}"),)
     return grpc.intercept_channel(ch, _MetadataInterceptor(token))
+
+
+def dial(address: str, options: list[tuple[str, object]], tls: InternalTLS | None = None) -> grpc.Channel:
+    """A plain channel, or a mutual-TLS one under the cluster's CA (checking its SERVER_NAME) with `tls`."""
+    if tls is None:
+        return grpc.insecure_channel(address, options=options)
+    return grpc.secure_channel(address, tls.channel_credentials(), options=[*options, *tls.CHANNEL_OPTIONS])
 
 
 # The router's process health: SERVING from its start to its stop, whatever the workers (its "" and
@@ -224,9 +235,9 @@ def channel(address: str, max_message_bytes: int = INTERNAL_MAX_MESSAGE_BYTES,
 LIVENESS_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name  # "grpc.health.v1.Health"
 
 
-def health_check(address: str, timeout_s: float = 1.0, service: str = "") -> bool:
-    """True if the server at `address` says SERVING for `service`."""
-    with grpc.insecure_channel(address) as ch:
+def health_check(address: str, timeout_s: float = 1.0, service: str = "", tls: InternalTLS | None = None) -> bool:
+    """True if the server at `address` says SERVING for `service` (`tls`: a worker serving internal TLS)."""
+    with dial(address, [], tls) as ch:
         try:
             reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service),
                                                          timeout=timeout_s)

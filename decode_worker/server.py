@@ -17,6 +17,7 @@ import time
 import grpc
 
 from cluster.grpc_plumbing import REQUEST_FAULT
+from cluster.internal_tls import kv_receiver_tls
 from cluster.proto_convert import logprobs_to_proto, sampling_from_proto
 from cluster.registry import WorkerLoad
 from decode_worker.decode_loop import DecodeLoop, ReservedRequest
@@ -44,7 +45,8 @@ class DecodeWorker(WorkerProcess, wpb_grpc.DecodeWorkerServicer):
         super().__init__(config)
         self.reservations = ReservationTable(self.layout.num_layers)
         self.receiver = KVReceiver(self.layout, self.rt.kv_caches, self.reservations, host=config.host,
-                                   port=config.kv_port, handshake_key=self.kv_handshake_key)
+                                   port=config.kv_port, handshake_key=self.kv_handshake_key,
+                                   **kv_receiver_tls(self.internal_tls))
         self.rank_kv_addresses: list[str] = []  # tensor parallelism: ranks 1..N-1's receivers, in rank order
         if self.tp_store is not None:
             from decode_worker.tp_rank import kv_address_key

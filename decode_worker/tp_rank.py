@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from torch.distributed import TCPStore
 
 from cluster.cluster_secret import kv_handshake_key, load_cluster_secret
+from cluster.internal_tls import InternalTLS, kv_receiver_tls
 from decode_worker.tp_ops import CommitReservation, ReleaseReservation, ReserveBlocks
 from engine.follower_ops import FollowerHooks, OpHandler
 from kvtransfer.layout import KVLayout
@@ -50,10 +51,11 @@ class DecodeRankHooks(FollowerHooks):
 
     @classmethod
     def build(cls, rank: int, layout, kv_caches, store, host: str, advertise_host: str,
-              handshake_key: bytes | None = None, port: int = 0) -> DecodeRankHooks:
+              handshake_key: bytes | None = None, port: int = 0, tls: InternalTLS | None = None) -> DecodeRankHooks:
         table = ReservationTable(layout.num_layers, complete_grace_s=COMMIT_LEASE_S + FOLLOWER_TTL_MARGIN_S)
-        return cls(rank, KVReceiver(layout, kv_caches, table, host=host, port=port, handshake_key=handshake_key),
-                   store, advertise_host)
+        receiver = KVReceiver(layout, kv_caches, table, host=host, port=port, handshake_key=handshake_key,
+                              **kv_receiver_tls(tls))
+        return cls(rank, receiver, store, advertise_host)
 
     def handlers(self) -> Mapping[type, OpHandler]:
         return {ReserveBlocks: self.reserve, ReleaseReservation: self.release, CommitReservation: self.commit}
@@ -85,7 +87,8 @@ def make_hooks(args: argparse.Namespace, store: TCPStore, layout: KVLayout, kv_c
     secret = load_cluster_secret(args.cluster_secret_file)
     return DecodeRankHooks.build(args.rank, layout, kv_caches, store, args.host, args.advertise_host,
                                  kv_handshake_key(secret) if secret is not None else None,
-                                 port=args.kv_port + args.rank if args.kv_port else 0)  # rank 0 has kv_port
+                                 port=args.kv_port + args.rank if args.kv_port else 0,  # rank 0 has kv_port
+                                 tls=InternalTLS.load(args.internal_tls_dir))
 
 
 if __name__ == "__main__":  # a follower rank of a tensor-parallel decode worker

@@ -44,8 +44,10 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from cluster import internal_tls
 from cluster.cluster_secret import ENV_VAR, generate_cluster_secret
-from cluster.grpc_plumbing import AUTH_TOKEN_ENV_VAR
+from cluster.grpc_plumbing import AUTH_TOKEN_ENV_VAR, dial
+from cluster.internal_tls import InternalTLS
 from deploy.redis_server import RedisServer, tail_file
 from deploy.restarts import RestartBackoff, death_line, describe_returncode, restarted_line, signal_name
 from deploy.startup_progress import StartupProgress
@@ -93,6 +95,7 @@ class ClusterConfig:
     auth_token: str | None = None  # the router's bearer token, handed over in its environment, not its argv
     tls_cert: Path | None = None  # the router's gRPC TLS (both or neither)
     tls_key: Path | None = None
+    internal_tls: bool = False  # mutual TLS between the components under a CA made for this cluster
     ready_timeout_s: float = 180.0
     log_dir: str | None = None  # component stdout/stderr go to files here (default: inside the cluster's temp dir)
 
@@ -203,6 +206,9 @@ class LocalCluster:
         # the internal plane's secret, handed to every component in its environment (never on a command line);
         # $DUET_CLUSTER_SECRET, when set, is the documented override
         self.cluster_secret = os.environ.get(ENV_VAR) or generate_cluster_secret()
+        # the internal plane's TLS material, handed over the same way ($DUET_INTERNAL_TLS_* override it); the CA's
+        # key is not kept, so no other certificate for this cluster can be made
+        self.internal_tls = InternalTLS.load() or (internal_tls.generate() if config.internal_tls else None)
         self._stop_signal: int | None = None  # set by request_stop(); plain int so a signal handler may set it
 
     # ------------------------------------------------------------------------------------------------ start
@@ -275,6 +281,8 @@ class LocalCluster:
         log_path = log_dir / f"{name}.log"
         cmd = self.component_command(role, host, port, self.redis_url)
         env = dict(os.environ, PYTHONUNBUFFERED="1", **{ENV_VAR: self.cluster_secret})
+        if self.internal_tls is not None:
+            env.update(self.internal_tls.env())
         env.pop(AUTH_TOKEN_ENV_VAR, None)  # the config is the one source: the router gets its token or none
         if role == "router" and self.config.auth_token:
             env[AUTH_TOKEN_ENV_VAR] = self.config.auth_token
@@ -296,11 +304,14 @@ class LocalCluster:
         # means requests are served, not refused for want of a worker the router has not seen yet.
         return _is_serving(channel)
 
+    def _probe_channel(self, proc: _Process) -> grpc.Channel:
+        tls = None if proc.name == "router" else self.internal_tls  # the router's public port is not internal
+        return dial(_probe_address(proc.address), _PROBE_CHANNEL_OPTIONS, tls)
+
     def _wait_serving(self, progress: StartupProgress) -> None:
         timeout_s = self.config.ready_timeout_s
         pending = {p.name: p for p in self._grpc_processes()}
-        channels = {name: grpc.insecure_channel(_probe_address(p.address), options=_PROBE_CHANNEL_OPTIONS)
-                    for name, p in pending.items()}
+        channels = {name: self._probe_channel(p) for name, p in pending.items()}
         deadline = time.monotonic() + timeout_s
         try:
             while pending:

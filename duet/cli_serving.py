@@ -27,13 +27,17 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
     p.add_argument("--metrics-host", default=None,
                    help="address /metrics binds (default: --host), e.g. 127.0.0.1 or the pod IP")
-    add_cluster_secret_arg(p)
+    add_internal_plane_args(p)
 
 
-def add_cluster_secret_arg(p: argparse.ArgumentParser) -> None:
+def add_internal_plane_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cluster-secret-file", type=Path, default=None,
                    help="file holding the cluster secret that authenticates internal gRPC calls, KV handshakes and "
                         "registry entries ($DUET_CLUSTER_SECRET overrides it; `duet up` generates one)")
+    p.add_argument("--internal-tls-dir", type=Path, default=None,
+                   help="directory with ca.crt, tls.crt and tls.key: mutual TLS between router and workers and on KV "
+                        "transfers, with certificates from that CA only ($DUET_INTERNAL_TLS_CA/_CERT/_KEY override "
+                        "it; `duet up --internal-tls` generates them)")
 
 
 DEFAULT_HTTP_PORT = 8000  # `duet up`'s OpenAI API, where vLLM serves it
@@ -80,7 +84,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
         engine=engine_config(args, model_id=args.model_id), kv_transport=args.kv_transport,
         kv_checksum=args.kv_checksum, layer_group_size=args.layer_group_size, heartbeat_ttl_s=args.heartbeat_ttl,
         advertise_host=args.advertise_host, metrics_port=args.metrics_port, metrics_host=args.metrics_host,
-        cluster_secret_file=args.cluster_secret_file, kv_port=getattr(args, "kv_port", 0),  # decode only
+        cluster_secret_file=args.cluster_secret_file, internal_tls_dir=args.internal_tls_dir,
+        kv_port=getattr(args, "kv_port", 0),  # decode only
     )
     if args.command == "prefill":
         from prefill_worker.server import PrefillWorker as Worker
@@ -102,6 +107,7 @@ def cmd_router(args: argparse.Namespace) -> int:
         redis_url=args.redis_url, model_dir=args.model, model_id=args.model_id, host=args.host, port=args.port,
         max_model_len=args.max_model_len, auth_token=auth_token(args), tls_cert=args.tls_cert, tls_key=args.tls_key,
         metrics_port=args.metrics_port, http_port=args.http_port, cluster_secret_file=args.cluster_secret_file,
+        internal_tls_dir=args.internal_tls_dir,
         worker_wait_s=args.worker_wait_s, **grace,
     ))
     with StopSignals() as stop:
@@ -155,6 +161,10 @@ def resolve_model(args: argparse.Namespace) -> Path:
 def cmd_up(args: argparse.Namespace) -> int:
     from deploy.local_cluster import ClusterConfig, run_up
 
+    if args.internal_tls and args.kv_transport == "torch":
+        print("error: --internal-tls needs --kv-transport tcp: the torch transport's payloads travel outside the "
+              "encrypted connection", file=sys.stderr)
+        return 2
     model = resolve_model(args)
     model_id = ["--model-id", args.model_id] if args.model_id is not None else []
     worker_args = engine_config(args).to_flags() + ["--kv-transport", args.kv_transport] + model_id
@@ -173,7 +183,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         http_port=None if args.no_http else args.http_port, metrics_port=args.metrics_port,
         auth_token=auth_token(args), tls_cert=args.tls_cert,
         tls_key=args.tls_key, worker_args=worker_args, prefill_args=role_args["prefill"],
-        decode_args=role_args["decode"], router_args=router_args)
+        decode_args=role_args["decode"], router_args=router_args, internal_tls=args.internal_tls)
     return run_up(config)
 
 
@@ -254,7 +264,7 @@ def add_serving_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--redis-url", required=True)
     add_router_args(p, up=False)
-    add_cluster_secret_arg(p)
+    add_internal_plane_args(p)
     p.set_defaults(func=cmd_router)
 
     p = sub.add_parser("route-explain", help="show how the router would route a prompt, and why")
@@ -279,6 +289,9 @@ def add_serving_commands(sub: argparse._SubParsersAction) -> None:
                    "flags above, e.g. \"--quantization none\" (a dense prefill pool next to a quantized decode pool)")
     p.add_argument("--decode-args", default="", help="extra flags for the decode workers only, e.g. "
                    "\"--quantized-activations int8\"")
+    p.add_argument("--internal-tls", action="store_true",
+                   help="mutual TLS on the internal plane (router to workers, KV transfers) under a CA generated for "
+                        "this cluster; needs --kv-transport tcp")
     add_router_args(p, up=True)
     p.set_defaults(func=cmd_up)
 

@@ -32,7 +32,8 @@ class PeerGone(TransferError):
 
 
 class Unauthenticated(TransferError):
-    """The handshake did not prove knowledge of the cluster secret (none, a wrong one, stale, or replayed)."""
+    """The handshake did not prove knowledge of the cluster secret (none, a wrong one, stale, or replayed), or
+    its TLS handshake failed (no certificate, or one the cluster's CA did not sign)."""
 
 
 class ProtocolError(TransferError):

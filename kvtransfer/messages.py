@@ -170,6 +170,8 @@ def recv_frame_header(sock: socket.socket, deadline: float | None, stop=None,
 
 def wait_readable(sock: socket.socket, timeout_s: float) -> bool:
     """True if a read would not block (data or EOF) within `timeout_s`."""
+    if hasattr(sock, "pending") and sock.pending():  # TLS: decrypted bytes already buffered
+        return True
     readable, _, _ = select.select([sock], [], [], max(timeout_s, 0.0))
     return bool(readable)
 

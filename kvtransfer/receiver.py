@@ -22,6 +22,7 @@ import itertools
 import logging
 import secrets
 import socket
+import ssl
 import threading
 import time
 from typing import Any
@@ -30,7 +31,8 @@ import torch
 
 from kvtransfer import messages as m
 from kvtransfer import process_group as pgs
-from kvtransfer.errors import LayoutMismatch, ProtocolError, TransferError, Unauthenticated
+from kvtransfer import tls_socket
+from kvtransfer.errors import LayoutMismatch, PeerGone, ProtocolError, TransferError, Unauthenticated
 from kvtransfer.handshake_auth import HandshakeVerifier
 from kvtransfer.layout import KVLayout
 from kvtransfer.reservation import ReservationTable
@@ -46,8 +48,11 @@ class KVReceiver:
     def __init__(self, layout: KVLayout, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  reservations: ReservationTable, host: str = "127.0.0.1", port: int = 0,
                  max_payload_bytes: int = m.DEFAULT_MAX_PAYLOAD_BYTES, *, handshake_timeout_s: float = 10.0,
-                 recv_timeout_s: float = 30.0, handshake_key: bytes | None = None):
-        """With `handshake_key`, only senders that prove they hold it are served (kvtransfer/handshake_auth)."""
+                 recv_timeout_s: float = 30.0, handshake_key: bytes | None = None,
+                 tls_context: ssl.SSLContext | None = None):
+        """With `handshake_key`, only senders that prove they hold it are served (kvtransfer/handshake_auth);
+        with `tls_context`, connections are TLS (a sender without a certificate it trusts is refused) and only
+        the "tcp" transport is served (the "torch" one would send payloads around the encryption)."""
         if problem := KVLayout.for_caches(layout.model_id, kv_caches, layout.tp_size, layout.tp_rank).mismatch(
                 layout, "caches", "layout"):
             raise ValueError(f"kv_caches do not match the layout: {problem}")
@@ -63,6 +68,7 @@ class KVReceiver:
         self.handshake_timeout_s = handshake_timeout_s
         self.recv_timeout_s = recv_timeout_s
         self._verifier = HandshakeVerifier(handshake_key) if handshake_key is not None else None
+        self._tls_context = tls_context
         self._device = kv_caches[0][0].device
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -134,6 +140,13 @@ class KVReceiver:
     def _serve(self, conn_id: int, sock: socket.socket, peer: Any) -> None:
         pg = None
         try:
+            if self._tls_context is not None:
+                sock = tls_socket.server_side(sock, self._tls_context, m.POLL_S)
+                with self._lock:  # close() must shut this one down, the raw socket is detached
+                    self._connections[conn_id] = (sock, self._connections[conn_id][1])
+                if self._stop.is_set():
+                    raise PeerGone("receiver closed")
+                sock.handshake(self.handshake_timeout_s, "sender")
             accepted, pg = self._handshake(conn_id, sock)
             if accepted:
                 WriteStream(sock, pg, self.layout, self.kv_caches, self.reservations, self.max_payload_bytes,
@@ -189,7 +202,7 @@ class KVReceiver:
         if problem := sender_layout.mismatch(self.layout):
             return {"ok": False, "error": LayoutMismatch.__name__, "message": f"KV layout mismatch: {problem}"}
         transport = hello.get("transport")
-        allowed = [t for t in TRANSPORTS if t != "torch" or pgs.available()]
+        allowed = [t for t in TRANSPORTS if t != "torch" or (pgs.available() and self._tls_context is None)]
         if transport not in allowed:
             return {"ok": False, "error": TransferError.__name__,
                     "message": f"transport {transport!r} is unsupported: allowed {allowed}"}

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -26,7 +27,7 @@ from concurrent.futures import Future
 
 import torch
 
-from kvtransfer import block_copy, handshake_auth
+from kvtransfer import block_copy, handshake_auth, tls_socket
 from kvtransfer import messages as m
 from kvtransfer import process_group as pgs
 from kvtransfer.channel import Channel, Message, fail_future
@@ -46,16 +47,23 @@ class KVSender:
 
     def __init__(self, layout: KVLayout, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], transport: str = "tcp",
                  checksum: bool = False, connect_timeout_s: float = 5.0, send_timeout_s: float = SEND_TIMEOUT_S, *,
-                 max_staging_bytes: int = 512 << 20, handshake_key: bytes | None = None):
+                 max_staging_bytes: int = 512 << 20, handshake_key: bytes | None = None,
+                 tls_context: ssl.SSLContext | None = None, tls_server_name: str = ""):
+        """With `tls_context`, connections are TLS and the receiver's certificate must name `tls_server_name`
+        (cluster/internal_tls.py); the "torch" transport sends payloads outside the socket, so it cannot be."""
         if problem := KVLayout.for_caches(layout.model_id, kv_caches, layout.tp_size, layout.tp_rank).mismatch(
                 layout, "caches", "layout"):
             raise ValueError(f"kv_caches do not match the layout: {problem}")
         if transport not in ("tcp", "torch"):
             raise ValueError(f"transport={transport!r} is invalid: must be 'tcp' or 'torch'")
+        if tls_context is not None and transport == "torch":
+            raise ValueError("transport='torch' cannot be encrypted (its payloads bypass the TLS socket): use 'tcp' "
+                             "with internal TLS")
         self.layout = layout
         self.kv_caches = kv_caches
         self.handshake_key = handshake_key  # proves this sender to receivers in its HELLO (handshake_auth)
         self.transport = transport
+        self._tls_context, self._tls_server_name = tls_context, tls_server_name
         self.checksum = checksum
         self.connect_timeout_s = connect_timeout_s
         self.send_timeout_s = send_timeout_s
@@ -158,6 +166,9 @@ class KVSender:
             raise PeerGone(f"cannot connect to {endpoint}: {e}") from e
         try:
             m.open_socket(sock)
+            if self._tls_context is not None:
+                sock = tls_socket.wrap_client(sock, self._tls_context, self._tls_server_name,
+                                              max(deadline - time.monotonic(), 0.1), m.POLL_S)
             hello = {"layout": self.layout.to_dict(), "fingerprint": self.layout.fingerprint(),
                      "transport": self.transport}
             if self.handshake_key is not None:

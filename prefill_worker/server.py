@@ -15,6 +15,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 import grpc
 
 from cluster.grpc_plumbing import KV_TARGET_FAULT, REQUEST_FAULT
+from cluster.internal_tls import kv_sender_tls
 from cluster.proto_convert import logprobs_to_proto, sampling_from_proto
 from cluster.registry import WorkerLoad
 from duet.internal.v1 import workers_pb2 as wpb
@@ -69,7 +70,8 @@ class PrefillWorker(WorkerProcess, wpb_grpc.PrefillWorkerServicer):
     def __init__(self, config: WorkerConfig):
         super().__init__(config)
         self.sender = KVSender(self.layout, self.rt.kv_caches, transport=config.kv_transport,
-                               checksum=config.kv_checksum, handshake_key=self.kv_handshake_key)
+                               checksum=config.kv_checksum, handshake_key=self.kv_handshake_key,
+                               **kv_sender_tls(self.internal_tls))
         self.acks = FollowerAcks(self.tp_store, list(range(1, self.tp_size))) if self.tp_store is not None else None
         self.loop = PrefillLoop(self.rt, self.sender.send, 2 * self.layout.block_bytes(), config.layer_group_size,
                                 self.acks, on_step_tokens=self.metrics.observe_step)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from torch.distributed import TCPStore
 
 from cluster.cluster_secret import kv_handshake_key, load_cluster_secret
+from cluster.internal_tls import InternalTLS, kv_sender_tls
 from engine.follower_ops import FollowerHooks, OpHandler
 from kvtransfer.layout import KVLayout
 from kvtransfer.sender import KVSender
@@ -139,7 +140,8 @@ def make_hooks(args: argparse.Namespace, store: TCPStore, layout: KVLayout, kv_c
     """This rank's share of a prefill worker's KV transfer (worker/tp_rank.py's `run_follower` calls it)."""
     secret = load_cluster_secret(args.cluster_secret_file)
     sender = KVSender(layout, kv_caches, transport=args.kv_transport, checksum=args.kv_checksum,
-                      handshake_key=kv_handshake_key(secret) if secret is not None else None)
+                      handshake_key=kv_handshake_key(secret) if secret is not None else None,
+                      **kv_sender_tls(InternalTLS.load(args.internal_tls_dir)))
     return PrefillRankHooks(args.rank, sender, AckReporter(store, args.rank), args.layer_group_size)
 
 

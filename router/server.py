@@ -24,6 +24,7 @@ from grpc_health.v1 import health_pb2
 
 from cluster import grpc_plumbing
 from cluster.cluster_secret import ENV_VAR, load_cluster_secret
+from cluster.internal_tls import InternalTLS
 from cluster.prefix_index import PrefixIndex
 from cluster.registry import WorkerRegistry
 from duet.v1 import generation_pb2 as pb
@@ -70,6 +71,7 @@ class RouterConfig:
     tls_cert: Path | None = None
     tls_key: Path | None = None
     cluster_secret_file: Path | None = None  # the internal plane's secret (cluster/cluster_secret.py)
+    internal_tls_dir: Path | None = None  # mutual TLS to the workers (cluster/internal_tls.py); None: plaintext
     shutdown_grace_s: float = SHUTDOWN_GRACE_S
 
     def __post_init__(self):
@@ -101,7 +103,9 @@ class Router(pb_grpc.GenerationServicer):
         self.index = PrefixIndex(self.registry.client, self.model_id)
         self.speculative = SpeculativeWriter(self.index, on_drop=self.metrics.speculative_dropped.inc)
         self.chooser = PrefillChooser(self.index, self.model_id, self.metrics, self.speculative, config.policy)
-        self.view = WorkerView(self.registry, self.index, self.model_id, self.metrics, self.cluster_secret)
+        self.internal_tls = InternalTLS.load(config.internal_tls_dir)
+        self.view = WorkerView(self.registry, self.index, self.model_id, self.metrics, self.cluster_secret,
+                               self.internal_tls)
         self.orchestrator = RequestOrchestrator(self.view, self.chooser, self.metrics, self.tokenizer,
                                                 self.model_id, config.reservation_ttl_s, config.worker_wait_s)
         self._live: dict[str, Live] = {}
@@ -200,7 +204,8 @@ class RouterServer:
         self._stopping = threading.Event()
         self._health_lock = threading.Lock()  # a last update never undoes stop()'s NOT_SERVING
         self._health_watch = threading.Thread(target=self._watch_workers, name="router-health", daemon=True)
-        self.port = grpc_plumbing.bind(self.server, config.host, config.port, config.tls_cert, config.tls_key)
+        self.port = grpc_plumbing.bind(self.server, config.host, config.port,
+                                       grpc_plumbing.public_tls_credentials(config.tls_cert, config.tls_key))
         self.address = f"{config.host}:{self.port}"
         self.metrics_port = None
         self._bridge_dir: Path | None = None

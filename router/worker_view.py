@@ -19,6 +19,7 @@ import grpc
 import redis
 
 from cluster import grpc_plumbing
+from cluster.internal_tls import InternalTLS
 from cluster.prefix_index import PrefixIndex
 from cluster.registry import LiveWorker, WorkerInfo, WorkerRegistry
 from router.load_policy import Candidate
@@ -44,9 +45,10 @@ class NoWorkers(Exception):
 
 class WorkerView:
     def __init__(self, registry: WorkerRegistry, index: PrefixIndex, model_id: str, metrics: RouterMetrics,
-                 cluster_secret: bytes | None = None):
+                 cluster_secret: bytes | None = None, internal_tls: InternalTLS | None = None):
         self.registry, self.index, self.model_id, self.metrics = registry, index, model_id, metrics
         self._cluster_secret = cluster_secret  # every call to a worker carries its token
+        self._internal_tls = internal_tls  # and, with it, goes over mutual TLS
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
         self._suspects: dict[str, float] = {}  # worker_id -> avoid until (monotonic)
@@ -174,5 +176,6 @@ class WorkerView:
         with self._lock:
             ch = self._channels.get(address)
             if ch is None:
-                ch = self._channels[address] = grpc_plumbing.channel(address, cluster_secret=self._cluster_secret)
+                ch = self._channels[address] = grpc_plumbing.channel(
+                    address, cluster_secret=self._cluster_secret, tls=self._internal_tls)
             return ch

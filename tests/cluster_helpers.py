@@ -16,13 +16,14 @@ from duet.internal.v1 import workers_pb2 as wpb
 from duet.internal.v1 import workers_pb2_grpc as wpb_grpc
 
 
-def internal_channel(address: str) -> grpc.Channel:
-    """A channel to a worker that carries the session's cluster secret (tests/conftest.py)."""
-    return grpc_plumbing.channel(address, cluster_secret=load_cluster_secret())
+def internal_channel(address: str, tls=None) -> grpc.Channel:
+    """A channel to a worker that carries the session's cluster secret (tests/conftest.py); `tls`: the
+    cluster's InternalTLS where it runs with internal TLS."""
+    return grpc_plumbing.channel(address, cluster_secret=load_cluster_secret(), tls=tls)
 
 
-def worker_stats(address: str, role: str, check: bool = True) -> wpb.WorkerStats:
-    with internal_channel(address) as ch:
+def worker_stats(address: str, role: str, check: bool = True, tls=None) -> wpb.WorkerStats:
+    with internal_channel(address, tls) as ch:
         stub = wpb_grpc.PrefillWorkerStub(ch) if role == "prefill" else wpb_grpc.DecodeWorkerStub(ch)
         return stub.Stats(wpb.StatsRequest(check_integrity=check), timeout=10)
 
@@ -39,7 +40,7 @@ def wait_idle(cluster, timeout_s: float = 20.0, skip: tuple[str, ...] = ()) -> d
         for c in worker_components(cluster):
             if c.name in skip:
                 continue
-            s = worker_stats(c.address, c.name.split("-")[0])
+            s = worker_stats(c.address, c.name.split("-")[0], tls=getattr(cluster, "internal_tls", None))
             stats[c.name] = s
             assert s.integrity_error == "", f"{c.name}: {s.integrity_error}"
             if s.num_free_blocks != s.num_kv_blocks or s.num_running or s.num_waiting or s.num_reservations:

@@ -632,3 +632,50 @@ def test_a_handshake_proof_is_bound_to_its_fingerprint_fresh_and_used_once():
     stale = later.check(prove(b"k" * 32, "fingerprint"), "fingerprint")
     assert stale.endswith("off this receiver's clock (at most 60)")
     assert HandshakeVerifier(b"k" * 32).check({"nonce": 1}, "fingerprint") == "HELLO's proof is malformed"
+
+
+# -- internal TLS (cluster/internal_tls.py) -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cluster_tls():
+    from cluster import internal_tls
+
+    return internal_tls.generate(), internal_tls.generate()  # this cluster's, and another cluster's
+
+
+def test_tls_transfers_pipelined_and_refuses_senders_without_the_clusters_certificate(make_receiver, make_sender,
+                                                                                      cluster_tls):
+    """Over TLS: the bytes arrive exactly (many unacked messages in flight while ACKs come back on the same
+    connection); a plaintext sender, one that trusts another CA, one expecting another name and one whose
+    certificate another CA signed are refused, and nothing of theirs lands."""
+    from cluster.internal_tls import SERVER_NAME, InternalTLS
+    from kvtransfer.errors import Unauthenticated
+
+    ours, theirs = cluster_tls
+    receiver, recv_caches, table = make_receiver(tls_context=ours.server_context())
+    before = snapshot(recv_caches)
+    r = table.add("req-1", DST, 4 * BS - 1, ttl_s=30.0)
+    for kwargs, error in (({}, (PeerGone, TransferTimeout)),
+                          ({"tls_context": theirs.client_context(), "tls_server_name": SERVER_NAME},
+                           (Unauthenticated, PeerGone)),
+                          ({"tls_context": ours.client_context(), "tls_server_name": "someone-else"},
+                           Unauthenticated),
+                          ({"tls_context": InternalTLS(ours.ca_pem, theirs.cert_pem, theirs.key_pem).client_context(),
+                            "tls_server_name": SERVER_NAME}, PeerGone)):  # trusts us, but we do not trust it
+        stranger, _ = make_sender(connect_timeout_s=2.0, **kwargs)
+        with pytest.raises(error):
+            stranger.send(receiver.address, r.reservation_id, 0, 2, 0, SRC).result(10)
+    assert r.num_received == 0 and all(torch.equal(a[i], b[i]) for a, b in zip(snapshot(recv_caches), before)
+                                       for i in (0, 1))
+    sender, send_caches = make_sender(tls_context=ours.client_context(), tls_server_name=SERVER_NAME, checksum=True)
+    futures = [sender.send(receiver.address, r.reservation_id, layer, layer + 1, i, [s])
+               for layer in range(L) for i, s in enumerate(SRC)]
+    for future in futures:
+        future.result(10)
+    assert table.wait_complete(r.reservation_id, 1.0) is r
+    assert_transferred(recv_caches, before, send_caches)
+    with pytest.raises(ValueError, match="transport='torch' cannot be encrypted"):
+        make_sender(transport="torch", tls_context=ours.client_context(), tls_server_name=SERVER_NAME)
+    receiver.close()  # returns promptly with the TLS connection open
+    assert receiver.num_connections == 0

@@ -20,6 +20,7 @@ import grpc
 
 from cluster import grpc_plumbing
 from cluster.cluster_secret import ENV_VAR, grpc_token, kv_handshake_key, load_cluster_secret
+from cluster.internal_tls import InternalTLS
 from cluster.kv_event_publisher import KVEventPublisher
 from cluster.prefix_index import PrefixIndex
 from cluster.registry import Heartbeat, WorkerInfo, WorkerLoad, WorkerRegistry
@@ -60,6 +61,7 @@ class WorkerConfig:
     metrics_port: int | None = None  # Prometheus /metrics over HTTP; None: off
     metrics_host: str | None = None  # where /metrics listens (default: host); e.g. the pod IP, or 127.0.0.1
     cluster_secret_file: Path | None = None  # the internal plane's secret (cluster/cluster_secret.py)
+    internal_tls_dir: Path | None = None  # mutual TLS on gRPC and KV transfer (cluster/internal_tls.py)
 
     def __post_init__(self) -> None:
         last_kv_port = self.kv_port + self.engine.tp_size - 1
@@ -95,6 +97,10 @@ class WorkerProcess:
         self.advertise_host = config.advertise_host or config.host
         self.cluster_secret = load_cluster_secret(config.cluster_secret_file)
         self.kv_handshake_key = kv_handshake_key(self.cluster_secret) if self.cluster_secret is not None else None
+        self.internal_tls = InternalTLS.load(config.internal_tls_dir)
+        if self.internal_tls is not None and config.kv_transport == "torch":
+            raise ValueError("--kv-transport=torch cannot be used with internal TLS: its payloads travel outside the "
+                             "encrypted connection; use --kv-transport=tcp, or no internal TLS on a private network")
         if self.cluster_secret is None:
             log.warning("worker=%s event=internal_plane_open: no cluster secret (--cluster-secret-file or %s): "
                         "anyone who reaches this worker's ports can call it", self.worker_id, ENV_VAR)
@@ -113,7 +119,8 @@ class WorkerProcess:
                 self.tp_store.port, model_id=config.engine.model_id or Path(model_dir).resolve().name,
                 host=config.host, advertise_host=self.advertise_host, kv_transport=config.kv_transport,
                 kv_checksum=config.kv_checksum, layer_group_size=config.layer_group_size,
-                cluster_secret_file=config.cluster_secret_file, kv_port=config.kv_port)
+                cluster_secret_file=config.cluster_secret_file, internal_tls_dir=config.internal_tls_dir,
+                kv_port=config.kv_port)
         self.rt: Runtime = build_runtime(model_dir, config.engine, tp_module, follower_argv)
         self.layout = KVLayout.for_caches(self.rt.model_id, self.rt.kv_caches, self.tp_size, 0)
         self.registry = WorkerRegistry.from_url(config.redis_url, ttl_s=config.heartbeat_ttl_s,
@@ -131,7 +138,8 @@ class WorkerProcess:
             grpc_token(self.cluster_secret) if self.cluster_secret is not None else None)
         self.add_services(self.server)
         self.health = grpc_plumbing.add_health_and_reflection(self.server, self.service_names)
-        self.port = grpc_plumbing.bind(self.server, config.host, config.port)
+        self.port = grpc_plumbing.bind(self.server, config.host, config.port,
+                                       self.internal_tls.server_credentials() if self.internal_tls else None)
         self.address = f"{self.advertise_host}:{self.port}"
         self.metrics = WorkerMetrics(config.role, self.rt.model_id, self.metric_values, self.cache_config_info())
         self.metrics_port: int | None = None

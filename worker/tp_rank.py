@@ -36,15 +36,18 @@ def follower_module(role: str) -> str:
 
 def follower_argv(store_port: int, *, model_id: str, host: str, advertise_host: str, kv_transport: str,
                   kv_checksum: bool, layer_group_size: int, cluster_secret_file: Path | None = None,
-                  kv_port: int = 0) -> list[str]:
+                  internal_tls_dir: Path | None = None, kv_port: int = 0) -> list[str]:
     """The flags rank 0 adds to each follower's command line (`run_follower` parses them). A follower also
-    inherits rank 0's environment, so $DUET_CLUSTER_SECRET reaches it as it reached rank 0. `kv_port`: rank 0's
+    inherits rank 0's environment, so $DUET_CLUSTER_SECRET (and $DUET_INTERNAL_TLS_*) reach it as they reached
+    rank 0. `kv_port`: rank 0's
     KV receiver port (a decode follower of rank r listens on kv_port + r; 0: a free one)."""
     argv = ["--store-port", str(store_port), "--model-id", model_id, "--host", host,
             "--advertise-host", advertise_host, "--kv-transport", kv_transport,
             "--layer-group-size", str(layer_group_size), "--kv-port", str(kv_port)]
     if cluster_secret_file is not None:
         argv += ["--cluster-secret-file", str(cluster_secret_file)]
+    if internal_tls_dir is not None:
+        argv += ["--internal-tls-dir", str(internal_tls_dir)]
     return argv + (["--kv-checksum"] if kv_checksum else [])
 
 
@@ -61,6 +64,7 @@ def run_follower(argv: list[str] | None, make_hooks: MakeRankHooks) -> int:
     p.add_argument("--layer-group-size", type=int, default=4)
     p.add_argument("--kv-port", type=int, default=0)
     p.add_argument("--cluster-secret-file", type=Path, default=None)
+    p.add_argument("--internal-tls-dir", type=Path, default=None)
 
     def hooks(args, model, kv_caches, dtype) -> FollowerHooks:
         store = dist.TCPStore("127.0.0.1", args.store_port, is_master=False, timeout=timedelta(seconds=60))

@@ -1,8 +1,9 @@
 """KV transfer throughput between two processes on loopback, against the ceilings measured in the same run.
 
 The receiver (decode side) runs in this process, the sender (prefill side) in a spawned child. For each
-transport and prompt length, the child times `KVSender.send` of every layer group of a prompt's blocks (from
-scattered source blocks into scattered reserved blocks) until every ACK is back: gather + transfer + the
+transport (tcp, tcp+tls: tcp under the internal plane's mutual TLS, torch.distributed) and prompt length, the
+child times `KVSender.send` of every layer group of a prompt's blocks (from scattered source blocks into
+scattered reserved blocks) until every ACK is back: gather + transfer + the
 receiver's scatter into its cache. Ceilings for the same bytes: one contiguous torch copy (memcpy) in this
 process, and a raw loopback TCP send of the child's cache bytes into this process (sendall/recv_into, plus
 a 1-byte reply so it is timed the same way). A least-squares fit per path splits time into
@@ -24,6 +25,8 @@ import numpy as np
 import torch
 import xxhash
 
+from cluster import internal_tls
+from cluster.internal_tls import InternalTLS, kv_receiver_tls, kv_sender_tls
 from kvtransfer import KVLayout, KVReceiver, KVSender, ReservationTable
 
 GiB = 1 << 30
@@ -46,13 +49,15 @@ def block_checksum(caches, layer: int, block_ids: list[int]) -> str:
     return xxhash.xxh3_64_hexdigest(caches[layer][0][:, block_ids].contiguous().view(torch.uint8).numpy())
 
 
-def sender_main(conn, layout_dict: dict, num_blocks: int, seed: int, staging_bytes: int) -> None:
+def sender_main(conn, layout_dict: dict, num_blocks: int, seed: int, staging_bytes: int, tls_pems: tuple) -> None:
     """The child: answers commands from the parent over `conn` until told to quit."""
     torch.set_num_threads(1)
     layout = KVLayout.from_dict(layout_dict)
     caches = make_caches(layout, num_blocks, seed)
     senders = {t: KVSender(layout, caches, transport=t, send_timeout_s=120.0, max_staging_bytes=staging_bytes)
                for t in ("tcp", "torch")}
+    senders["tcp+tls"] = KVSender(layout, caches, send_timeout_s=120.0, max_staging_bytes=staging_bytes,
+                                  **kv_sender_tls(InternalTLS(*tls_pems)))
     raw = None
     conn.send("ready")
     while (cmd := conn.recv())[0] != "quit":
@@ -135,26 +140,30 @@ def main() -> None:
 
     caches = make_caches(layout, num_blocks, args.seed + 1)
     table = ReservationTable(layout.num_layers)
-    receiver = KVReceiver(layout, caches, table, max_payload_bytes=2 * GiB)
-    receiver.start()
+    tls = internal_tls.generate()
+    receivers = {"plain": KVReceiver(layout, caches, table, max_payload_bytes=2 * GiB),
+                 "tls": KVReceiver(layout, caches, table, max_payload_bytes=2 * GiB, **kv_receiver_tls(tls))}
+    for receiver in receivers.values():
+        receiver.start()
     ctx = mp.get_context("spawn")
     conn, child_conn = ctx.Pipe()
     child = ctx.Process(target=sender_main, args=(child_conn, layout.to_dict(), num_blocks, args.seed,
-                                                         args.staging_mib << 20))
+                                                  args.staging_mib << 20, (tls.ca_pem, tls.cert_pem, tls.key_pem)))
     child.start()
     try:
         assert reply(conn, child) == "ready"
-        results = measure(args, layout, caches, table, receiver.address, conn, child)
+        results = measure(args, layout, caches, table, {k: r.address for k, r in receivers.items()}, conn, child)
         conn.send(("quit",))
         child.join(60)
     finally:
         if child.is_alive():
             child.kill()
-        receiver.close()
+        for receiver in receivers.values():
+            receiver.close()
     report(results, bytes_per_token)
 
 
-def measure(args, layout: KVLayout, caches, table: ReservationTable, endpoint: str, conn,
+def measure(args, layout: KVLayout, caches, table: ReservationTable, endpoints: dict[str, str], conn,
             child) -> dict[str, dict[int, list[float]]]:
     """Seconds per sample, by path and prompt length; the first sample of each cell is an untimed warm-up."""
     bytes_per_token = 2 * layout.num_layers * layout.block_bytes() // layout.block_size
@@ -166,7 +175,7 @@ def measure(args, layout: KVLayout, caches, table: ReservationTable, endpoint: s
     listener = socket.create_server(("127.0.0.1", 0))
     listener.settimeout(60)
     raw_sock = None
-    results: dict[str, dict[int, list[float]]] = {k: {} for k in ("tcp", "torch", "memcpy", "raw_socket")}
+    results: dict[str, dict[int, list[float]]] = {k: {} for k in ("tcp", "tcp+tls", "torch", "memcpy", "raw_socket")}
     for tokens in args.tokens:
         num_bytes = tokens * bytes_per_token
         prompt_blocks = -(-tokens // layout.block_size)
@@ -174,7 +183,8 @@ def measure(args, layout: KVLayout, caches, table: ReservationTable, endpoint: s
         for path in results:
             samples = []
             for repeat in range(repeats + 1):  # the first is a warm-up (connect, handshake, page faults)
-                if path in ("tcp", "torch"):
+                if path in ("tcp", "tcp+tls", "torch"):
+                    endpoint = endpoints["tls" if path == "tcp+tls" else "plain"]
                     src = rng.choice(num_blocks, prompt_blocks, replace=False).tolist()
                     dst = rng.choice(num_blocks, prompt_blocks, replace=False).tolist()
                     r = table.add(f"{path}-{tokens}-{repeat}", dst, tokens, ttl_s=300.0)

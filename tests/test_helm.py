@@ -148,6 +148,8 @@ def golden_text(case: str) -> str:
             doc = re.sub(r'^(  password: )"[A-Za-z0-9+/=]+"$', r'\1"<generated>"', doc, flags=re.M)
         if path.endswith("/cluster-secret.yaml"):
             doc = re.sub(r'^(  secret: )"[A-Za-z0-9+/=]+"$', r'\1"<generated>"', doc, flags=re.M)
+        if path.endswith("/internal-tls-secret.yaml"):
+            doc = re.sub(r'^(  (ca|tls)\.(crt|key): )"[A-Za-z0-9+/=]+"$', r'\1"<generated>"', doc, flags=re.M)
         parts.append(f"---\n# Source: {path}\n{doc}\n")
     return "".join(parts)
 
@@ -191,6 +193,66 @@ def test_every_container_holds_the_cluster_secret(case):
         env = {e["name"]: e for e in container(deployment(objs, role))["env"]}
         assert env["DUET_CLUSTER_SECRET"]["valueFrom"]["secretKeyRef"] == {"name": f"{RELEASE}-duet-cluster",
                                                                             "key": "secret"}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_internal_tls_reaches_every_component_from_one_secret(case):
+    objs, enabled = objects(case), merged_values(case)["internalTls"]["enabled"]
+    assert [s["metadata"]["name"] for s in find(objs, "Secret") if s["type"] == "kubernetes.io/tls"] == \
+        ([f"{RELEASE}-duet-internal-tls"] if enabled else [])
+    for role in ROLES:
+        pod = deployment(objs, role)["spec"]["template"]["spec"]
+        c = container(deployment(objs, role))
+        assert ("--internal-tls-dir=/etc/duet/internal-tls" in c["args"]) == enabled
+        mounts = [m for m in c["volumeMounts"] if m["name"] == "internal-tls"]
+        volumes = [v for v in pod["volumes"] if v["name"] == "internal-tls"]
+        assert len(mounts) == len(volumes) == int(enabled)
+        if enabled:
+            assert mounts[0]["mountPath"] == "/etc/duet/internal-tls" and mounts[0]["readOnly"]
+            assert volumes[0]["secret"]["secretName"] == f"{RELEASE}-duet-internal-tls"
+            assert "grpc" not in c["readinessProbe"]  # kubelet's gRPC probe cannot speak TLS
+
+
+def test_internal_tls_from_the_chart_works_with_duet_and_an_existing_secret_replaces_it(tmp_path):
+    """The CA and certificate Helm generates (sprig genCA / genSignedCert) are what cluster/internal_tls.py
+    expects: a KV transfer runs over them, and a sender with another CA's certificate is refused."""
+    import torch
+
+    from cluster import internal_tls
+    from cluster.internal_tls import InternalTLS, kv_receiver_tls, kv_sender_tls
+    from kvtransfer import KVLayout, KVReceiver, KVSender, ReservationTable
+    from kvtransfer.errors import PeerGone
+
+    (secret,) = find([yaml.safe_load(d) for _, d in documents(render({"internalTls": {"enabled": True}}))],
+                     "Secret", f"{RELEASE}-duet-internal-tls")
+    pem = {key: base64.b64decode(value) for key, value in secret["data"].items()}
+    chart_tls = InternalTLS(pem["ca.crt"], pem["tls.crt"], pem["tls.key"])
+    assert InternalTLS.load(chart_tls.write(tmp_path / "mounted")) == chart_tls
+    caches = [tuple(torch.randn(2, 8, 4, 8) for _ in range(2)) for _ in range(2)]
+    layout = KVLayout.for_caches("chart", caches)
+    table = ReservationTable(2)
+    receiver = KVReceiver(layout, caches, table, **kv_receiver_tls(chart_tls))
+    receiver.start()
+    others = internal_tls.generate()
+    impostor = InternalTLS(pem["ca.crt"], others.cert_pem, others.key_pem)  # trusts the chart's CA, not signed by it
+    senders = [KVSender(layout, [tuple(t.clone() for t in pair) for pair in caches], **kv_sender_tls(tls))
+               for tls in (chart_tls, impostor)]
+    try:
+        r = table.add("req", [5, 6], 8, ttl_s=30.0)
+        with pytest.raises(PeerGone):  # another CA's certificate: the receiver drops the connection
+            senders[1].send(receiver.address, r.reservation_id, 0, 2, 0, [1, 2]).result(10)
+        senders[0].send(receiver.address, r.reservation_id, 0, 2, 0, [1, 2]).result(10)
+        assert table.wait_complete(r.reservation_id, 1.0) is r
+    finally:
+        for sender in senders:
+            sender.close()
+        receiver.close()
+    objs = [yaml.safe_load(d) for _, d in documents(render({"internalTls": {"enabled": True,
+                                                                           "existingSecret": "from-cert-manager"}}))]
+    assert not [s for s in find(objs, "Secret") if s["type"] == "kubernetes.io/tls"]
+    for role in ROLES:
+        volumes = deployment(objs, role)["spec"]["template"]["spec"]["volumes"]
+        assert [v["secret"]["secretName"] for v in volumes if v["name"] == "internal-tls"] == ["from-cert-manager"]
 
 
 def _pod_selector(objs: list[dict], role: str) -> dict:
@@ -794,6 +856,8 @@ def test_schema_rejects_bad_values(values, names):
      "decode.port and decode.kvPort + 3 (tensor-parallel rank 3) are both 50053"),
     ({"router": {"httpPort": 9100}}, "metrics.port and router.httpPort are both 9100"),
     ({"decode": {"tp": 2, "kvPort": 65535}}, "decode.kvPort (65535) + decode.tp (2) - 1 exceeds 65535"),
+    ({"internalTls": {"enabled": True}, "engine": {"kvTransport": "torch"}},
+     "internalTls.enabled needs engine.kvTransport tcp"),
 ])
 def test_chart_rejects_what_the_schema_cannot_express(values, message):
     helm = _helm()

@@ -67,6 +67,38 @@ app.kubernetes.io/managed-by: {{ $root.Release.Service }}
 {{- end -}}
 {{- end -}}
 
+{{/* Internal TLS (templates/internal-tls-secret.yaml): the Secret, and each pod's flag, mount and volume. */}}
+{{- define "duet.internalTlsSecretName" -}}
+{{- .Values.internalTls.existingSecret | default (include "duet.componentName" (list . "internal-tls")) -}}
+{{- end -}}
+
+{{- define "duet.internalTlsArg" -}}
+{{- if .Values.internalTls.enabled }}
+- --internal-tls-dir=/etc/duet/internal-tls
+{{- end }}
+{{- end -}}
+
+{{- define "duet.internalTlsMount" -}}
+{{- if .Values.internalTls.enabled }}
+- name: internal-tls
+  mountPath: /etc/duet/internal-tls
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{- define "duet.internalTlsVolume" -}}
+{{- if .Values.internalTls.enabled }}
+- name: internal-tls
+  secret:
+    secretName: {{ include "duet.internalTlsSecretName" . }}
+    defaultMode: 0440  # group: fsGroup 10001, the container's user
+    items:
+      - {key: ca.crt, path: ca.crt}
+      - {key: tls.crt, path: tls.crt}
+      - {key: tls.key, path: tls.key}
+{{- end }}
+{{- end -}}
+
 {{/* Redis: the Secret holding the password ("" = no password), its key, and the URL every component gets.
      The password reaches the URL through Kubernetes' $(VAR) expansion of container args. */}}
 {{- define "duet.redisSecretName" -}}

@@ -27,6 +27,7 @@ def cmd_ray_up(args: argparse.Namespace) -> int:
         num_cpus_per_rank=args.cpus_per_rank, num_gpus_per_rank=args.gpus_per_rank,
         custom_resources=not args.no_custom_resources, poll_interval_s=args.poll_interval,
         worker_args=shlex.split(args.worker_args), router_args=shlex.split(args.router_args),
+        internal_tls=args.internal_tls,
     )
     return run_ray_up(config, address=args.address)
 
@@ -64,5 +65,8 @@ def add_ray_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill-args", default="", help="extra flags for prefill workers only (after --worker-args), "
                    "e.g. \"--quantization none\"")
     p.add_argument("--decode-args", default="", help="extra flags for decode workers only (after --worker-args)")
+    p.add_argument("--internal-tls", action="store_true",
+                   help="mutual TLS on the internal plane (router to workers, KV transfers) under a CA the launcher "
+                        "generates and hands to every actor in its runtime env; needs the tcp KV transport")
     p.add_argument("--router-args", default="", help="extra flags for the router, e.g. \"--max-model-len 8192\"")
     p.set_defaults(func=cmd_ray_up)

@@ -81,7 +81,7 @@ def launcher(ray_cluster, tiny_llama_dir, printed):
                            scale_down_cooldown_s=1.0),
         decode=PoolConfig(min_replicas=1, max_replicas=1),
         worker_args=WORKER_ARGS, router_args=["--max-model-len", "2048"], poll_interval_s=0.25,
-        ready_timeout_s=120.0)
+        ready_timeout_s=120.0, internal_tls=True)
     launcher = RayLauncher(config, print_fn=printed.append).start()
     try:
         yield launcher
@@ -115,6 +115,12 @@ def test_launcher_serves_offline_engines_greedy_tokens(launcher, tiny_llama_dir)
     wrong = WorkerRegistry.from_url(launcher.redis_url, cluster_secret=b"another cluster's secret")
     assert wrong.list_workers(Path(tiny_llama_dir).name) == []
     assert "@" in launcher.redis_url  # its private redis-server requires a password
+    # and internal TLS: each worker answers only a client with the certificate from the launcher's CA
+    from cluster.grpc_plumbing import health_check
+
+    for worker in (*launcher.pools["prefill"], *launcher.pools["decode"]):
+        assert health_check(worker.address, tls=launcher.internal_tls)
+        assert not health_check(worker.address)
 
     prompts = [_prompt(40, 1), _prompt(5, 2)]
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
@@ -249,12 +255,13 @@ def test_duet_ray_up_flags_map_to_the_launcher_config(monkeypatch):
     args = parser.parse_args(["ray", "up", "--address", "local", "--model", "/m/tiny", "--prefill-min", "2",
                               "--prefill-max", "5", "--decode-max", "3", "--port", "0",
                               "--worker-args", "--num-kv-blocks 64 --max-model-len 512",
-                              "--prefill-args", "--quantization none", "--decode-args", "--quantization int8"])
+                              "--prefill-args", "--quantization none", "--decode-args", "--quantization int8",
+                              "--internal-tls"])
     assert args.func(args) == 0 and seen["a"] == "local"
     config = seen["c"]
     assert (config.prefill.min_replicas, config.prefill.max_replicas) == (2, 5)
     assert (config.decode.min_replicas, config.decode.max_replicas) == (1, 3)
-    assert config.port == 0 and config.resolved_model_id == "tiny" and config.tp == 1
+    assert config.port == 0 and config.resolved_model_id == "tiny" and config.tp == 1 and config.internal_tls
     assert config.worker_args == ["--num-kv-blocks", "64", "--max-model-len", "512"] and config.router_args == []
     assert config.prefill.args == ["--quantization", "none"] and config.decode.args == ["--quantization", "int8"]
     with pytest.raises(ValueError, match="min_replicas=2, max_replicas=1"):

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import ray
 
-from cluster.grpc_plumbing import LIVENESS_SERVICE
+from cluster.grpc_plumbing import LIVENESS_SERVICE, health_check
+from cluster.internal_tls import InternalTLS
 from deploy.redis_server import tail_file
 from engine.child_process import parent_death_preexec
 from engine.ports import pick_free_port
@@ -29,17 +30,6 @@ _PROJECT_ROOT = str(Path(__file__).resolve().parents[2])
 _HEALTH_RPC_TIMEOUT_S = 0.5
 
 
-def _is_serving(address: str, service: str) -> bool:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    with grpc.insecure_channel(address) as channel:
-        try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
-                                                              timeout=_HEALTH_RPC_TIMEOUT_S)
-        except grpc.RpcError:
-            return False
-    return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
 @ray.remote
@@ -83,7 +73,10 @@ class ComponentActor:
         deadline = time.monotonic() + ready_timeout_s
         # a router's "" is NOT_SERVING while no worker of a role is up (a pool may start at 0): its process health
         service = LIVENESS_SERVICE if role == "router" else ""
-        while not _is_serving(f"127.0.0.1:{port}", service):
+        # a worker under internal TLS answers only a client with the cluster's certificate (this actor's runtime
+        # env holds it); the router's port is public
+        tls = None if role == "router" else InternalTLS.load()
+        while not health_check(f"127.0.0.1:{port}", _HEALTH_RPC_TIMEOUT_S, service, tls):
             exited = self._exited()
             if exited or time.monotonic() > deadline:
                 code = self.stop(timeout_s=0.0)

@@ -46,6 +46,7 @@ class RayLauncherConfig:
     router_args: list[str] = field(default_factory=list)
     poll_interval_s: float = 2.0
     ready_timeout_s: float = 300.0
+    internal_tls: bool = False  # mutual TLS between the components under a CA made by the launcher
 
     def __post_init__(self):
         if self.tp < 1:

@@ -43,7 +43,9 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from cluster import internal_tls
 from cluster.cluster_secret import ENV_VAR, generate_cluster_secret
+from cluster.internal_tls import InternalTLS
 from cluster.registry import WorkerRegistry
 from deploy.autoscaler import PoolState, decide
 from deploy.ray.component_actor import ComponentActor, RankHolder
@@ -93,6 +95,10 @@ class RayLauncher:
         # runtime env, and its process inherits it (cluster/cluster_secret.py)
         self.cluster_secret = os.environ.get(ENV_VAR) or generate_cluster_secret()
         self._runtime_env = {"env_vars": {ENV_VAR: self.cluster_secret}}
+        # and its TLS material, the same way ($DUET_INTERNAL_TLS_* override; cluster/internal_tls.py)
+        self.internal_tls = InternalTLS.load() or (internal_tls.generate() if config.internal_tls else None)
+        if self.internal_tls is not None:
+            self._runtime_env["env_vars"].update(self.internal_tls.env())
 
     # ------------------------------------------------------------------------------------------------ start
 

@@ -6,7 +6,8 @@ stranger who can reach a receiver's port cannot open a channel and write into re
 
 The receiver accepts a HELLO whose mac verifies, whose time is within MAX_SKEW_S of its own clock, and whose
 nonce it has not seen within that window (a recorded HELLO replayed later is refused). The channel itself is
-not encrypted: on a network where others can read or alter traffic, add mTLS or a private network.
+encrypted only under internal TLS (cluster/internal_tls.py, kvtransfer/tls_socket.py): on a network where others
+can read or alter traffic, turn that on or keep the network private.
 """
 
 from __future__ import annotations

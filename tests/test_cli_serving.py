@@ -93,16 +93,21 @@ def make_cert(tmp: Path) -> tuple[Path, Path]:
 def test_up_with_every_router_option_then_clients_then_sigterm_leaves_nothing_behind(tiny_llama_dir, tmp_path):
     """`duet up` hands the router its options: the OpenAI API (on by default; the official client), a bearer
     token (gRPC and HTTP refuse calls without it; never on a command line), TLS on gRPC (the HTTP API still
-    reaches it) and /metrics; it says what loads before the ready line; SIGTERM stops everything."""
+    reaches it) and /metrics, and with --internal-tls runs router -> worker gRPC and the KV transfer over mutual TLS
+    (its material in each component's environment); it says what loads before the ready line; SIGTERM stops
+    everything."""
     token = "tok-" + os.urandom(8).hex()
     cert, key = make_cert(tmp_path)
     up = start_up(tiny_llama_dir, tmp_path, "--auth-token", token, "--tls-cert", str(cert), "--tls-key", str(key),
-                  "--metrics-port", "0")
+                  "--metrics-port", "0", "--internal-tls")
     client = [sys.executable, "-m", "duet", "client", "--addr", up.address, "--tls-ca", str(cert)]
     try:
         kids = children_of(up.popen.pid)
         assert len(kids) == 4  # redis, router, prefill, decode
         assert not [k for k in kids if token in Path(f"/proc/{k}/cmdline").read_text()]
+        duet_kids = [k for k in kids if "redis-server" not in Path(f"/proc/{k}/cmdline").read_text()]
+        assert len(duet_kids) == 3 and all(b"DUET_INTERNAL_TLS_KEY=-----BEGIN PRIVATE KEY" in
+                                           Path(f"/proc/{k}/environ").read_bytes() for k in duet_kids)
         assert up.said[:3] == [f"duet: loading {tiny_llama_dir.name} in prefill-0 ...\n",
                                f"duet: loading {tiny_llama_dir.name} in decode-0 ...\n",
                                "duet: starting the router ...\n"]

@@ -33,8 +33,10 @@ def run(client, prompt, params):
 def test_tp2_cluster_matches_tp1_offline_and_hf(arch, tiny_llama_dir, tiny_qwen2_dir):
     model_dir = tiny_llama_dir if arch == "llama" else tiny_qwen2_dir
     transport = "tcp" if arch == "llama" else "torch"  # torch: gloo pair groups between the ranks' KV endpoints
+    # tcp under internal TLS: each follower rank's KV sender and receiver take the material rank 0 was given
     config = ClusterConfig(model_dir=str(model_dir), router_args=["--max-model-len", "512"],
-                           worker_args=[*WORKER_ARGS, "--tp", "2", "--kv-transport", transport])
+                           worker_args=[*WORKER_ARGS, "--tp", "2", "--kv-transport", transport],
+                           internal_tls=transport == "tcp")
     offline = LLM(model_dir, **ENGINE)
     vocab = offline.engine.model_config.vocab_size
     prompts = prompts_for(vocab, [1, 17, 40, 100], seed=5)  # 40 and 100 take several 32-token chunks

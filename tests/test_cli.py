@@ -103,8 +103,9 @@ def test_up_takes_every_router_option_from_the_one_definition(capsys):
     def options(command):
         return {o for a in commands[command]._actions for o in a.option_strings}
 
-    # `duet up` runs its own redis-server and makes the cluster secret: the only router options it lacks
-    assert options("router") - options("up") == {"--redis-url", "--cluster-secret-file"}
+    # `duet up` runs its own redis-server and makes the cluster secret and internal TLS material (--internal-tls):
+    # the only router options it lacks
+    assert options("router") - options("up") == {"--redis-url", "--cluster-secret-file", "--internal-tls-dir"}
     up = parser.parse_args(["up"])
     assert (up.port, up.http_port, up.no_http, up.metrics_port, up.auth_token) == (50051, 8000, False, None, None)
     assert parser.parse_args(["router", "--redis-url", "redis://x"]).http_port is None  # off unless asked for

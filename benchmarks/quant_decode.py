@@ -1,4 +1,4 @@
-"""Decode speed of the default model (SmolLM2-135M, Q4_1 GGUF) held six ways, each against its own memory
+"""Decode speed of the default model (SmolLM2-135M, Q4_1 GGUF) held seven ways, each against its own memory
 roofline, and llama.cpp on the same file, interleaved in one run (issue 18's benchmark).
 
     .venv/bin/python benchmarks/quant_decode.py                     # llama.cpp from $DUET_LLAMA_VENV (see below)
@@ -9,6 +9,7 @@ Modes (duet's `LLM(quantization=..., dtype=...)` on the same file):
     int8 / int4          round-to-nearest of the dequantized weights on load (fp32 activations)
     auto                 the file's Q4_1 / Q8_0 tensors kept as stored (the default), fp32 activations
     auto-int8act         auto with --quantized-activations int8 (x rounded per 32 inputs: llama.cpp's way)
+    auto-bf16            auto with dtype bfloat16: bf16 activations (many rows: bf16 panels, vdpbf16ps)
 
 A cell is `--steps` decode steps of `--batch` sequences after a `--prompt-len`-token prefill each, timed from the
 step after every sequence has its first token to the last: duet through its engine (`LLMEngine.step`: scheduler,
@@ -45,7 +46,8 @@ from engine.sampling_params import SamplingParams  # noqa: E402
 
 MODES = {"float32": ("none", "float32", "float"), "bfloat16": ("none", "bfloat16", "float"),
          "int8": ("int8", "float32", "float"), "int4": ("int4", "float32", "float"),
-         "auto": ("auto", "float32", "float"), "auto-int8act": ("auto", "float32", "int8")}
+         "auto": ("auto", "float32", "float"), "auto-int8act": ("auto", "float32", "int8"),
+         "auto-bf16": ("auto", "bfloat16", "float")}
 LLAMA = "llama.cpp"
 
 

@@ -12,7 +12,9 @@ Tolerances (stated, not tuned to pass): the kernels sum the same products as the
 the scale per 32-input block (and, int4, the min through sum(x)), so float32 outputs agree within
 FP32_REL * (|x| . (|s q| + |m|) + |bias|) per element: a few float32 ulps of the sum of absolute terms, the
 bound on reordered float32 sums. bfloat16 outputs are both rounded once from such float32 values, so they agree
-within one bfloat16 ulp plus that bound.
+within one bfloat16 ulp plus that bound; with bfloat16 activations the panels may also round each dequantized
+weight to bfloat16 (the vdpbf16ps path, CPUs with AVX512-BF16: what a bf16 model's dense weight is), which moves
+each product by at most half a bfloat16 ulp, so the bound adds BF16_ULP / 2 * (|x| . (|s q| + |m|)).
 """
 
 from __future__ import annotations
@@ -64,6 +66,9 @@ def test_each_build_compiles_its_path(libraries):
     cpu_flags = cpu_native._cpu_signature()
     expect = 512 if " avx512bw" in cpu_flags else 256 if " avx2" in cpu_flags and " fma" in cpu_flags else 0
     assert libraries["native"].duet_quant_vector_bits() == expect
+    assert libraries["native"].duet_quant_panels_bf16_available() == (" avx512_bf16" in cpu_flags)
+    assert not any(libraries[name].duet_quant_panels_bf16_available() for name in ("plain", "no-avx512",
+                                                                                    "emulated-avx512"))
 
 
 # -- weights: any values the layout allows, not only what round-to-nearest makes ---------------------------------
@@ -101,6 +106,8 @@ def assert_matches_twin(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor 
     bound = FP32_REL * magnitude(x, w, bias).reshape(want.shape)
     if x.dtype == torch.bfloat16:
         bound = bound + want.float().abs() * BF16_ULP
+        if cpu_native.native_library().duet_quant_panels_bf16_available():
+            bound = bound + BF16_ULP / 2 * magnitude(x, w, None).reshape(want.shape)
     err = (got.float() - want.float()).abs()
     assert bool((err <= bound).all()), f"max error {float((err - bound).max())} over the bound"
 
@@ -132,6 +139,22 @@ def test_quantized_linear_matches_the_twin(kind):
         x = torch.randn(rows, in_features, generator=g).to(dtype)
         bias = torch.randn(out, generator=g).to(dtype) if with_bias else None
         assert_matches_twin(x, w, bias)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_bf16_panels_are_the_twin_on_bfloat16_weights(kind):
+    """bfloat16 activations past PANEL_MIN_ROWS on an AVX512-BF16 CPU: the twin with each dequantized weight rounded
+    to bfloat16 first, up to float32 summation order (and the output's one rounding)."""
+    if not cpu_native.native_library().duet_quant_panels_bf16_available():
+        pytest.skip("this CPU has no AVX512-BF16: bfloat16 activations are widened to float32 (the test above)")
+    for n, (rows, out) in enumerate([(16, 67), (40, 301), (64, 16)]):
+        w = random_weight(kind, out, 576, 32, seed=n)
+        g = torch.Generator().manual_seed(n)
+        x, bias = torch.randn(rows, 576, generator=g).bfloat16(), torch.randn(out, generator=g).bfloat16()
+        got = cpu_native.quantized_linear_native(x, w, bias)
+        want = (x.float() @ dequantize(w).bfloat16().float().T + bias.float()).bfloat16()
+        bound = FP32_REL * magnitude(x, w, bias) + want.float().abs() * BF16_ULP
+        assert bool(((got.float() - want.float()).abs() <= bound).all())
 
 
 @pytest.mark.usefixtures("build")

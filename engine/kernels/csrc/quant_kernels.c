@@ -426,6 +426,9 @@ static inline void store(void *y, int64_t at, float sum, const float *bias, int6
 #endif
 void duet_quant_panels(const float *x, int64_t ldx, int kind, const void *qweight, const float *scales,
                        const float *mins, int64_t group, float *sums, int64_t rows, int64_t n_out, int64_t k_in);
+int duet_quant_panels_bf16_available(void);
+void duet_quant_panels_bf16(const uint16_t *x, int64_t ldx, int kind, const void *qweight, const float *scales,
+                            const float *mins, int64_t group, float *sums, int64_t rows, int64_t n_out, int64_t k_in);
 
 /* y [rows, n_out] = sums + bias, rounded once to y's dtype; frees sums (what a kernel that writes float32 sums
  * leaves for its caller) */
@@ -435,25 +438,33 @@ static void store_sums(void *y, float *sums, const float *bias, int64_t rows, in
     free(sums);
 }
 
-static void linear_by_panels(const float *xf, int64_t ldf, int kind, const void *qweight, const float *scales,
+/* bfloat16 x through bfloat16 panels (vdpbf16ps) where the CPU has them, else widened to float32 first */
+static void linear_by_panels(const void *x, int64_t ldx, int kind, const void *qweight, const float *scales,
                              const float *mins, int64_t group, const float *bias, void *y, int64_t rows,
                              int64_t n_out, int64_t k_in, int bf16) {
     float *sums = malloc(sizeof(float) * (size_t)(rows * n_out > 0 ? rows * n_out : 1));
-    duet_quant_panels(xf, ldf, kind, qweight, scales, mins, group, sums, rows, n_out, k_in);
+    if (bf16 && k_in % 32 == 0 && duet_quant_panels_bf16_available()) {
+        duet_quant_panels_bf16((const uint16_t *)x, ldx, kind, qweight, scales, mins, group, sums, rows, n_out, k_in);
+    } else {
+        int64_t ldf;
+        float *owned;
+        const float *xf = activations_f32(x, ldx, rows, k_in, bf16, &ldf, &owned);
+        duet_quant_panels(xf, ldf, kind, qweight, scales, mins, group, sums, rows, n_out, k_in);
+        free(owned);
+    }
     store_sums(y, sums, bias, rows, n_out, bf16);
 }
 
 /* y [rows, n_out] = x [rows, k_in] · int8 W [n_out, k_in]ᵀ + bias; group == k_in or a multiple of 32 */
 void duet_int8_linear(const void *x, int64_t ldx, const int8_t *qweight, const float *scales, int64_t group,
                       const float *bias, void *y, int64_t rows, int64_t n_out, int64_t k_in, int bf16) {
+    if (rows >= PANEL_MIN_ROWS(8)) {
+        linear_by_panels(x, ldx, 8, qweight, scales, NULL, group, bias, y, rows, n_out, k_in, bf16);
+        return;
+    }
     int64_t ldf, groups = k_in / group;
     float *owned;
     const float *xf = activations_f32(x, ldx, rows, k_in, bf16, &ldf, &owned);
-    if (rows >= PANEL_MIN_ROWS(8)) {
-        linear_by_panels(xf, ldf, 8, qweight, scales, NULL, group, bias, y, rows, n_out, k_in, bf16);
-        free(owned);
-        return;
-    }
     int64_t first = 0; /* output rows before this are done by the one-row path */
 #if defined(QUANT_GEMV4)
     if (rows == 1) {
@@ -481,14 +492,13 @@ void duet_int8_linear(const void *x, int64_t ldx, const int8_t *qweight, const f
 /* y [rows, n_out] = x [rows, k_in] · int4 W [n_out, k_in]ᵀ + bias; k_in a multiple of 32 */
 void duet_int4_linear(const void *x, int64_t ldx, const uint8_t *qweight, const float *scales, const float *mins,
                       const float *bias, void *y, int64_t rows, int64_t n_out, int64_t k_in, int bf16) {
+    if (rows >= PANEL_MIN_ROWS(4)) {
+        linear_by_panels(x, ldx, 4, qweight, scales, mins, BLOCK, bias, y, rows, n_out, k_in, bf16);
+        return;
+    }
     int64_t ldf, groups = k_in / BLOCK;
     float *owned;
     const float *xf = activations_f32(x, ldx, rows, k_in, bf16, &ldf, &owned);
-    if (rows >= PANEL_MIN_ROWS(4)) {
-        linear_by_panels(xf, ldf, 4, qweight, scales, mins, BLOCK, bias, y, rows, n_out, k_in, bf16);
-        free(owned);
-        return;
-    }
     float *xsum = malloc(sizeof(float) * (size_t)(rows * groups > 0 ? rows * groups : 1)); /* [rows][groups] */
     for (int64_t r = 0; r < rows; r++)
         for (int64_t g = 0; g < groups; g++) {

@@ -24,6 +24,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
 #include "vec16.h"
 
 #define BLOCK 32
@@ -61,9 +62,29 @@ typedef int32_t i32x16 __attribute__((vector_size(64)));
 #define TO_FLOATS(bytes) __builtin_convertvector(__builtin_convertvector(bytes, i32x16), v16)
 #define SIGNED_TO_FLOATS(bytes) (TO_FLOATS((u8x16)(bytes) ^ 0x80) - 128.0f)
 
-/* row o of the weight as float32 into dst [k_in]: q * s (+ m), sixteen inputs at a time */
+/* lanes [j, j + 16) of a dequantized row: float32, or bfloat16 (to_bf16: the bf16 panels, AVX512-BF16 builds) */
+static inline void put16(void *dst, int64_t j, v16 v, int to_bf16) {
+#if defined(__AVX512BF16__)
+    if (to_bf16) {
+        __m512 f;
+        memcpy(&f, &v, sizeof f);
+        _mm256_storeu_si256((__m256i *)((uint16_t *)dst + j), (__m256i)_mm512_cvtneps_pbh(f));
+        return;
+    }
+#endif
+    memcpy((float *)dst + j, &v, sizeof v);
+}
+
+static inline void put1(void *dst, int64_t j, float v, int to_bf16) {
+    if (to_bf16)
+        ((uint16_t *)dst)[j] = duet_f32_to_bf16(v);
+    else
+        ((float *)dst)[j] = v;
+}
+
+/* row o of the weight into dst [k_in] (float32, or bfloat16 with to_bf16): q * s (+ m), sixteen inputs at a time */
 static void dequantize_row(int kind, const void *qweight, const float *scales, const float *mins, int64_t group,
-                           int64_t o, int64_t k_in, float *dst) {
+                           int64_t o, int64_t k_in, void *dst, int to_bf16) {
     int64_t groups = k_in / group;
     if (kind == 8) {
         const int8_t *q = (const int8_t *)qweight + o * k_in;
@@ -73,10 +94,9 @@ static void dequantize_row(int kind, const void *qweight, const float *scales, c
             for (; j + 16 <= end; j += 16) {
                 i8x16 b;
                 memcpy(&b, q + j, sizeof b);
-                v16 v = SIGNED_TO_FLOATS(b) * s;
-                memcpy(dst + j, &v, sizeof v);
+                put16(dst, j, SIGNED_TO_FLOATS(b) * s, to_bf16);
             }
-            for (; j < end; j++) dst[j] = (float)q[j] * s; /* per-channel widths that are no multiple of 16 */
+            for (; j < end; j++) put1(dst, j, (float)q[j] * s, to_bf16); /* per-channel widths: no multiple of 16 */
         }
     } else { /* byte j of a block: input j in its low nibble, input j + 16 in its high one */
         const uint8_t *q = (const uint8_t *)qweight + o * (k_in / 2);
@@ -84,17 +104,17 @@ static void dequantize_row(int kind, const void *qweight, const float *scales, c
             float s = scales[o * groups + g], m = mins[o * groups + g];
             u8x16 b;
             memcpy(&b, q + g * (BLOCK / 2), sizeof b);
-            v16 lo = TO_FLOATS(b & 0x0F) * s + m, hi = TO_FLOATS(b >> 4) * s + m;
-            memcpy(dst + g * BLOCK, &lo, sizeof lo);
-            memcpy(dst + g * BLOCK + BLOCK / 2, &hi, sizeof hi);
+            put16(dst, g * BLOCK, TO_FLOATS(b & 0x0F) * s + m, to_bf16);
+            put16(dst, g * BLOCK + BLOCK / 2, TO_FLOATS(b >> 4) * s + m, to_bf16);
         }
     }
 }
 
+
 /* rows [o0, o0 + n) of the weight as float32 into panel [n][k_in] */
 static void dequantize_panel(int kind, const void *qweight, const float *scales, const float *mins, int64_t group,
                              int64_t o0, int64_t n, int64_t k_in, float *panel) {
-    for (int64_t i = 0; i < n; i++) dequantize_row(kind, qweight, scales, mins, group, o0 + i, k_in, panel + i * k_in);
+    for (int64_t i = 0; i < n; i++) dequantize_row(kind, qweight, scales, mins, group, o0 + i, k_in, panel + i * k_in, 0);
 }
 
 /* sums [rows, n_out] = x [rows, k_in] (float32, row stride ldx) · dequantize(W)ᵀ, W int4 (kind 4: groups of 32 with
@@ -127,6 +147,7 @@ void duet_quant_panels(const float *x, int64_t ldx, int kind, const void *qweigh
 #if defined(__AVX512BF16__)
 int duet_quant_panels_bf16_available(void) { return 1; }
 
+
 /* out[4r + i] = x[r] . w[i] over k_in (a multiple of 32) bfloat16 inputs, accumulated in float32 */
 static void tile4x4_bf16(const uint16_t *const x[4], const uint16_t *w, int64_t k_in, float out[16]) {
     __m512 acc[16];
@@ -150,17 +171,12 @@ void duet_quant_panels_bf16(const uint16_t *x, int64_t ldx, int kind, const void
     int64_t panels = (n_out + PANEL - 1) / PANEL;
 #pragma omp parallel if (n_out * k_in >= PARALLEL_MIN_WEIGHTS)
     {
-        float *wide = malloc(sizeof(float) * (size_t)k_in);
         uint16_t *panel = calloc((size_t)(PANEL * k_in), sizeof(uint16_t)); /* a partial panel's other rows: zeros */
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < panels; p++) {
             int64_t o0 = p * PANEL, n = n_out - o0 < PANEL ? n_out - o0 : PANEL;
-            for (int64_t i = 0; i < n; i++) {
-                dequantize_row(kind, qweight, scales, mins, group, o0 + i, k_in, wide);
-                for (int64_t k = 0; k < k_in; k += 16)
-                    _mm256_storeu_si256((__m256i *)(panel + i * k_in + k),
-                                        (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(wide + k)));
-            }
+            for (int64_t i = 0; i < n; i++)
+                dequantize_row(kind, qweight, scales, mins, group, o0 + i, k_in, panel + i * k_in, 1);
             for (int64_t r0 = 0; r0 < rows; r0 += 4) {
                 const uint16_t *xr[4];
                 for (int r = 0; r < 4; r++) xr[r] = x + (r0 + r < rows ? r0 + r : r0) * ldx; /* past the end: again */
@@ -173,7 +189,6 @@ void duet_quant_panels_bf16(const uint16_t *x, int64_t ldx, int kind, const void
             }
         }
         free(panel);
-        free(wide);
     }
 }
 #else

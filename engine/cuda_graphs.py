@@ -139,12 +139,12 @@ class GraphReplayer:
         log.info("engine event=cuda_graphs_captured batch_sizes=%s", ",".join(map(str, self.batch_sizes)))
 
     def bucket_for_step(self, chunks: list[ScheduledChunk]) -> int | None:
-        """The bucket this step pads to, or None when it runs eagerly (a prefill chunk, too many sequences,
-        or a block table wider than the static one)."""
+        """The bucket this step pads to, or None when it runs eagerly (a prefill chunk, one with guesses, too many
+        sequences, or a block table wider than the static one)."""
         if not chunks:
             return None
         for c in chunks:
-            if len(c.token_ids) != 1 or len(c.block_ids) > self.max_blocks_per_seq:
+            if len(c.token_ids) != 1 or c.proposed_token_ids or len(c.block_ids) > self.max_blocks_per_seq:
                 return None
         return bucket_for(len(chunks), self.batch_sizes)
 

@@ -16,6 +16,8 @@ import json
 import typing
 from dataclasses import dataclass
 
+from engine.speculative_config import SpeculativeConfig
+
 DTYPE_NAMES = ("float32", "float16", "bfloat16")
 DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16", "float": "float32"}
 DEVICES = ("cpu", "cuda", "auto")
@@ -65,6 +67,9 @@ class EngineConfig:
     # them on CPU than dense fp32: benchmarks/RESULTS.md, issue 18) and leaves a dense checkpoint dense
     quantization: str = "auto"
     quantized_activations: str = "float"  # one of QUANTIZED_ACTIVATIONS
+    # speculative decoding, vLLM's speculative_config (engine/speculative_config.py): a dict or its JSON text, kept
+    # as canonical JSON (so the config stays flat and travels in to_json / to_flags); None: off
+    speculative_config: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype is not None:
@@ -94,6 +99,9 @@ class EngineConfig:
         if self.quantized_activations == "int8" and self.device != "cpu":
             raise ValueError(f"quantized_activations='int8' is invalid with device={self.device!r}: it is a CPU "
                              "kernel path (CUDA runs the Triton kernels on float activations)")
+        if self.speculative_config is not None:  # validated here; canonical text so equal configs compare equal
+            speculative = SpeculativeConfig.parse(self.speculative_config)
+            object.__setattr__(self, "speculative_config", speculative.to_json())
         sizes = self.cuda_graph_batch_sizes
         if sizes is not None:
             sizes = tuple(sizes)
@@ -196,6 +204,9 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag("quantization", "--quantization", "how linear weights are held: auto = a GGUF file's Q4_0/Q4_1/"
                "Q8_0 kept as stored (other types dequantized), a dense checkpoint dense; none = dense in --dtype; "
                "int8 / int4 = round-to-nearest on load (default: auto)", choices=QUANTIZATIONS),
+    EngineFlag("speculative_config", "--speculative-config", "speculative decoding as vLLM's speculative_config JSON, "
+               "e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}' "
+               "(default: off)"),
     EngineFlag("quantized_activations", "--quantized-activations", "what quantized linears multiply on CPU: float = "
                "the activations as they are (default; the dequantized model's results), int8 = rounded per 32 "
                "inputs to int8 for integer dot products, as llama.cpp does (faster, not exact)",

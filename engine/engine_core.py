@@ -2,10 +2,10 @@
 
     add_request / add_transferred (KV arrived) / finish_request / abort      (between steps)
     step():
-      scheduler.schedule()              ─▶ chunks: tokens to compute under the budget
-      refuse proposed tokens            (nothing verifies them yet: issue 19)
+      scheduler.schedule()              ─▶ chunks: tokens to compute under the budget (a decoding request's
+                                           guesses too, when speculating: engine/speculation.py)
       hooks.before_execute(chunks)      ─▶ on_layer_done for this forward, or None
-      runner.execute(chunks, on_layer_done) ─▶ tokens per sampled request
+      runner.execute(chunks, on_layer_done) ─▶ tokens per sampled request (guesses verified by the sampler)
                                            (raised: hooks.on_execute_failed: re-raise, or abort them)
       a request whose own sampling failed ─▶ FINISHED_ERROR, freed; the others go on
       structured requests' grammars advance by their sampled tokens (a rejection: FINISHED_ERROR alone)
@@ -27,7 +27,7 @@ from engine.grammar_compiler import GrammarCompiler
 from engine.model_runner import ModelRunner
 from engine.request import Request, RequestStatus
 from engine.runtime import Runtime
-from engine.sampler import SampledTokens, TokenLogprobs, refuse_proposed_tokens
+from engine.sampler import SampledTokens, TokenLogprobs
 from engine.scheduler import ScheduledChunk, Scheduler
 
 LayerCallback = Callable[[int], None]  # on_layer_done(i): layer i's K/V for every chunk is in the cache
@@ -181,9 +181,6 @@ class EngineCore:
     def step(self) -> list[NewTokens]:
         scheduled = self.scheduler.schedule()
         self.last_step_num_tokens = scheduled.num_batched_tokens
-        for chunk in scheduled.chunks:
-            if chunk.proposed_token_ids:  # (tested first: no message is formatted on the per-step path)
-                refuse_proposed_tokens(f"request {chunk.request_id!r}", chunk.proposed_token_ids)
         try:
             on_layer_done = self.hooks.before_execute(scheduled.chunks)
             sampled = self.runner.execute(scheduled.chunks, on_layer_done)

@@ -118,6 +118,18 @@ class KVCacheManager:
         self.pool.cache_blocks(self._block_ids[rid][first:num_full], hashes[first:num_full], parent, tokens)
         self._num_cached_blocks[rid] = num_full
 
+    def trim(self, request: Request) -> None:
+        """Free the blocks past the one that holds the request's next token (slots a step reserved for guesses
+        that were rejected), last first. They hold no computed token, so none of them is in the prefix cache."""
+        table = self._block_ids.get(request.request_id)
+        keep = cdiv(request.num_tokens, self.block_size)
+        if table is None or len(table) <= keep:
+            return
+        assert keep >= self._num_cached_blocks.get(request.request_id, 0), "a cached block is never trimmed"
+        extra = table[keep:]
+        del table[keep:]
+        self.pool.free(reversed(extra))
+
     def free(self, request: Request) -> None:
         """Return the request's blocks to the pool, last block first (so tails are evicted first)."""
         rid = request.request_id

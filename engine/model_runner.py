@@ -83,8 +83,8 @@ class ModelRunner:
         self, chunks: list[ScheduledChunk], on_layer_done: Callable[[int], None] | None = None
     ) -> dict[str, SampledTokens]:
         """Compute the chunks' KV (written to the cache) and sample for the chunks that ask for it: their
-        request ids map to the tokens they gained (exactly one each today). A chunk with proposed tokens
-        raises ValueError in `Sampler.sample` (the engine core refuses it earlier, before the forward).
+        request ids map to the tokens they gained. A chunk's proposed tokens are computed after its tokens and
+        verified by the sampler (the tokens it gains: the accepted ones and one more).
 
         `on_layer_done(i)` is called as soon as layer i's K/V for every chunk is in the cache (such a step
         always runs eagerly).
@@ -97,7 +97,7 @@ class ModelRunner:
             replayer.load_inputs(chunks, bucket)
             hidden = replayer.run_bucket(bucket)  # valid until the next replay: sampled from right below
             return self.sample(hidden[: len(chunks)], chunks)
-        ordered = [c for c in chunks if len(c.token_ids) == 1] + [c for c in chunks if len(c.token_ids) > 1]
+        ordered = [c for c in chunks if _is_decode(c)] + [c for c in chunks if not _is_decode(c)]
         input_ids, positions, meta = self.prepare_inputs(ordered)
         if self.step_broadcaster is not None:
             self.step_broadcaster.broadcast_step(input_ids, positions, meta, sample_rows(ordered)[0])
@@ -119,7 +119,8 @@ class ModelRunner:
         return fused if fused is not None and fused.applies_to(meta, input_ids.shape[0]) else None
 
     def sample(self, hidden: torch.Tensor, ordered: list[ScheduledChunk]) -> dict[str, SampledTokens]:
-        """Sample for the chunks that ask for it, from `hidden` [T, hidden]: row i is `ordered`'s i-th token."""
+        """Sample for the chunks that ask for it, from `hidden` [T, hidden]: row i is `ordered`'s i-th token (a chunk's
+        proposed tokens after its own). A chunk with k proposed tokens samples from k + 1 rows."""
         rows, sample_chunks = sample_rows(ordered)
         if not sample_chunks:
             return {}
@@ -131,19 +132,26 @@ class ModelRunner:
         return {c.request_id: s for c, s in zip(sample_chunks, self.sampler.sample(logits, sampling_rows))}
 
     def prepare_inputs(self, ordered: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Flatten decodes-then-prefills into input ids, positions, slots and attention metadata."""
+        """Flatten decodes-then-prefills into input ids, positions, slots and attention metadata.
+
+        A decoding chunk's proposed tokens are decode rows too, one per token, each over the chunk's block table
+        up to its own position: every row's K/V is stored before any row attends (engine/attention.py), so row j
+        sees the rows before it, which is causal attention over the guesses. So a verification step takes the
+        decode paths (the CPU's fused layers, the decode kernels), not the prefill one."""
         bs = self.block_size
-        decodes = [c for c in ordered if len(c.token_ids) == 1]
-        input_ids = [c.token_ids[0] for c in decodes]
-        positions = [c.start_position for c in decodes]
-        slots = [c.block_ids[pos // bs] * bs + pos % bs for c, pos in zip(decodes, positions)]
+        decodes = [c for c in ordered if _is_decode(c)]
+        tables = [c.block_ids for c in decodes for _ in range(_width(c))]  # one per decode row
+        input_ids = [t for c in decodes for t in (c.token_ids + c.proposed_token_ids if c.proposed_token_ids
+                                                  else c.token_ids)]
+        positions = [c.start_position + j for c in decodes for j in range(_width(c))]
+        slots = [table[pos // bs] * bs + pos % bs for table, pos in zip(tables, positions)]
         decode_block_ids = decode_mask = decode_context_lens = None
         if decodes:
-            width = max(len(c.block_ids) for c in decodes)
+            width = max(len(table) for table in tables)
             padded: list[int] = []
-            for c in decodes:
-                padded += c.block_ids
-                padded += [0] * (width - len(c.block_ids))
+            for table in tables:
+                padded += table
+                padded += [0] * (width - len(table))
             decode_block_ids = self._on_device(int64_tensor(padded))
             if self.device.type == "cpu":  # the torch twin takes a mask
                 context_lens = int64_tensor([pos + 1 for pos in positions])
@@ -164,7 +172,7 @@ class ModelRunner:
 
         meta = AttentionMetadata(
             slot_mapping=self._on_device(int64_tensor(slots)),
-            num_decode_tokens=len(decodes),
+            num_decode_tokens=len(tables),
             decode_block_ids=decode_block_ids,
             decode_mask=decode_mask,
             prefills=prefills,
@@ -178,15 +186,26 @@ class ModelRunner:
 
 
 def sample_rows(ordered: list[ScheduledChunk]) -> tuple[list[int], list[ScheduledChunk]]:
-    """(rows, chunks): the hidden-state row of each sampling chunk's last token when `ordered`'s tokens are
-    laid out in order, and those chunks."""
+    """(rows, chunks): the hidden-state rows each sampling chunk samples from when `ordered`'s tokens are laid out
+    in order (its last token's, then each proposed token's), and those chunks."""
     rows, chunks, offset = [], [], 0
     for chunk in ordered:
-        offset += len(chunk.token_ids)
+        offset += _width(chunk)
         if chunk.sample:
-            rows.append(offset - 1)
+            num_proposed = len(chunk.proposed_token_ids)
+            rows.extend(range(offset - 1 - num_proposed, offset))
             chunks.append(chunk)
     return rows, chunks
+
+
+def _width(chunk: ScheduledChunk) -> int:
+    """Tokens the step computes for a chunk: its own and its proposed ones."""
+    return len(chunk.token_ids) + len(chunk.proposed_token_ids)
+
+
+def _is_decode(chunk: ScheduledChunk) -> bool:
+    """A decoding chunk: one known token (and maybe guesses after it); its tokens are decode rows."""
+    return len(chunk.token_ids) == 1
 
 
 def int64_tensor(values: list[int]) -> torch.Tensor:

@@ -29,6 +29,8 @@ from engine.model_runner import ModelRunner, allocate_kv_caches, kv_bytes_per_bl
 from engine.quantization import memory_report, weight_bytes_by_kind
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler, SchedulerConfig
+from engine.speculation import Speculator
+from engine.speculative_config import SpeculativeConfig
 from engine.tokenizer import Tokenizer
 from engine.weights import build_model, planned_weight_bytes
 
@@ -156,8 +158,10 @@ def build_runtime(model_dir: str | Path, config: EngineConfig, follower_module: 
 
     block_pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
     kv_cache = KVCacheManager(block_pool, model_id)
+    speculative = SpeculativeConfig.parse(config.speculative_config)
     scheduler = Scheduler(
-        SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_model_len), kv_cache
+        SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_model_len), kv_cache,
+        Speculator(speculative, max_model_len) if speculative is not None else None,
     )
     # the pool's blocks and, past them, a scratch block no request owns (engine/cuda_graphs.py pads into it)
     kv_caches = allocate_kv_caches(model, num_blocks + SCRATCH_BLOCKS, config.block_size, dtype, device)

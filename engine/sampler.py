@@ -1,8 +1,18 @@
 """Batched, per-request sampling: one decode step's logits [B, V] -> one token (and logprobs) per row.
 
-`Sampler.sample` is the engine's entry: a list of tokens per row, the seam where speculative
-verification goes (a row's proposed tokens checked against its logits, accepted ones kept, one more
-sampled). Until that lands (issue 19), a row with proposed tokens is refused, never silently ignored.
+`Sampler.sample` is the engine's entry: a list of tokens per row. A row with proposed tokens (speculative
+decoding) owns one logits row per position and gains its accepted proposals and one more token:
+
+    position j (after j accepted proposals): draw t_j exactly as plain sampling would at that step (the row's
+    output extended by the proposals before it: penalties, min_tokens and a seeded row's (seed, step) draw all
+    see what they would see); keep t_j; go on only while t_j equals proposal j.
+
+For a proposer that names one token per position (n-gram lookup), this is rejection sampling with the residual
+distribution (Leviathan et al. / Chen et al.) for a one-hot draft: proposal j is accepted with probability
+p_j(proposal j) = min(1, p/q), and a rejected position's token is distributed as p_j without that proposal,
+renormalized, i.e. max(0, p - q) normalized. So the output is distributed exactly as plain sampling, every filter
+included; greedy rows give the plain greedy tokens; a seeded row draws the very tokens it would draw without
+speculation.
 
 Each row follows the vLLM / HF pipeline with its own parameters:
 
@@ -68,6 +78,19 @@ class SamplingRow:
         """Index of the token being sampled now: 0 for the first generated token."""
         return len(self.output_token_ids)
 
+    def positions(self) -> list[SamplingRow]:
+        """The plain rows a speculative row samples at: position j sees the output extended by the first j
+        proposals (so its penalties, min_tokens and seeded draw are those of plain sampling at that step)."""
+        if not self.proposed_token_ids:
+            return [self]
+        if self.grammar is not None:
+            raise ValueError("a structured-output row cannot carry proposed tokens: its grammar would have to "
+                             "advance through each of them")
+        output = list(self.output_token_ids)
+        proposed = list(self.proposed_token_ids)
+        return [SamplingRow(self.params, self.prompt_token_ids, output + proposed[:j], (), self.eos_token_ids)
+                for j in range(len(proposed) + 1)]
+
 
 class TokenLogprobs(NamedTuple):
     token_id: int  # the sampled token
@@ -85,22 +108,12 @@ class SamplerOutput:
 @dataclass(slots=True)
 class SampledTokens:
     """What one row gained in a step: its accepted proposed tokens, then one sampled token (so never
-    empty, unless the row failed: then `error` says why and `token_ids` is empty; today exactly one token,
-    as no proposal is verified yet). Read-only by contract (not frozen: one is made per row per step)."""
+    empty, unless the row failed: then `error` says why and `token_ids` is empty). Read-only by contract (not
+    frozen: one is made per row per step)."""
 
     token_ids: list[int]
     logprobs: list[TokenLogprobs] | None  # one per token in token_ids; None where params.logprobs is None
     error: str | None = None  # this row's sampling raised; the other rows are unaffected
-
-
-def refuse_proposed_tokens(holder: str, proposed_token_ids: Sequence[int]) -> None:
-    """Raise ValueError for proposed tokens: nothing verifies them yet (issue 19), and dropping them
-    silently would hide a proposer's work. No-op for an empty list. `holder` names who carries them."""
-    if proposed_token_ids:
-        raise ValueError(
-            f"{holder} carries proposed_token_ids={list(proposed_token_ids)!r}: speculative "
-            "verification is not implemented yet (issue 19); proposed_token_ids must be empty"
-        )
 
 
 class Sampler:
@@ -121,18 +134,15 @@ class Sampler:
     def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledTokens]:
         """The tokens each row gains this step: `SampledTokens` i belongs to `rows[i]`.
 
-        The seam for speculative verification: a row with k proposed tokens will own k + 1 logits rows
-        (the positions of its last known token and of each proposal), keep the longest verified prefix
-        of its proposals and sample one token after it. Today only plain sampling exists: `logits` holds
-        exactly one row per row, each row gains exactly one token (as `__call__` draws it), and a row
-        with proposed tokens raises ValueError instead.
+        A row with k proposed tokens owns k + 1 consecutive logits rows (the positions of its last known token
+        and of each proposal) and gains its accepted proposals and one more token (module docstring); any
+        other row owns one logits row and gains one token, as `__call__` draws it.
 
         A row whose sampling raises fails alone: the batch is sampled again row by row, and a row that
         raises by itself gets a `SampledTokens` with `error` set and no token.
         """
-        for i, row in enumerate(rows):
-            if row.proposed_token_ids:
-                refuse_proposed_tokens(f"sampling row {i}", row.proposed_token_ids)
+        if any(row.proposed_token_ids for row in rows):
+            return self._verify(logits, rows)
         try:
             out = self(logits, rows)
         except Exception as e:  # noqa: BLE001 - find the row(s) at fault, keep the others
@@ -140,6 +150,33 @@ class Sampler:
             return [self._sample_alone(logits[i : i + 1], row) for i, row in enumerate(rows)]
         return [SampledTokens([token_id], None if lp is None else [lp])
                 for token_id, lp in zip(out.token_ids, out.logprobs, strict=True)]
+
+    def _verify(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledTokens]:
+        """Speculative rows: every position of every row drawn in one batch of plain rows, then each row keeps
+        its draws up to the first that differs from its proposal there."""
+        positions = [position for row in rows for position in row.positions()]
+        if logits.dim() != 2 or logits.shape[0] != len(positions):
+            raise ValueError(f"logits shape {tuple(logits.shape)} is invalid: must be [{len(positions)}, vocab] "
+                             "(one row per position: a row's last token, then each proposed token)")
+        drawn = iter(self.sample(logits, positions))
+        out = []
+        for row in rows:
+            proposed = row.proposed_token_ids
+            draws = [next(drawn) for _ in range(len(proposed) + 1)]
+            token_ids: list[int] = []
+            logprobs: list[TokenLogprobs] | None = None if row.params.logprobs is None else []
+            error = None
+            for j, draw in enumerate(draws):
+                if draw.error is not None:
+                    error = draw.error
+                    break
+                token_ids += draw.token_ids
+                if logprobs is not None:
+                    logprobs += draw.logprobs
+                if j == len(proposed) or draw.token_ids[0] != proposed[j]:
+                    break
+            out.append(SampledTokens([], None, error) if error is not None else SampledTokens(token_ids, logprobs))
+        return out
 
     def _sample_alone(self, logits: torch.Tensor, row: SamplingRow) -> SampledTokens:
         try:

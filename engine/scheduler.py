@@ -8,8 +8,14 @@ prefix. When a running request needs a block and none is free, the most recently
 request is preempted: its blocks are freed and it waits again to be recomputed (its generated
 tokens are kept, and seeded sampling depends only on the step index, so its output is unchanged).
 
+Speculative decoding (engine/speculation.py) is one more use of the same budget: a decoding request may carry
+guesses (`proposed_token_ids`) whose KV the step computes and the sampler verifies; the tokens it gains are the
+accepted guesses plus one, `num_computed_tokens` moves past the accepted ones only, and the blocks that held only
+rejected guesses go back to the pool. Blocks are hashed into the prefix cache only up to `num_computed_tokens`, so
+a block holding an unverified token never is.
+
 This module never imports torch: it hands the model runner `ScheduledChunk`s and takes back a list of
-tokens per sampled request (today always one; a step that verifies proposed tokens will give several).
+tokens per sampled request.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
+from engine.speculation import Speculator
 
 if TYPE_CHECKING:  # the scheduler never imports torch: it only passes the request's grammar state along
     from engine.grammar_state import GrammarState
@@ -41,9 +48,8 @@ class ScheduledChunk:
     sampling_params: SamplingParams
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]  # the live list: read it during this step only
-    # tokens a proposer guessed would follow token_ids, to be verified by the sampler this step (speculative
-    # decoding, issue 19). The scheduler makes none today, and the engine core refuses a chunk that carries
-    # any (engine/engine_core.py) until verification exists.
+    # tokens a proposer guessed would follow token_ids (speculative decoding): their KV is computed after
+    # token_ids' and the sampler verifies them; only a decoding chunk (one known token) carries any
     proposed_token_ids: list[int] = field(default_factory=list)
     eos_token_ids: frozenset[int] = frozenset()  # the request's: the sampler masks them under min_tokens
     grammar: GrammarState | None = None  # structured output: the request's grammar state (engine thread only)
@@ -56,7 +62,7 @@ class SchedulerOutput:
 
     @property
     def num_batched_tokens(self) -> int:
-        return sum(len(c.token_ids) for c in self.chunks)
+        return sum(len(c.token_ids) + len(c.proposed_token_ids) for c in self.chunks)
 
 
 class TokenUpdate(NamedTuple):
@@ -80,9 +86,10 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager):
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, speculator: Speculator | None = None):
         self.config = config
         self.kv_cache = kv_cache
+        self.speculator = speculator  # None: no speculative decoding
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -118,6 +125,8 @@ class Scheduler:
         if request is None:
             return False
         assert status.finished
+        if self.speculator is not None:
+            self.speculator.forget(request_id)
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
@@ -145,6 +154,7 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
 
+        num_live = len(self.requests)
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -157,9 +167,14 @@ class Scheduler:
                     break
             if request.status is RequestStatus.PREEMPTED:
                 break
-            self.kv_cache.allocate_slots(request, num_new)
-            out.chunks.append(self._chunk(request, num_new))
-            budget -= num_new
+            proposed: list[int] = []
+            if self.speculator is not None and num_new == 1 == request.num_tokens - request.num_computed_tokens:
+                proposed = self.speculator.draft(request, num_live, budget - num_new)
+                if proposed and not self.kv_cache.can_allocate_slots(request, num_new + len(proposed)):
+                    proposed = []  # no room for guesses: decode plainly rather than preempt anyone for them
+            self.kv_cache.allocate_slots(request, num_new + len(proposed))
+            out.chunks.append(self._chunk(request, num_new, proposed))
+            budget -= num_new + len(proposed)
             i += 1
 
         # a step that had to preempt admits nobody: the blocks are short already
@@ -190,6 +205,9 @@ class Scheduler:
 
         A request that stops at a token (eos, a stop token, its length) keeps the tokens up to and including
         that one; the rest of its list is dropped, and its update carries only the kept tokens.
+
+        A chunk with guesses gains its accepted guesses (a prefix of `proposed_token_ids`) and one more token:
+        the KV of those guesses is computed, the blocks past the next token's slot are freed.
         """
         updates = []
         for chunk in out.chunks:
@@ -203,6 +221,7 @@ class Scheduler:
             token_ids = sampled_token_ids[chunk.request_id]
             if not token_ids:
                 raise ValueError(f"request {chunk.request_id!r} sampled no token: a sampled chunk gains >= 1")
+            num_accepted = self._accepted(chunk, token_ids)
             if not request.output_token_ids:  # (KV that arrived, or a migrated request, brings output tokens)
                 self.num_prompt_tokens += request.num_prompt_tokens
             kept: list[int] = []
@@ -214,12 +233,29 @@ class Scheduler:
                     self.finish_request(request.request_id, status)
                     break
             self.num_generation_tokens += len(kept)
+            if num_accepted and not request.status.finished:  # the accepted guesses' KV was computed this step
+                request.num_computed_tokens += num_accepted
+                self.kv_cache.cache_computed_blocks(request)
+            if chunk.proposed_token_ids and not request.status.finished:
+                self.kv_cache.trim(request)
             updates.append(TokenUpdate(request.request_id, kept, request.status))
         return updates
 
     # -- helpers ---------------------------------------------------------------------------------
 
-    def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
+    def _accepted(self, chunk: ScheduledChunk, token_ids: Sequence[int]) -> int:
+        """How many of the chunk's guesses its gained tokens accepted (recorded for metrics and back-off)."""
+        if not chunk.proposed_token_ids:
+            return 0
+        num_accepted = len(token_ids) - 1
+        if num_accepted > len(chunk.proposed_token_ids) or \
+                list(token_ids[:num_accepted]) != chunk.proposed_token_ids[:num_accepted]:
+            raise ValueError(f"request {chunk.request_id!r} gained {list(token_ids)}: must be a prefix of its guesses "
+                             f"{chunk.proposed_token_ids} and one more token")
+        self.speculator.record(chunk.request_id, len(chunk.proposed_token_ids), num_accepted)
+        return num_accepted
+
+    def _chunk(self, request: Request, num_new: int, proposed: list[int] | None = None) -> ScheduledChunk:
         start = request.num_computed_tokens
         return ScheduledChunk(
             request_id=request.request_id,
@@ -230,12 +266,15 @@ class Scheduler:
             sampling_params=request.sampling_params,
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
+            proposed_token_ids=proposed or [],
             eos_token_ids=request.eos_token_ids,
             grammar=request.grammar,
         )
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache.free(request)
+        if self.speculator is not None:
+            self.speculator.forget(request.request_id)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         request.status = RequestStatus.PREEMPTED

@@ -121,7 +121,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "duet_decode_layer_scratch_bytes": [p, i64],
     }
     returns = {"duet_rotary_store_kv": i64, "duet_quant_vector_bits": i32, "duet_quant_int8_dot_bits": i32,
-               "duet_quant_panels_bf16_available": i32, "duet_decode_layer": i64, "duet_decode_layer_scratch_bytes": i64}
+               "duet_quant_panels_bf16_available": i32, "duet_decode_layer": i64,
+               "duet_decode_layer_scratch_bytes": i64}
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, returns.get(name)

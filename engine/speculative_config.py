@@ -1,0 +1,85 @@
+"""`speculative_config` in vLLM's form: which proposer guesses tokens ahead, how many, and when to back off.
+
+    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+
+Keys are vLLM's where vLLM has one (`disable_by_batch_size` included); duet adds `min_acceptance_rate`, the
+per-request back-off. A key duet does not implement is refused, never dropped. Methods: "ngram" (prompt lookup:
+engine/ngram_proposer.py). "draft_model" is refused until it exists (issue 19).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+
+METHODS = ("ngram",)
+NOT_YET = {"draft_model": "a draft model proposer is not implemented yet (issue 19)"}
+# Steps with more live requests than this verify no guesses: past it a step is compute-bound and verifying k more
+# tokens per sequence costs time instead of saving it (llama.cpp's lookup decoding: 1.10x at 1 slot, 0.77x at 8).
+# Measured on the default model: benchmarks/speculative_bench.py, RESULTS.md.
+DISABLE_BY_BATCH_SIZE = 4
+# A request whose guesses were accepted at less than this rate (over its recent drafts) stops drafting for a while
+MIN_ACCEPTANCE_RATE = 0.25
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 0  # ngram: the shortest suffix n-gram looked up (0: set from prompt_lookup_max)
+    prompt_lookup_max: int = 0  # ngram: the longest (0: set from prompt_lookup_min; both 0: 5 and 5, as vLLM)
+    disable_by_batch_size: int = DISABLE_BY_BATCH_SIZE  # more live requests than this: no speculation this step
+    min_acceptance_rate: float = MIN_ACCEPTANCE_RATE  # per request: back off below it
+
+    def __post_init__(self) -> None:
+        if self.method in NOT_YET:
+            raise ValueError(f"speculative_config method={self.method!r} is refused: {NOT_YET[self.method]}; "
+                             f"allowed: {', '.join(METHODS)}")
+        if self.method not in METHODS:
+            raise ValueError(f"speculative_config method={self.method!r} is invalid: must be one of "
+                             f"{', '.join(METHODS)}")
+        _check_int("num_speculative_tokens", self.num_speculative_tokens, 1)
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        _check_int("prompt_lookup_min", low, 0)
+        _check_int("prompt_lookup_max", high, 0)
+        if not low and not high:
+            low = high = 5
+        low, high = low or high, high or low
+        if low > high:
+            raise ValueError(f"speculative_config prompt_lookup_min={low} and prompt_lookup_max={high} are invalid: "
+                             "min must be <= max")
+        object.__setattr__(self, "prompt_lookup_min", low)
+        object.__setattr__(self, "prompt_lookup_max", high)
+        _check_int("disable_by_batch_size", self.disable_by_batch_size, 1)
+        rate = self.min_acceptance_rate
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate <= 1:
+            raise ValueError(f"speculative_config min_acceptance_rate={rate!r} is invalid: must be in [0, 1]")
+
+    @classmethod
+    def parse(cls, value: str | Mapping | SpeculativeConfig | None) -> SpeculativeConfig | None:
+        """From a JSON object's text (the command line's --speculative-config), a mapping, or a config."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config {value[:80]!r} is not JSON: {e}") from None
+        if not isinstance(value, Mapping):
+            raise ValueError(f"speculative_config {value!r} is invalid: must be a JSON object")
+        known = {name for name in cls.__dataclass_fields__}
+        if unknown := sorted(set(value) - known):
+            raise ValueError(f"speculative_config keys {', '.join(unknown)} are unknown or not implemented: "
+                             f"allowed {', '.join(sorted(known))}")
+        if "method" not in value or "num_speculative_tokens" not in value:
+            raise ValueError("speculative_config needs 'method' and 'num_speculative_tokens'")
+        return cls(**value)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"), sort_keys=True)
+
+
+def _check_int(name: str, value: object, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"speculative_config {name}={value!r} is invalid: must be an int >= {low}")

@@ -119,10 +119,11 @@ class KVCacheManager:
         self._num_cached_blocks[rid] = num_full
 
     def trim(self, request: Request) -> None:
-        """Free the blocks past the one that holds the request's next token (slots a step reserved for guesses
-        that were rejected), last first. They hold no computed token, so none of them is in the prefix cache."""
+        """Free the blocks past those holding the request's computed tokens (slots a step reserved for guesses that
+        were rejected), last first, so it holds what a plain decode step leaves: cdiv(num_computed_tokens,
+        block_size). They hold no computed token, so none of them is in the prefix cache."""
         table = self._block_ids.get(request.request_id)
-        keep = cdiv(request.num_tokens, self.block_size)
+        keep = cdiv(request.num_computed_tokens, self.block_size)
         if table is None or len(table) <= keep:
             return
         assert keep >= self._num_cached_blocks.get(request.request_id, 0), "a cached block is never trimmed"

@@ -207,7 +207,7 @@ class Scheduler:
         that one; the rest of its list is dropped, and its update carries only the kept tokens.
 
         A chunk with guesses gains its accepted guesses (a prefix of `proposed_token_ids`) and one more token:
-        the KV of those guesses is computed, the blocks past the next token's slot are freed.
+        the KV of those guesses is computed, the blocks past the computed tokens are freed.
         """
         updates = []
         for chunk in out.chunks:
@@ -252,7 +252,8 @@ class Scheduler:
                 list(token_ids[:num_accepted]) != chunk.proposed_token_ids[:num_accepted]:
             raise ValueError(f"request {chunk.request_id!r} gained {list(token_ids)}: must be a prefix of its guesses "
                              f"{chunk.proposed_token_ids} and one more token")
-        self.speculator.record(chunk.request_id, len(chunk.proposed_token_ids), num_accepted)
+        if self.speculator is not None:
+            self.speculator.record(chunk.request_id, len(chunk.proposed_token_ids), num_accepted)
         return num_accepted
 
     def _chunk(self, request: Request, num_new: int, proposed: list[int] | None = None) -> ScheduledChunk:

@@ -5,7 +5,7 @@ what was accepted. Pure Python (the scheduler never imports torch); the sampler 
                  fewer near max_tokens / the context end, none when the step is large or the request is
                  backing off; they ride in its chunk as `proposed_token_ids` and take budget and KV slots
     update:      the sampler kept a of them (and sampled one more): the KV of those a is computed, the rest of
-                 the guessed slots are stale and the blocks past the next token's slot go back to the pool
+                 the guessed slots are stale and the blocks past the computed tokens go back to the pool
 
 Back-off, so speculation never makes a workload noticeably slower:
   per step     more live requests than `disable_by_batch_size`: nobody drafts (verification is not free when

@@ -97,38 +97,52 @@ def test_step_gives_each_request_its_tokens_as_before_in_a_mixed_batch(tiny_llam
     assert offline == PINNED
 
 
-def test_a_chunk_with_proposed_tokens_is_refused_before_the_forward(tiny_llama_dir):
+def test_a_chunk_with_proposed_tokens_gains_the_accepted_ones_and_one_more(tiny_llama_dir):
+    """Guesses attached to a decoding chunk by hand: the right ones are kept (their KV computed, the request one
+    step further), a wrong one is dropped with the blocks it took."""
     core, rt = make_core(tiny_llama_dir)
     prompts, params = workload()
-    core.add_request(Request("a", prompts[1], params[0], rt.tokenizer.eos_token_ids))
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    reference, _ = make_core(tiny_llama_dir)
+    reference.add_request(Request("a", prompts[1], greedy, rt.tokenizer.eos_token_ids))
+    want = []
+    while reference.has_unfinished_requests():
+        want += [t for new in reference.step() for t in new.token_ids]
+    core.add_request(Request("a", prompts[1], greedy, rt.tokenizer.eos_token_ids))
+    assert core.step()[0].token_ids == want[:1]  # the prefill
     schedule = core.scheduler.schedule
+    guesses = iter([want[1:3] + [0], [0, 1]])  # two right then a wrong one; then wrong at once
 
-    def schedule_with_a_proposal():  # what a proposer (issue 19) would attach
+    def schedule_with_guesses():
         out = schedule()
-        out.chunks[0].proposed_token_ids.append(5)
+        out.chunks[0].proposed_token_ids.extend(next(guesses))
+        rt.kv_cache.allocate_slots(rt.scheduler.requests["a"], 1 + len(out.chunks[0].proposed_token_ids))
         return out
 
-    core.scheduler.schedule = schedule_with_a_proposal
-    executed = []
-    execute = core.runner.execute
-    core.runner.execute = lambda *a: executed.append(a) or execute(*a)
-    with pytest.raises(ValueError, match=r"request 'a' carries proposed_token_ids=\[5\]: speculative verification "
-                                         r"is not implemented yet \(issue 19\)"):
-        core.step()
-    assert executed == [] and rt.scheduler.requests["a"].output_token_ids == []
-    assert core.abort("a") and rt.block_pool.num_free_blocks == rt.num_kv_blocks
+    core.scheduler.schedule = schedule_with_guesses
+    request = rt.scheduler.requests["a"]
+    assert core.step()[0].token_ids == want[1:4]  # 2 accepted + the token after them
+    assert request.num_computed_tokens == len(prompts[1]) + 3
+    assert len(rt.kv_cache.block_ids("a")) == -(-request.num_computed_tokens // rt.block_pool.block_size)
+    assert core.step()[0].token_ids == want[4:5]  # the wrong guess: one token
     core.check_integrity()
+    assert core.abort("a") and rt.block_pool.num_free_blocks == rt.num_kv_blocks
 
 
-def test_sampler_seam_gives_a_list_per_row_and_refuses_proposals():
+def test_sampler_gives_a_list_per_row_and_verifies_proposals():
     logits = torch.tensor([[0.0, 2.0, 1.0], [3.0, 0.0, 1.0]])
     rows = [SamplingRow(SamplingParams(temperature=0), [1], []),
             SamplingRow(SamplingParams(temperature=0, logprobs=1), [1], [2])]
     out = Sampler(0).sample(logits, rows)
     assert [s.token_ids for s in out] == [[1], [0]]
     assert out[0].logprobs is None and [lp.token_id for lp in out[1].logprobs] == [0]
-    proposing = [rows[0], SamplingRow(SamplingParams(temperature=0), [1], [2], proposed_token_ids=[2, 0])]
-    with pytest.raises(ValueError, match=r"sampling row 1 carries proposed_token_ids=\[2, 0\]"):
+    # row 1 proposes [0, 2]: position 0 draws 0 (accepted), position 1 draws 1 (not 2): it gains [0, 1]
+    proposing = [rows[0], SamplingRow(SamplingParams(temperature=0, logprobs=1), [1], [2], proposed_token_ids=[0, 2])]
+    verify = torch.tensor([[0.0, 2.0, 1.0], [3.0, 0.0, 1.0], [0.0, 5.0, 1.0], [9.0, 0.0, 0.0]])
+    out = Sampler(0).sample(verify, proposing)
+    assert [s.token_ids for s in out] == [[1], [0, 1]]
+    assert [lp.token_id for lp in out[1].logprobs] == [0, 1]
+    with pytest.raises(ValueError, match=r"must be \[4, vocab\]"):
         Sampler(0).sample(logits, proposing)
 
 

@@ -31,7 +31,7 @@ def test_prefill_then_decode_one_token_each():
     (c,) = out.chunks
     assert (c.token_ids, c.start_position, c.block_ids, c.sample) == ([1, 2, 3, 4, 5], 0, [0, 1], True)
     assert [(u.request_id, u.token_ids) for u in updates] == [("a", [7])]
-    assert c.proposed_token_ids == []  # nothing proposes tokens yet
+    assert c.proposed_token_ids == []  # no speculator: no guesses
     out, _ = step(s)
     (c,) = out.chunks
     assert (c.token_ids, c.start_position, c.block_ids) == ([7], 5, [0, 1])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shlex
@@ -167,13 +168,18 @@ def cmd_up(args: argparse.Namespace) -> int:
         return 2
     model = resolve_model(args)
     model_id = ["--model-id", args.model_id] if args.model_id is not None else []
-    worker_args = engine_config(args).to_flags() + ["--kv-transport", args.kv_transport] + model_id
+    engine = engine_config(args)
+    # speculation runs where tokens are decoded: the decode workers get --speculative-config, the prefill ones not
+    speculative = ["--speculative-config", engine.speculative_config] if engine.speculative_config else []
+    worker_args = dataclasses.replace(engine, speculative_config=None).to_flags() + \
+        ["--kv-transport", args.kv_transport] + model_id
     # the router judges requests by the context the workers hold (--max-model-len is an engine flag here)
     router_args = model_id + (["--max-model-len", str(args.max_model_len)] if args.max_model_len else [])
     router_args += ["--worker-wait-s", f"{args.worker_wait_s:g}"]
     if args.shutdown_grace is not None:
         router_args += ["--shutdown-grace", f"{args.shutdown_grace:g}"]
     role_args = {role: shlex.split(getattr(args, f"{role}_args")) for role in ("prefill", "decode")}
+    role_args["decode"] = speculative + role_args["decode"]
     for role, extra in role_args.items():  # refused here, in one line, rather than by every worker it starts
         # the --redis-url is a stand-in: the cluster gives each worker its own redis-server's
         _worker_parser(role).parse_args(["--model", str(model), "--redis-url", "redis://127.0.0.1:6379", *worker_args,

@@ -29,6 +29,7 @@ from engine.request import Request, RequestStatus
 from engine.runtime import Runtime
 from engine.sampler import SampledTokens, TokenLogprobs
 from engine.scheduler import ScheduledChunk, Scheduler
+from engine.speculation import NO_SPECULATION, SpeculationStats
 
 LayerCallback = Callable[[int], None]  # on_layer_done(i): layer i's K/V for every chunk is in the cache
 
@@ -151,6 +152,12 @@ class EngineCore:
     @property
     def num_prefix_hit_tokens(self) -> int:
         return self.scheduler.num_prefix_hit_tokens
+
+    @property
+    def speculation(self) -> SpeculationStats:
+        """Speculative decoding's counters (all zero when it is off)."""
+        speculator = self.scheduler.speculator
+        return NO_SPECULATION if speculator is None else speculator.stats()
 
     @property
     def num_preemptions(self) -> int:

@@ -17,6 +17,7 @@ Back-off, so speculation never makes a workload noticeably slower:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from engine.ngram_proposer import propose_ngram
 from engine.request import Request
@@ -34,6 +35,18 @@ class DraftState:
     acceptance: float = 1.0
     paused_steps: int = 0  # steps left without drafting
     next_pause_steps: int = FIRST_PAUSE_STEPS
+
+
+class SpeculationStats(NamedTuple):
+    """What verification kept so far (vLLM's spec_decode_* counters)."""
+
+    num_drafts: int  # chunks that carried guesses
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    num_accepted_per_position: tuple[int, ...]  # [j]: drafts whose guess j was accepted
+
+
+NO_SPECULATION = SpeculationStats(0, 0, 0, ())
 
 
 class Speculator:
@@ -78,6 +91,11 @@ class Speculator:
             state.paused_steps = state.next_pause_steps
             state.next_pause_steps = min(2 * state.next_pause_steps, MAX_PAUSE_STEPS)
             state.acceptance = 1.0  # a fresh start after the pause
+
+    def stats(self) -> SpeculationStats:
+        """The counters, as plain values (safe to read from any thread: a snapshot of ints)."""
+        return SpeculationStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
+                                tuple(self.num_accepted_per_position))
 
     def forget(self, request_id: str) -> None:
         """The request ended (or was preempted: its next run starts afresh)."""

@@ -68,6 +68,9 @@ class PrefillWorker(WorkerProcess, wpb_grpc.PrefillWorkerServicer):
     service_names = ("duet.internal.v1.PrefillWorker",)
 
     def __init__(self, config: WorkerConfig):
+        if config.engine.speculative_config is not None:
+            raise ValueError("--speculative-config is for decode workers: a prefill worker samples only a request's "
+                             "first token (give it to `duet decode`, or to `duet up`, which passes it there)")
         super().__init__(config)
         self.sender = KVSender(self.layout, self.rt.kv_caches, transport=config.kv_transport,
                                checksum=config.kv_checksum, handshake_key=self.kv_handshake_key,

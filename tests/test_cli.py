@@ -134,6 +134,12 @@ def test_up_gives_each_pool_its_own_flags_and_refuses_bad_ones_before_starting(m
     assert exit_.value.code == 2 and not started
     err = capsys.readouterr().err
     assert "duet decode: error: argument --quantized-activations: invalid choice: 'int4'" in err
+    # speculation runs where tokens are decoded: only the decode pool gets --speculative-config
+    assert main(["up", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']) == 0
+    config = started.pop()
+    assert "--speculative-config" not in config.worker_args + config.prefill_args
+    assert config.decode_args[:1] == ["--speculative-config"]
+    assert json.loads(config.decode_args[1])["num_speculative_tokens"] == 3
 
 
 def test_errors_are_one_line_without_a_traceback_unless_asked_for():

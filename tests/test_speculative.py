@@ -275,3 +275,41 @@ def assert_same_distribution(a: Counter, b: Counter) -> None:
     assert len(table) >= 2, table
     p_value = stats.chi2_contingency(table).pvalue
     assert p_value > 1e-3 and not math.isnan(p_value), table
+
+
+# -- the cluster: the decode worker speculates ---------------------------------------------------------------------
+
+def test_a_cluster_whose_decode_worker_speculates_gives_the_offline_tokens(tiny_llama_dir):
+    import json
+    import subprocess
+    import sys
+    import urllib.request
+
+    from cluster_helpers import wait_idle
+
+    from deploy.local_cluster import ClusterConfig, LocalCluster
+    from duet.client import Client, stream_to_record
+    from engine.ports import pick_free_port
+
+    metrics_port = pick_free_port()
+    config = ClusterConfig(model_dir=str(tiny_llama_dir), worker_args=["--max-model-len", "256"],
+                           decode_args=["--speculative-config", json.dumps(NGRAM), "--metrics-port", str(metrics_port)],
+                           router_args=["--max-model-len", "256"])
+    prompts = repetitive_prompts()
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(tiny_llama_dir, max_model_len=256).generate(prompts, params,
+                                                                                            use_tqdm=False)]
+    with LocalCluster(config).start() as cluster, Client(cluster.router_address) as client:
+        got = [stream_to_record(client.generate(p, params, timeout_s=60))["token_ids"] for p in prompts]
+        assert got == want
+        wait_idle(cluster)  # every block back in its pool after the rejected guesses
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as response:
+            scrape = response.read().decode()
+    values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in scrape.splitlines()
+              if line.startswith("duet_spec_decode_num_") and "per_pos" not in line}
+    assert 0 < values["duet_spec_decode_num_accepted_tokens_total"] <= values["duet_spec_decode_num_draft_tokens_total"]
+    assert 'duet_spec_decode_num_accepted_tokens_per_pos_total{model_name=' in scrape and 'position="0"' in scrape
+    refused = subprocess.run([sys.executable, "-m", "duet", "prefill", "--model", str(tiny_llama_dir), "--redis-url",
+                              "redis://127.0.0.1:9", "--speculative-config", json.dumps(NGRAM)],
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode != 0 and "--speculative-config is for decode workers" in refused.stderr

@@ -29,6 +29,11 @@ for vLLM's `vllm:` and a `role` label (prefill | decode, so one query covers a p
                                                                           block_size, num_gpu_blocks (KV blocks on
                                                                           the worker's device, CPU too),
                                                                           cache_dtype, enable_prefix_caching
+    spec_decode_num_drafts_total    counter vllm:spec_decode_num_drafts   decode: steps' chunks that carried guesses
+    spec_decode_num_draft_tokens_total counter vllm:spec_decode_num_draft_tokens  guesses verified
+    spec_decode_num_accepted_tokens_total counter vllm:spec_decode_num_accepted_tokens  of which accepted
+    spec_decode_num_accepted_tokens_per_pos_total counter vllm:(same)    {position}: drafts whose guess at that
+                                                                          position was accepted
     kv_events_dropped_total         counter -                             KV events dropped (Redis unreachable)
     prefix_index_resyncs_total      counter -
     kv_transfer_seconds             histogram -                           prefill: last forward pass -> the decode
@@ -72,7 +77,11 @@ COUNTERS = {
     "num_preemptions": "Requests preempted (their KV dropped, to be recomputed)",
     "kv_events_dropped": "KV events dropped while Redis was unreachable",
     "prefix_index_resyncs": "Prefix index resyncs from this worker's cache",
+    "spec_decode_num_drafts": "Chunks that carried speculative guesses",
+    "spec_decode_num_draft_tokens": "Speculative guesses verified",
+    "spec_decode_num_accepted_tokens": "Speculative guesses accepted",
 }
+PER_POSITION = "spec_decode_num_accepted_tokens_per_pos"  # a sequence of counts, one per guess position
 
 
 class _Snapshot:
@@ -91,6 +100,11 @@ class _Snapshot:
             c = CounterMetricFamily(f"duet_{name}", help_text, labels=LABELS)
             c.add_metric(self.label_values, float(values[name]))
             yield c
+        c = CounterMetricFamily(f"duet_{PER_POSITION}", "Drafts whose guess at this position was accepted",
+                                labels=(*LABELS, "position"))
+        for position, count in enumerate(values[PER_POSITION]):
+            c.add_metric([*self.label_values, str(position)], float(count))
+        yield c
 
 
 class WorkerMetrics:

@@ -32,7 +32,7 @@ from engine.runtime import Runtime, build_runtime
 from engine.stop_signals import StopSignals
 from kvtransfer.layout import KVLayout
 from worker.engine_thread import EngineThread
-from worker.metrics import WorkerMetrics
+from worker.metrics import PER_POSITION, WorkerMetrics
 from worker.tp_rank import follower_argv as make_follower_argv
 from worker.tp_rank import follower_module
 
@@ -186,7 +186,11 @@ class WorkerProcess:
     def metric_values(self) -> dict[str, float]:
         """The numbers Prometheus reads at scrape time (plain attribute reads: safe from any thread)."""
         load, core, pool = self.load(), self.engine_core(), self.rt.block_pool
+        speculation = core.speculation
         return {
+            "spec_decode_num_drafts": speculation.num_drafts, "spec_decode_num_draft_tokens":
+                speculation.num_draft_tokens, "spec_decode_num_accepted_tokens": speculation.num_accepted_tokens,
+            PER_POSITION: speculation.num_accepted_per_position,
             "num_requests_waiting": load.num_waiting, "num_requests_running": load.num_running,
             "num_waiting_tokens": load.num_waiting_tokens, "kv_cache_usage_perc": pool.usage(),
             "prefix_cache_queries": core.num_prefix_query_tokens, "prefix_cache_hits": core.num_prefix_hit_tokens,

@@ -11,8 +11,13 @@ from pathlib import Path
 def cmd_ray_up(args: argparse.Namespace) -> int:
     from deploy.ray.config import PoolConfig, RayLauncherConfig
     from deploy.ray.launcher import run_ray_up
+    from engine.speculative_config import SpeculativeConfig
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    decode_args = shlex.split(args.decode_args)
+    if args.speculative_config is not None:  # speculation runs where tokens are decoded: the decode pool
+        decode_args = ["--speculative-config", SpeculativeConfig.parse(args.speculative_config).to_json(),
+                       *decode_args]
     config = RayLauncherConfig(
         model_dir=str(args.model) if args.model is not None else None, model_id=args.model_id,
         prefill=PoolConfig(min_replicas=args.prefill_min, max_replicas=args.prefill_max,
@@ -22,7 +27,7 @@ def cmd_ray_up(args: argparse.Namespace) -> int:
         decode=PoolConfig(min_replicas=args.decode_min, max_replicas=args.decode_max,
                           target_per_replica=args.decode_target_requests,
                           scale_up_cooldown_s=args.scale_up_cooldown, scale_down_cooldown_s=args.scale_down_cooldown,
-                          args=shlex.split(args.decode_args)),
+                          args=decode_args),
         router_host=args.host, port=args.port, redis_url=args.redis_url, tp=args.tp,
         num_cpus_per_rank=args.cpus_per_rank, num_gpus_per_rank=args.gpus_per_rank,
         custom_resources=not args.no_custom_resources, poll_interval_s=args.poll_interval,
@@ -65,6 +70,9 @@ def add_ray_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill-args", default="", help="extra flags for prefill workers only (after --worker-args), "
                    "e.g. \"--quantization none\"")
     p.add_argument("--decode-args", default="", help="extra flags for decode workers only (after --worker-args)")
+    p.add_argument("--speculative-config", default=None,
+                   help="speculative decoding on the decode workers, vLLM's speculative_config JSON, e.g. "
+                        "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'")
     p.add_argument("--internal-tls", action="store_true",
                    help="mutual TLS on the internal plane (router to workers, KV transfers) under a CA the launcher "
                         "generates and hands to every actor in its runtime env; needs the tcp KV transport")

@@ -256,14 +256,16 @@ def test_duet_ray_up_flags_map_to_the_launcher_config(monkeypatch):
                               "--prefill-max", "5", "--decode-max", "3", "--port", "0",
                               "--worker-args", "--num-kv-blocks 64 --max-model-len 512",
                               "--prefill-args", "--quantization none", "--decode-args", "--quantization int8",
-                              "--internal-tls"])
+                              "--internal-tls",
+                              "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'])
     assert args.func(args) == 0 and seen["a"] == "local"
     config = seen["c"]
     assert (config.prefill.min_replicas, config.prefill.max_replicas) == (2, 5)
     assert (config.decode.min_replicas, config.decode.max_replicas) == (1, 3)
     assert config.port == 0 and config.resolved_model_id == "tiny" and config.tp == 1 and config.internal_tls
     assert config.worker_args == ["--num-kv-blocks", "64", "--max-model-len", "512"] and config.router_args == []
-    assert config.prefill.args == ["--quantization", "none"] and config.decode.args == ["--quantization", "int8"]
+    assert config.prefill.args == ["--quantization", "none"]
+    assert config.decode.args[:1] == ["--speculative-config"] and config.decode.args[2:] == ["--quantization", "int8"]
     with pytest.raises(ValueError, match="min_replicas=2, max_replicas=1"):
         RayLauncherConfig(prefill=PoolConfig(min_replicas=2, max_replicas=1))
 

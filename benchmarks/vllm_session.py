@@ -68,10 +68,10 @@ class PeerSession:
             self._paused = False
             time.sleep(0.5)  # let its processes get back to waiting on the queue before the timed call
 
-    def ask(self, batch: int, repeat: int) -> dict:
-        """The worker's answer for one timed cell (batch, repeat)."""
+    def ask(self, batch: int, repeat: int, **fields) -> dict:
+        """The worker's answer for one timed cell (batch, repeat, and any `fields` the worker reads)."""
         self.resume()
-        self._proc.stdin.write(json.dumps({"batch": batch, "repeat": repeat}) + "\n")
+        self._proc.stdin.write(json.dumps({"batch": batch, "repeat": repeat, **fields}) + "\n")
         self._proc.stdin.flush()
         try:
             got = self._read(self.cell_prefix, self.cell_timeout_s)

@@ -7,11 +7,13 @@ Two named tricks, each a few percent of code and each measured in benchmarks/RES
   `pack_weight` reorders a weight once into oneDNN's blocked layout (what vLLM's CPU backend and
   inductor's weight freezing do): 1.3-2.4x faster GEMMs at 8-64 rows. A packed call has ~40 us of fixed
   overhead, so only weights of at least MIN_PACKED_BYTES are packed (small models stay plain).
-- **A few fp32 rows read the plain weight** (`few_rows`): at 1-3 rows a GEMM streams the weight once from
-  DRAM, and MKL on the plain [out, in] weight does that at ~18-22 GB/s while the packed call reaches
-  ~12-18 (qwen05b's shapes, 2 threads; all its GEMMs at one row: 97 vs 110 ms). From 4 rows MKL's plain
-  GEMM halves its speed and packed wins. So an fp32 packed layer keeps its original weight as well (2x its
-  weight memory); a tied lm_head's plain weight is the embedding table, which exists anyway.
+- **One fp32 row reads the plain weight** (`few_rows`, where the C GEMV below does not take it): a one-row GEMM
+  streams the weight once from DRAM, and MKL on the plain [out, in] weight did that at ~18-22 GB/s on a Zen 3
+  guest while the packed call reached ~12-18. From 2 rows packed wins: on the Zen 4 guest MKL's plain GEMM runs
+  2-9x slower than the packed one at 2-8 rows (SmolLM2's fp32 lm_head: 27-39 ms plain vs 4.4-5.4 packed at 2-3
+  rows; 2026-11-27), and on Zen 3 it halved its speed from 4 rows. So an fp32 packed layer keeps its original
+  weight as well (2x its weight memory); a tied lm_head's plain weight is the embedding table, which exists
+  anyway.
 - **fp32 math for bf16 weights on CPUs without bf16 arithmetic** (no avx512_bf16 / AMX): there oneDNN
   emulates bf16 and is 2-3x slower than fp32 from 8 rows on. Multi-row GEMMs run on an exact fp32 copy
   of the weight (bf16 -> fp32 is lossless; products of bf16 values are exact in fp32, so this is a bf16
@@ -50,11 +52,11 @@ log = logging.getLogger("duet.engine")
 # oneDNN picks its blocked layout for a batch size; one layout serves every batch size (a mismatch
 # costs speed, never correctness). 8 was as fast as 64 at 8-64 rows and faster than 1 (linear_prepack.py).
 PACK_BATCH_HINT = 8
-# Packing pays for its fixed per-call overhead from about this size (qwen05b's smallest weight, o_proj,
-# is 3.2 MB in fp32; the small benchmark model's biggest is 4 MB and gains nothing).
-MIN_PACKED_BYTES = 2 * 1024**2
-# Up to this many fp32 rows MKL on the plain weight beats the packed GEMM (from 4 it drops to ~10 GB/s).
-PLAIN_MAX_ROWS = 3
+# Packing pays for its fixed per-call overhead from about this size (SmolLM2's fp32 o_proj, 1.3 MB: 50-80 us packed
+# vs 77-128 plain at 2-8 rows on the Zen 4 guest; the tiny test models' weights, 512 KiB at most, stay plain).
+MIN_PACKED_BYTES = 1024**2
+# Up to this many fp32 rows MKL on the plain weight beats the packed GEMM (module docstring: one).
+PLAIN_MAX_ROWS = 1
 # One row takes the C GEMVs from this many weight bytes on: below, the call's fixed cost (~10 us) is a large share
 # of the read (the tiny test models' weights, 512 KiB at most, stay on F.linear).
 MIN_GEMV_BYTES = 640 * 1024

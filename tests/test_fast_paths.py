@@ -101,16 +101,18 @@ def test_fast_linear_matches_f_linear_in_bf16(pack, fp32_math, rows):
 
 @requires_packing
 def test_fp32_few_rows_read_the_plain_weight_without_a_copy():
-    """Up to PLAIN_MAX_ROWS (3) rows are F.linear itself on the original weight; more take the packed copy."""
+    """Up to PLAIN_MAX_ROWS (1) rows are F.linear itself on the original weight; more take the packed copy."""
+    from engine.linear_fast import PLAIN_MAX_ROWS
+
     g = torch.Generator().manual_seed(0)
     w, b = torch.randn(1376, 512, generator=g) * 0.05, torch.randn(1376, generator=g)
     fast = FastLinear(w, b, pack=True)
     assert fast.few_rows.weight.data_ptr() == w.data_ptr() and not fast.few_rows.packed
     x = torch.randn(5, 512, generator=g)
-    for rows in (1, 2, 3):
+    for rows in range(1, PLAIN_MAX_ROWS + 1):
         assert torch.equal(fast(x[:rows]), F.linear(x[:rows], w, b))
-    assert torch.equal(fast(x[:4]), packed_linear(x[:4], fast.rows.weight, b))
-    assert torch.equal(fast(x), packed_linear(x, fast.rows.weight, b))
+    for rows in range(PLAIN_MAX_ROWS + 1, 6):
+        assert torch.equal(fast(x[:rows]), packed_linear(x[:rows], fast.rows.weight, b))
     bf16 = FastLinear(w.bfloat16(), None, pack=False, fp32_math=True)
     assert bf16.few_rows.weight.dtype == torch.bfloat16 and bf16.few_rows_max == 1  # one row reads the bf16 weight
     if native_library() is not None:  # ... through the C GEMV, without a second copy for it
@@ -148,7 +150,7 @@ def test_fast_path_is_chosen_only_where_it_helps():
         assert fast_linear_for(big, None).pack
     bf16 = fast_linear_for(small.bfloat16(), None)
     assert (bf16 is None) == has_bf16_arithmetic()  # emulated bf16: fp32 math even for small weights
-    medium = fast_linear_for(torch.empty(512, 512), None)  # 1 MiB: too small to pack, big enough for the GEMV
+    medium = fast_linear_for(torch.empty(384, 512), None)  # 768 KiB: too small to pack, big enough for the GEMV
     assert (medium is None) == (native_library() is None)
     if medium is not None:
         assert medium.one_row.kind == "f32_gemv" and not medium.pack

@@ -1,0 +1,154 @@
+"""n-gram speculative decoding on the default model: with vs without, copy-heavy vs open chat, batch 1 and 8,
+and llama.cpp's prompt lookup decoding on the same file and prompts at batch 1 (issue 19's benchmark).
+
+    .venv/bin/python benchmarks/speculative_bench.py                       # llama.cpp from $DUET_LLAMA_VENV
+    .venv/bin/python benchmarks/speculative_bench.py --modes auto --batches 1 --repeats 3 --no-llama
+
+Workloads (chat prompts, greedy, up to --max-tokens each):
+    copy   edit a given passage or code and return it whole: rename a function in duet source files, fix the
+           spelling of README passages (most of the answer is in the prompt)
+    chat   open questions (nothing to copy: speculation should cost nothing here)
+A cell generates every prompt of a workload (batch 1: one after another; batch 8: as one batch, each prompt twice);
+figure: output tokens / seconds of the whole cell, prefill included. duet's speculation is
+`{"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 2, "prompt_lookup_max": 4}`; llama.cpp's is
+`LlamaPromptLookupDecoding(num_pred_tokens=K, max_ngram_size=4)` (llama_cpp_lookup_worker.py). Every engine's
+cells alternate, repeat by repeat, so a shared machine's drift hits all alike. Acceptance rate = accepted / drafted
+guesses; mean accepted length = 1 + accepted / drafts (vLLM's), both from the engine's own counters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vllm_session import PeerSession  # noqa: E402
+
+from engine.default_model import default_model_path  # noqa: E402
+from engine.llm import LLM  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+MODES = {"float32": ("none", "float32"), "bfloat16": ("none", "bfloat16"), "auto": ("auto", "float32")}
+CHAT = ["Write a short poem about the sea.", "Explain how a bicycle works.",
+        "Give me three tips for learning a new language.", "What is the difference between weather and climate?"]
+
+
+def copy_prompts() -> list[str]:
+    """Edit-and-return-it-whole tasks over this repository's own text (fixed files and offsets: reproducible)."""
+    out = []
+    for path, old, new in (("engine/ngram_proposer.py", "propose_ngram", "find_ngram_proposal"),
+                           ("engine/speculation.py", "Speculator", "GuessMaker")):
+        code = (ROOT / path).read_text().split('"""', 2)[2][:900]
+        out.append(f"Rename {old} to {new} in this code. Return the whole code.\n\n```python{code}```")
+    readme = (ROOT / "README.md").read_text()
+    for start in (3000, 5000):
+        passage = readme[start : start + 700].replace("the ", "teh ")
+        out.append(f"Correct the spelling in the following passage and return it in full:\n\n{passage}")
+    return out
+
+
+def workloads() -> dict[str, list[list[dict]]]:
+    return {name: [[{"role": "user", "content": text}] for text in texts]
+            for name, texts in (("copy", copy_prompts()), ("chat", CHAT))}
+
+
+def duet_cell(llm: LLM, conversations: list, batch: int, max_tokens: int) -> tuple[int, float]:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0)
+    start, tokens = time.perf_counter(), 0
+    if batch == 1:
+        for conversation in conversations:
+            tokens += len(llm.chat([conversation], params, use_tqdm=False)[0].outputs[0].token_ids)
+    else:
+        outs = llm.chat((conversations * batch)[:batch], params, use_tqdm=False)
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return tokens, time.perf_counter() - start
+
+
+def spread(values: list[float]) -> str:
+    return f"{min(values):.1f} / {statistics.median(values):.1f} / {max(values):.1f}"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--modes", default="float32,bfloat16,auto")
+    p.add_argument("--batches", default="1,8")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--max-tokens", type=int, default=192)
+    p.add_argument("--k", type=int, default=5, help="num_speculative_tokens")
+    p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--disable-by-batch-size", type=int, default=None, help="default: engine/speculative_config.py's")
+    p.add_argument("--no-llama", action="store_true")
+    p.add_argument("--llama-venv", default=os.environ.get("DUET_LLAMA_VENV", "/work/llama-venv"))
+    args = p.parse_args()
+    modes, batches = args.modes.split(","), [int(b) for b in args.batches.split(",")]
+    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    if args.disable_by_batch_size is not None:  # e.g. 64: speculate at every batch size, to see where it stops paying
+        spec["disable_by_batch_size"] = args.disable_by_batch_size
+    model = default_model_path()
+    loads = workloads()
+    print(f"config: modes={modes} batches={batches} repeats={args.repeats} max_tokens={args.max_tokens} k={args.k} "
+          f"threads={args.threads} model={model.name} speculative={json.dumps(spec)}", flush=True)
+    engines = {(mode, on): LLM(model, quantization=MODES[mode][0], dtype=MODES[mode][1], num_threads=args.threads,
+                               speculative_config=spec if on else None)
+               for mode in modes for on in (False, True)}
+    for llm in engines.values():  # warm-up: kernels built, memory touched
+        duet_cell(llm, loads["chat"][:1], 1, 8)
+    llama = None
+    if not args.no_llama:
+        workload_file = Path(tempfile.mkstemp(suffix=".json")[1])
+        workload_file.write_text(json.dumps(loads))
+        llama = PeerSession([f"{args.llama_venv}/bin/python", str(ROOT / "benchmarks/llama_cpp_lookup_worker.py"),
+                             "--model", str(model), "--workloads", str(workload_file), "--max-tokens",
+                             str(args.max_tokens), "--num-pred-tokens", str(args.k), "--threads", str(args.threads),
+                             "--serve"], "LOOKUP_READY ", "LOOKUP_CELL ")
+    rates: dict[tuple, list[float]] = {}
+    counts: dict[tuple, list[tuple[int, int, int]]] = {}
+    try:
+        for repeat in range(args.repeats):
+            for name in loads:
+                for batch in batches:
+                    for (mode, on), llm in engines.items():
+                        stats0 = llm.engine.core.speculation
+                        tokens, seconds = duet_cell(llm, loads[name], batch, args.max_tokens)
+                        stats1 = llm.engine.core.speculation
+                        key = (mode, name, batch, on)
+                        rates.setdefault(key, []).append(tokens / seconds)
+                        counts.setdefault(key, []).append((stats1.num_drafts - stats0.num_drafts,
+                                                           stats1.num_draft_tokens - stats0.num_draft_tokens,
+                                                           stats1.num_accepted_tokens - stats0.num_accepted_tokens))
+                        print(f"repeat={repeat} {name} batch={batch} {mode} ngram={on}: {tokens / seconds:.1f} tok/s",
+                              flush=True)
+                    if llama is not None and batch == 1:
+                        for on in (False, True):
+                            reply = llama.ask(1, repeat, workload=name, lookup=on)
+                            rates.setdefault(("llama.cpp", name, 1, on), []).append(reply["tokens"] / reply["seconds"])
+                            print(f"repeat={repeat} {name} batch=1 llama.cpp lookup={on}: "
+                                  f"{reply['tokens'] / reply['seconds']:.1f} tok/s", flush=True)
+    finally:
+        if llama is not None:
+            llama.close()
+    print("\n| engine | workload | batch | plain tok/s | n-gram tok/s | n-gram / plain (min / median / max) | "
+          "acceptance | mean accepted length |")
+    print("|---|---|---:|---|---|---|---:|---:|")
+    for (mode, name, batch, on), values in rates.items():
+        if on:
+            continue
+        with_spec = rates[(mode, name, batch, True)]
+        ratios = [b / a for a, b in zip(values, with_spec)]
+        drafted = [c for c in counts.get((mode, name, batch, True), [])]
+        drafts, guesses, accepted = (sum(c[i] for c in drafted) for i in range(3)) if drafted else (0, 0, 0)
+        acceptance = f"{accepted / guesses:.2f}" if guesses else "-"
+        length = f"{1 + accepted / drafts:.2f}" if drafts else "-"
+        print(f"| {mode} | {name} | {batch} | {spread(values)} | {spread(with_spec)} | "
+              f"{min(ratios):.2f} / {statistics.median(ratios):.2f} / {max(ratios):.2f} | {acceptance} | {length} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -313,3 +314,20 @@ def test_a_cluster_whose_decode_worker_speculates_gives_the_offline_tokens(tiny_
                               "redis://127.0.0.1:9", "--speculative-config", json.dumps(NGRAM)],
                              capture_output=True, text=True, timeout=120)
     assert refused.returncode != 0 and "--speculative-config is for decode workers" in refused.stderr
+
+
+@pytest.mark.slow
+def test_the_default_model_copying_a_passage_accepts_most_guesses_and_keeps_its_greedy_tokens():
+    """SmolLM2-135M-Instruct (the embedded default, GGUF kept quantized) asked to return an edited passage: the
+    n-gram guesses are accepted most of the time, and the greedy answer is token for token the plain one."""
+    code = (Path(__file__).resolve().parents[1] / "engine" / "ngram_proposer.py").read_text().split('"""', 2)[2]
+    chat = [[{"role": "user", "content": "Rename propose_ngram to find_proposal in this code and return the whole "
+                                         f"code.\n\n```python{code[:700]}```"}]]
+    params = SamplingParams(max_tokens=64, temperature=0)
+    plain = LLM().chat(chat, params, use_tqdm=False)[0].outputs[0]
+    spec_llm = LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4,
+                                       "prompt_lookup_min": 2})
+    spec = spec_llm.chat(chat, params, use_tqdm=False)[0].outputs[0]
+    assert spec.token_ids == plain.token_ids and spec.text == plain.text
+    stats = spec_llm.engine.core.speculation
+    assert stats.num_accepted_tokens >= 0.5 * stats.num_draft_tokens > 0

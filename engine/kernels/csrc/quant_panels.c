@@ -111,42 +111,8 @@ static void dequantize_row(int kind, const void *qweight, const float *scales, c
 }
 
 
-/* rows [o0, o0 + n) of the weight as float32 into panel [n][k_in] */
-static void dequantize_panel(int kind, const void *qweight, const float *scales, const float *mins, int64_t group,
-                             int64_t o0, int64_t n, int64_t k_in, float *panel) {
-    for (int64_t i = 0; i < n; i++) dequantize_row(kind, qweight, scales, mins, group, o0 + i, k_in, panel + i * k_in, 0);
-}
-
-/* sums [rows, n_out] = x [rows, k_in] (float32, row stride ldx) · dequantize(W)ᵀ, W int4 (kind 4: groups of 32 with
- * mins) or int8 (kind 8: scales per `group`, k_in or a multiple of 32). */
-void duet_quant_panels(const float *x, int64_t ldx, int kind, const void *qweight, const float *scales,
-                       const float *mins, int64_t group, float *sums, int64_t rows, int64_t n_out, int64_t k_in) {
-    int64_t panels = (n_out + PANEL - 1) / PANEL;
-#pragma omp parallel if (n_out * k_in >= PARALLEL_MIN_WEIGHTS)
-    {
-        float *panel = calloc((size_t)(PANEL * k_in), sizeof(float)); /* a last, partial panel's other rows: discarded */
-#pragma omp for schedule(static)
-        for (int64_t p = 0; p < panels; p++) {
-            int64_t o0 = p * PANEL, n = n_out - o0 < PANEL ? n_out - o0 : PANEL;
-            dequantize_panel(kind, qweight, scales, mins, group, o0, n, k_in, panel);
-            for (int64_t r0 = 0; r0 < rows; r0 += 4) {
-                const float *xr[4];
-                for (int r = 0; r < 4; r++) xr[r] = x + (r0 + r < rows ? r0 + r : r0) * ldx; /* past the end: again */
-                for (int64_t i0 = 0; i0 < n; i0 += 4) {
-                    float out[16];
-                    tile4x4(xr, panel + i0 * k_in, k_in, out);
-                    for (int r = 0; r < 4 && r0 + r < rows; r++)
-                        for (int i = 0; i < 4 && i0 + i < n; i++) sums[(r0 + r) * n_out + o0 + i0 + i] = out[4 * r + i];
-                }
-            }
-        }
-        free(panel);
-    }
-}
-
 #if defined(__AVX512BF16__)
 int duet_quant_panels_bf16_available(void) { return 1; }
-
 
 /* out[4r + i] = x[r] . w[i] over k_in (a multiple of 32) bfloat16 inputs, accumulated in float32 */
 static void tile4x4_bf16(const uint16_t *const x[4], const uint16_t *w, int64_t k_in, float out[16]) {
@@ -165,24 +131,42 @@ static void tile4x4_bf16(const uint16_t *const x[4], const uint16_t *w, int64_t 
     memcpy(out, &sums, sizeof sums);
 }
 
-/* duet_quant_panels for bfloat16 x [rows, k_in] (row stride ldx), k_in a multiple of 32: the panel in bfloat16 */
-void duet_quant_panels_bf16(const uint16_t *x, int64_t ldx, int kind, const void *qweight, const float *scales,
-                            const float *mins, int64_t group, float *sums, int64_t rows, int64_t n_out, int64_t k_in) {
+#else
+int duet_quant_panels_bf16_available(void) { return 0; }
+#endif
+
+/* one 4 x 4 tile: float32 x against a float32 panel, or (bf16, AVX512-BF16 builds only) bfloat16 against bfloat16 */
+static void tile(const void *const x[4], const void *w, int64_t k_in, int bf16, float out[16]) {
+#if defined(__AVX512BF16__)
+    if (bf16) {
+        tile4x4_bf16((const uint16_t *const *)x, w, k_in, out);
+        return;
+    }
+#endif
+    tile4x4((const float *const *)x, w, k_in, out);
+}
+
+/* sums [rows, n_out] = x [rows, k_in] (row stride ldx; float32, or bfloat16 with bf16) · dequantize(W)ᵀ: each thread
+ * dequantizes PANEL output rows at a time into its own buffer, in x's dtype, and runs the 4 x 4 tiles over it */
+static void by_panels(const void *x, int64_t ldx, int bf16, int kind, const void *qweight, const float *scales,
+                      const float *mins, int64_t group, float *sums, int64_t rows, int64_t n_out, int64_t k_in) {
     int64_t panels = (n_out + PANEL - 1) / PANEL;
+    size_t esize = bf16 ? sizeof(uint16_t) : sizeof(float);
 #pragma omp parallel if (n_out * k_in >= PARALLEL_MIN_WEIGHTS)
     {
-        uint16_t *panel = calloc((size_t)(PANEL * k_in), sizeof(uint16_t)); /* a partial panel's other rows: zeros */
+        char *panel = calloc((size_t)(PANEL * k_in), esize); /* a last, partial panel's other rows: discarded */
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < panels; p++) {
             int64_t o0 = p * PANEL, n = n_out - o0 < PANEL ? n_out - o0 : PANEL;
             for (int64_t i = 0; i < n; i++)
-                dequantize_row(kind, qweight, scales, mins, group, o0 + i, k_in, panel + i * k_in, 1);
+                dequantize_row(kind, qweight, scales, mins, group, o0 + i, k_in, panel + i * k_in * esize, bf16);
             for (int64_t r0 = 0; r0 < rows; r0 += 4) {
-                const uint16_t *xr[4];
-                for (int r = 0; r < 4; r++) xr[r] = x + (r0 + r < rows ? r0 + r : r0) * ldx; /* past the end: again */
+                const void *xr[4];
+                for (int r = 0; r < 4; r++) /* past the end: the first row again */
+                    xr[r] = (const char *)x + (r0 + r < rows ? r0 + r : r0) * ldx * (int64_t)esize;
                 for (int64_t i0 = 0; i0 < n; i0 += 4) {
                     float out[16];
-                    tile4x4_bf16(xr, panel + i0 * k_in, k_in, out);
+                    tile(xr, panel + i0 * k_in * esize, k_in, bf16, out);
                     for (int r = 0; r < 4 && r0 + r < rows; r++)
                         for (int i = 0; i < 4 && i0 + i < n; i++) sums[(r0 + r) * n_out + o0 + i0 + i] = out[4 * r + i];
                 }
@@ -191,13 +175,17 @@ void duet_quant_panels_bf16(const uint16_t *x, int64_t ldx, int kind, const void
         free(panel);
     }
 }
-#else
-int duet_quant_panels_bf16_available(void) { return 0; }
 
+/* sums [rows, n_out] = x [rows, k_in] (float32, row stride ldx) · dequantize(W)ᵀ, W int4 (kind 4: groups of 32 with
+ * mins) or int8 (kind 8: scales per `group`, k_in or a multiple of 32). */
+void duet_quant_panels(const float *x, int64_t ldx, int kind, const void *qweight, const float *scales,
+                       const float *mins, int64_t group, float *sums, int64_t rows, int64_t n_out, int64_t k_in) {
+    by_panels(x, ldx, 0, kind, qweight, scales, mins, group, sums, rows, n_out, k_in);
+}
+
+/* the same for bfloat16 x, k_in a multiple of 32; only where duet_quant_panels_bf16_available() */
 void duet_quant_panels_bf16(const uint16_t *x, int64_t ldx, int kind, const void *qweight, const float *scales,
                             const float *mins, int64_t group, float *sums, int64_t rows, int64_t n_out, int64_t k_in) {
-    (void)x, (void)ldx, (void)kind, (void)qweight, (void)scales, (void)mins, (void)group, (void)sums, (void)rows,
-        (void)n_out, (void)k_in;
-    abort(); /* callers ask duet_quant_panels_bf16_available() first */
+    if (!duet_quant_panels_bf16_available()) abort(); /* callers ask first */
+    by_panels(x, ldx, 1, kind, qweight, scales, mins, group, sums, rows, n_out, k_in);
 }
-#endif

@@ -22,6 +22,11 @@ class AllowedTokens(Protocol):
 
     def fill_bitmask(self, row: torch.Tensor) -> None: ...
 
+    def masks_along(self, token_ids: Sequence[int]) -> list[AllowedTokens]:
+        """What may come next after each prefix of `token_ids` (a speculative row's positions), the state
+        itself unchanged."""
+        ...
+
 
 class GrammarDeadEnd(RuntimeError):
     """A row's grammar allows no next token: that request cannot go on and fails alone."""

@@ -20,6 +20,20 @@ import torch
 BITS_PER_WORD = 32  # the bitmask: int32 words, bit (i % 32) of word (i // 32) allows token i
 
 
+class FixedMask:
+    """An allowed-token bitmask computed ahead (one position of a speculative row)."""
+
+    def __init__(self, bitmask: torch.Tensor):
+        self.bitmask = bitmask
+        self.num_words = bitmask.numel()
+
+    def fill_bitmask(self, row: torch.Tensor) -> None:
+        row.copy_(self.bitmask)
+
+    def masks_along(self, token_ids: Sequence[int]) -> list[FixedMask]:
+        raise TypeError("a fixed mask has no grammar to advance")
+
+
 class GrammarState:
     """Not thread-safe: the engine thread alone uses it once the request is admitted."""
 
@@ -45,6 +59,26 @@ class GrammarState:
         if self._stop_token_ids and self._matcher.is_accepting():
             for token_id in self._stop_token_ids:  # a stop token ends the request like EOS
                 row[token_id // BITS_PER_WORD] |= _bit(token_id % BITS_PER_WORD)
+
+    def masks_along(self, token_ids: Sequence[int]) -> list[FixedMask]:
+        """The allowed-token masks after each prefix of `token_ids` (len + 1 of them: a speculative row's positions),
+        taking the tokens tentatively and rolling them back, so this state is unchanged. From a token the grammar
+        rejects (or one that ends the request) on, the masks repeat the last one: no draw there can be kept, as the
+        draw before it cannot equal that token."""
+        rows = torch.zeros(len(token_ids) + 1, self.num_words, dtype=torch.int32)
+        self.fill_bitmask(rows[0])
+        taken = 0
+        for j, token_id in enumerate(token_ids):
+            ends = token_id in self._stop_token_ids or self.error is not None
+            # try_consume_tokens takes what the grammar allows and, unlike consume_token, leaves no error behind
+            if ends or self._matcher.try_consume_tokens([token_id]) != 1:
+                rows[j + 1 :] = rows[j]
+                break
+            taken += 1
+            self.fill_bitmask(rows[j + 1])
+        if taken:
+            self._matcher.rollback(taken)
+        return [FixedMask(row) for row in rows]
 
     def accept(self, token_id: int) -> bool:
         """Advance past `token_id`; False (and `error` set) if the grammar rejects it."""

@@ -4,8 +4,8 @@
 decoding) owns one logits row per position and gains its accepted proposals and one more token:
 
     position j (after j accepted proposals): draw t_j exactly as plain sampling would at that step (the row's
-    output extended by the proposals before it: penalties, min_tokens and a seeded row's (seed, step) draw all
-    see what they would see); keep t_j; go on only while t_j equals proposal j.
+    output extended by the proposals before it: penalties, min_tokens, a seeded row's (seed, step) draw and a
+    structured row's grammar mask all see what they would see); keep t_j; go on only while t_j equals proposal j.
 
 For a proposer that names one token per position (n-gram lookup), this is rejection sampling with the residual
 distribution (Leviathan et al. / Chen et al.) for a one-hot draft: proposal j is accepted with probability
@@ -80,16 +80,15 @@ class SamplingRow:
 
     def positions(self) -> list[SamplingRow]:
         """The plain rows a speculative row samples at: position j sees the output extended by the first j
-        proposals (so its penalties, min_tokens and seeded draw are those of plain sampling at that step)."""
+        proposals (so its penalties, min_tokens, seeded draw and grammar mask are those of plain sampling at that
+        step)."""
         if not self.proposed_token_ids:
             return [self]
-        if self.grammar is not None:
-            raise ValueError("a structured-output row cannot carry proposed tokens: its grammar would have to "
-                             "advance through each of them")
         output = list(self.output_token_ids)
         proposed = list(self.proposed_token_ids)
-        return [SamplingRow(self.params, self.prompt_token_ids, output + proposed[:j], (), self.eos_token_ids)
-                for j in range(len(proposed) + 1)]
+        masks = self.grammar.masks_along(proposed) if self.grammar is not None else [None] * (len(proposed) + 1)
+        return [SamplingRow(self.params, self.prompt_token_ids, output + proposed[:j], (), self.eos_token_ids, mask)
+                for j, mask in enumerate(masks)]
 
 
 class TokenLogprobs(NamedTuple):

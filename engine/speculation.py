@@ -65,8 +65,8 @@ class Speculator:
     def draft(self, request: Request, num_live: int, max_tokens: int) -> list[int]:
         """Guesses for a decoding request's next tokens: at most `max_tokens` (what is left of the step's budget)."""
         cfg = self.config
-        if num_live > cfg.disable_by_batch_size or request.grammar is not None or max_tokens < 1:
-            return []  # structured output: the grammar would have to advance through each guess
+        if num_live > cfg.disable_by_batch_size or max_tokens < 1:
+            return []
         state = self._states.setdefault(request.request_id, DraftState())
         if state.paused_steps:
             state.paused_steps -= 1

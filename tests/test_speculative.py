@@ -331,3 +331,49 @@ def test_the_default_model_copying_a_passage_accepts_most_guesses_and_keeps_its_
     assert spec.token_ids == plain.token_ids and spec.text == plain.text
     stats = spec_llm.engine.core.speculation
     assert stats.num_accepted_tokens >= 0.5 * stats.num_draft_tokens > 0
+
+
+def test_structured_output_requests_speculate_under_their_grammar(tiny_llama_dir):
+    """A regex that forces a repeating pattern: the guesses (from the pattern's earlier repeats) are masked by the
+    grammar at each position as plain decoding masks them, so the answer is the plain one, it matches the regex,
+    and guesses were accepted. A guess the grammar rejects is never kept."""
+    import re
+
+    from engine.structured_output import StructuredOutput
+
+    pattern = "(ab|cd){12}"
+    plain = LLM(tiny_llama_dir, max_model_len=256)
+    spec = LLM(tiny_llama_dir, max_model_len=256, speculative_config=NGRAM)
+    prompts = [[5, 6, 7, 8] * 4, [20, 21] * 6]
+    params = [SamplingParams(max_tokens=40, temperature=0, structured_output=StructuredOutput(regex=pattern)),
+              SamplingParams(max_tokens=40, temperature=0.8, seed=3, structured_output=StructuredOutput(regex=pattern))]
+    want = [o.outputs[0] for o in plain.generate(prompts, params, use_tqdm=False)]
+    got = [o.outputs[0] for o in spec.generate(prompts, params, use_tqdm=False)]
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert all(re.fullmatch(pattern, g.text) for g in got), [g.text for g in got]
+    stats = spec.engine.core.speculation
+    assert stats.num_accepted_tokens > 0
+    spec.engine.core.check_integrity()
+
+
+def test_grammar_masks_along_guesses_leave_the_state_as_it_was(tiny_llama_dir):
+    from engine.grammar_mask import unpack_bitmask
+    from engine.structured_output import StructuredOutput
+
+    llm = LLM(tiny_llama_dir, max_model_len=256)
+    a, b = (llm.engine.tokenizer.encode(text)[-1:] for text in ("a", "b"))  # (after the BOS it adds)
+    state = llm.engine.core.grammar_compiler.new_state(StructuredOutput(regex="(ab){3}"))
+    vocab = state.vocab_size
+
+    def allowed(mask) -> set[int]:
+        row = torch.zeros(state.num_words, dtype=torch.int32)
+        mask.fill_bitmask(row)
+        return set(unpack_bitmask(row.unsqueeze(0), vocab)[0].nonzero().flatten().tolist())
+
+    before = allowed(state)
+    masks = state.masks_along([a[0], b[0], b[0], a[0]])  # the third guess breaks the pattern
+    assert len(masks) == 5
+    assert a[0] in allowed(masks[0]) and b[0] in allowed(masks[1]) and a[0] in allowed(masks[2])
+    assert allowed(masks[3]) == allowed(masks[2]) == allowed(masks[4])  # past the rejected guess: repeated
+    assert allowed(state) == before and state.error is None  # rolled back, no error left behind
+    assert state.accept(a[0]) and state.accept(b[0]) and not state.accept(b[0])

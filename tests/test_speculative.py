@@ -377,3 +377,16 @@ def test_grammar_masks_along_guesses_leave_the_state_as_it_was(tiny_llama_dir):
     assert allowed(masks[3]) == allowed(masks[2]) == allowed(masks[4])  # past the rejected guess: repeated
     assert allowed(state) == before and state.error is None  # rolled back, no error left behind
     assert state.accept(a[0]) and state.accept(b[0]) and not state.accept(b[0])
+
+
+def test_tensor_parallel_ranks_verify_guesses_in_lockstep(tiny_llama_dir):
+    """TP=2: the step broadcast carries the guesses' decode rows and their sample rows to the follower rank; the
+    tokens are TP=1's plain ones."""
+    prompts = repetitive_prompts()[:3]
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(tiny_llama_dir, max_model_len=256).generate(prompts, params,
+                                                                                             use_tqdm=False)]
+    with LLM(tiny_llama_dir, max_model_len=256, tp_size=2, speculative_config=NGRAM) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert llm.engine.core.speculation.num_accepted_tokens > 0
+    assert got == want

@@ -16,7 +16,7 @@ import json
 import typing
 from dataclasses import dataclass
 
-from engine.speculative_config import SpeculativeConfig
+from engine.speculative_config import SpeculativeConfig, json_object
 
 DTYPE_NAMES = ("float32", "float16", "bfloat16")
 DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16", "float": "float32"}
@@ -117,12 +117,7 @@ class EngineConfig:
     def from_json(cls, text: str) -> EngineConfig:
         """The config `to_json` wrote. Raises ValueError for malformed JSON, unknown fields, or values
         `EngineConfig` rejects."""
-        try:
-            values = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"engine config {text[:80]!r} is not JSON: {e}") from None
-        if not isinstance(values, dict):
-            raise ValueError(f"engine config {text[:80]!r} is invalid: must be a JSON object")
+        values = json_object(text, "engine config")
         unknown = sorted(set(values) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
             raise ValueError(f"engine config fields {', '.join(unknown)} are unknown")

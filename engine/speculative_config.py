@@ -62,10 +62,7 @@ class SpeculativeConfig:
         if value is None or isinstance(value, SpeculativeConfig):
             return value
         if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config {value[:80]!r} is not JSON: {e}") from None
+            value = json_object(value, "speculative_config")
         if not isinstance(value, Mapping):
             raise ValueError(f"speculative_config {value!r} is invalid: must be a JSON object")
         known = {name for name in cls.__dataclass_fields__}
@@ -78,6 +75,17 @@ class SpeculativeConfig:
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"), sort_keys=True)
+
+
+def json_object(text: str, what: str) -> dict:
+    """The JSON object `text` holds; ValueError naming `what` if it is not JSON or not an object."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{what} {text[:80]!r} is not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{what} {text[:80]!r} is invalid: must be a JSON object")
+    return value
 
 
 def _check_int(name: str, value: object, low: int) -> None:

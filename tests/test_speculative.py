@@ -390,3 +390,38 @@ def test_tensor_parallel_ranks_verify_guesses_in_lockstep(tiny_llama_dir):
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         assert llm.engine.core.speculation.num_accepted_tokens > 0
     assert got == want
+
+
+def test_a_killed_speculating_decode_worker_costs_a_pause_and_a_cancel_leaks_nothing(tiny_llama_dir):
+    """Both decode workers speculate: requests on the one killed mid-stream migrate to the other and finish with the
+    offline tokens (the guesses are rebuilt from the token history there); a stream cancelled mid-way frees its
+    blocks, guessed slots included."""
+    import json
+
+    from cluster_helpers import wait_idle
+    from test_migration import ENGINE_ARGS, kill_first_decode_worker_mid_stream, migrated_from
+
+    from deploy.local_cluster import ClusterConfig, LocalCluster
+    from duet.client import Client
+
+    speculative = json.dumps({**NGRAM, "disable_by_batch_size": 64})
+    config = ClusterConfig(model_dir=str(tiny_llama_dir), num_prefill=1, num_decode=2, worker_args=ENGINE_ARGS,
+                           decode_args=["--speculative-config", speculative], router_args=["--max-model-len", "1024"])
+    prompts = [p * 3 for p in repetitive_prompts()[:4]]
+    params = [SamplingParams(max_tokens=200, ignore_eos=True, **(dict(temperature=0) if i % 2 == 0 else
+                                                                dict(temperature=0.9, seed=100 + i)))
+              for i in range(len(prompts))]
+    offline = LLM(tiny_llama_dir, num_kv_blocks=200, max_model_len=1024)
+    expected = [o.outputs[0].token_ids for o in offline.generate(prompts, params, use_tqdm=False)]
+    with LocalCluster(config).start() as cluster:
+        results, _, victim, victim_proc = kill_first_decode_worker_mid_stream(
+            cluster, Path(tiny_llama_dir).name, prompts, params)
+        assert [results[i] for i in range(len(prompts))] == expected
+        assert migrated_from(cluster, victim) >= 1
+        with Client(cluster.router_address) as client:
+            stream = client.generate(prompts[0], params[0], timeout_s=60)
+            for n, _ in enumerate(stream):
+                if n == 3:
+                    stream.cancel()
+                    break
+        wait_idle(cluster, skip=(victim_proc.name,))

@@ -13,6 +13,10 @@ The model is made locally with random weights by engine.tiny_model.make_tiny_mod
 2048, MLP 8192, 32 heads, 8 KV heads, vocab 32000: 1.1B parameters), once per --model-dir.
 
     python benchmarks/decode_step_cuda.py [--dtype bfloat16] [--batch 1 64] [--context 512] [--repeats 50]
+                                          [--quantization none int8 int4]
+
+Each --quantization value is its own runtime over the same checkpoint (int8 / int4: round-to-nearest on load,
+decoded by the Triton weight-only kernels), against its own roofline (its own bytes of weights).
 
 Without CUDA it prints why and exits 0: it measures GPU steps only. Not part of CI.
 """
@@ -51,9 +55,12 @@ def copy_bandwidth(num_bytes: int, repeats: int) -> float:
 
 
 def weight_bytes_read(model) -> int:
-    """Bytes of the weights one decode step reads: every parameter but the input embedding table, of
-    which a step reads B rows only (a tied table is read whole, as the output projection)."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    """Bytes of the weights one decode step reads: every weight as held (quantized ones packed, with their scales)
+    but the input embedding table, of which a step reads B rows only (a tied table is read whole, as the output
+    projection)."""
+    from engine.quantization import weight_bytes_by_kind
+
+    total = sum(weight_bytes_by_kind(model).values())
     if model.lm_head is not None:
         total -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
     return total
@@ -99,16 +106,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--copy-gib", type=float, default=2.0, help="size of the bandwidth-measuring copy")
     p.add_argument("--model-dir", type=Path, default=None, help="where the random model is made (reused if there)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quantization", nargs="+", default=["none"], choices=["none", "int8", "int4"])
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("decode_step_cuda: no CUDA device here; this benchmark times GPU decode steps only (skipped)")
         return 0
 
-    from engine.config import EngineConfig
-    from engine.cuda_graphs import make_graph_replayer
-    from engine.model_runner import ModelRunner
-    from engine.runtime import build_runtime
-    from engine.sampler import Sampler
     from engine.tiny_model import make_tiny_model
 
     model_dir = args.model_dir or Path(tempfile.gettempdir()) / f"duet-decode-bench-1b-{args.dtype}"
@@ -116,10 +119,34 @@ def main(argv: list[str] | None = None) -> int:
         print(f"making the random model in {model_dir} ...", flush=True)
         make_tiny_model(model_dir, **MODEL, max_position_embeddings=4096, dtype=args.dtype, initializer_range=0.02,
                         seed=args.seed)
+    bandwidth = copy_bandwidth(int(args.copy_gib * GiB), repeats=20)
+    props = torch.cuda.get_device_properties(0)
+    print(f"device: {props.name} ({props.total_memory / GiB:.0f} GiB), torch {torch.__version__}")
+    print(f"copy bandwidth (same run): {bandwidth / 1e9:.0f} GB/s")
+    print(f"context {args.context} tokens/sequence, block size {args.block_size}, repeats {args.repeats} "
+          f"(+{args.warmup} warm-up), seed {args.seed}\n")
+    print("| quantization | batch | runner | min ms | median ms | max ms | roofline / median | graphs speedup |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|")
+    notes = []
+    for quantization in args.quantization:
+        notes.append(time_quantization(model_dir, args, quantization, bandwidth))
+    print()
+    print("\n".join(notes))
+    return 0
+
+
+def time_quantization(model_dir: Path, args, quantization: str, bandwidth: float) -> str:
+    """Prints one table row per (batch, runner) for the runtime under `quantization`; returns its summary line."""
+    from engine.config import EngineConfig
+    from engine.cuda_graphs import make_graph_replayer
+    from engine.model_runner import ModelRunner
+    from engine.runtime import build_runtime
+    from engine.sampler import Sampler
+
     max_batch = max(args.batch)
     blocks_needed = max_batch * -(-args.context // args.block_size)
     config = EngineConfig(dtype=args.dtype, device="cuda", cuda_graphs=False, block_size=args.block_size,
-                          num_kv_blocks=blocks_needed, max_num_seqs=max_batch,
+                          num_kv_blocks=blocks_needed, max_num_seqs=max_batch, quantization=quantization,
                           max_model_len=max(args.context + 1, 2048), cuda_graph_batch_sizes=tuple(sorted(args.batch)))
     rt = build_runtime(model_dir, config)
     eager = rt.runner
@@ -129,23 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     capture_start = time.perf_counter()
     replayer.capture()
     capture_s = time.perf_counter() - capture_start
-
-    num_params = sum(p.numel() for p in rt.model.parameters())
     weights = weight_bytes_read(rt.model)
-    bandwidth = copy_bandwidth(int(args.copy_gib * GiB), repeats=20)
     roofline_s = weights / bandwidth
-    props = torch.cuda.get_device_properties(0)
-    print(f"device: {props.name} ({props.total_memory / GiB:.0f} GiB), torch {torch.__version__}")
-    print(f"model: {MODEL}, {num_params / 1e9:.2f}B params, {args.dtype}; weights read per step "
-          f"{weights / GiB:.2f} GiB")
-    print(f"context {args.context} tokens/sequence, max_model_len {rt.max_model_len} (static block tables that "
-          f"wide), block size {args.block_size}, repeats {args.repeats} "
-          f"(+{args.warmup} warm-up), seed {args.seed}; graphs captured for batch {list(replayer.batch_sizes)} "
-          f"in {capture_s:.1f} s")
-    print(f"copy bandwidth (same run): {bandwidth / 1e9:.0f} GB/s -> weights-read roofline "
-          f"{roofline_s * 1e3:.3f} ms/step\n")
-    print("| batch | runner | min ms | median ms | max ms | roofline / median | graphs speedup |")
-    print("|---:|---|---:|---:|---:|---:|---:|")
     for batch in args.batch:
         chunks = decode_chunks(batch, args.context, args.block_size, rt.model_config.vocab_size, args.seed)
         assert replayer.bucket_for_step(chunks) == batch
@@ -154,11 +166,15 @@ def main(argv: list[str] | None = None) -> int:
             times = time_steps(runner, chunks, args.warmup, args.repeats)
             medians[name] = statistics.median(times)
             speedup = f"{medians['eager'] / medians[name]:.2f}x" if name == "cuda graphs" else ""
-            print(f"| {batch} | {name} | {min(times) * 1e3:.3f} | {medians[name] * 1e3:.3f} | "
-                  f"{max(times) * 1e3:.3f} | {roofline_s / medians[name]:.0%} | {speedup} |")
+            print(f"| {quantization} | {batch} | {name} | {min(times) * 1e3:.3f} | {medians[name] * 1e3:.3f} | "
+                  f"{max(times) * 1e3:.3f} | {roofline_s / medians[name]:.0%} | {speedup} |", flush=True)
         same = eager.execute(chunks) == graphs.execute(chunks)
-        print(f"|  | (same greedy tokens: {'yes' if same else 'NO'}) | | | | | |")
-    return 0
+        print(f"| {quantization} |  | (same greedy tokens: {'yes' if same else 'NO'}) | | | | | |")
+    summary = (f"{quantization}: weights read per step {weights / GiB:.3f} GiB -> roofline {roofline_s * 1e3:.3f} ms; "
+               f"graphs for batch {list(replayer.batch_sizes)} captured in {capture_s:.1f} s")
+    del rt, eager, graphs, replayer
+    torch.cuda.empty_cache()
+    return summary
 
 
 if __name__ == "__main__":

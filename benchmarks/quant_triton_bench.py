@@ -13,6 +13,7 @@ Shapes: the default model's projections (SmolLM2-135M: hidden 576, MLP 1536, voc
 and gate/up as the engine holds them) and Llama-3-8B's (hidden 4096, MLP 14336, 8 KV heads).
 
     python benchmarks/quant_triton_bench.py [--dtype float16] [--rows 1 8 32 512] [--model both] [--repeats 50]
+    python benchmarks/quant_triton_bench.py --sweep    # the tile sizes: GEMV and GEMM blocks on Llama-3-8B's shapes
 
 Without CUDA (or triton) it prints why and exits 0: it measures GPU kernels only. Not part of CI.
 """
@@ -84,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="both", choices=("both", *SHAPES))
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sweep", action="store_true", help="time the kernels' tile sizes instead (see sweep())")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available() or importlib.util.find_spec("triton") is None:
         print("quant_triton_bench: needs CUDA and triton (GPU kernels only); skipped")
@@ -105,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
           "ours (>1: we are faster)")
     print(f"{'model':>13} {'proj':>8} {'kind':>5} {'rows':>5} {'MiB':>7} {'us min/med/max':>22} {'GB/s':>6} "
           f"{'of roof':>8} {'TFLOP/s':>8} {'dense us':>9} {'vs dense':>9} {'max rel err':>11}")  # fmt: skip
+    if args.sweep:
+        sweep(getattr(torch, args.dtype), flush, copy_bps.max, args.repeats, args.seed)
+        return 0
     models = list(SHAPES) if args.model == "both" else [args.model]
     g = torch.Generator(device="cuda").manual_seed(args.seed)
     for model in models:
@@ -127,6 +132,40 @@ def main(argv: list[str] | None = None) -> int:
                           f"{dense.median / ours.median:>8.2f}x {err:>11.1e}")  # fmt: skip
                 del w, dense_w
     return 0
+
+
+# (rows, module constant -> values): the GEMV's tile at decode row counts, the GEMM's at small batches
+SWEEP = [((1, 4), {"GEMV_BLOCK_N": (16, 32, 64, 128), "GEMV_BLOCK_K": (128, 256)}),
+         ((8, 32), {"GEMM_BLOCK_N": (32, 64, 128), "GEMM_BLOCK_K": (64, 128)})]
+
+
+def sweep(dtype: torch.dtype, flush: torch.Tensor, roof_bps: float, repeats: int, seed: int) -> None:
+    """Median time and fraction of the roofline of each tile size (set on the module, as the launchers read
+    it per call) for Llama-3-8B's gate_up and down projections, each kind."""
+    import itertools
+
+    from engine.kernels import quant_linear_triton as qlt
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    print(f"{'proj':>8} {'kind':>5} {'rows':>5} {'tile':>28} {'us med':>8} {'of roof':>8}")
+    for name, out, in_features in SHAPES["llama3-8b"][2:]:
+        for kind in KINDS:
+            w = make_weight(kind, out, in_features, g)
+            for row_counts, knobs in SWEEP:
+                saved = {k: getattr(qlt, k) for k in knobs}
+                for rows in row_counts:
+                    x = torch.randn(rows, in_features, generator=g, device="cuda").to(dtype)
+                    num_bytes = w.nbytes + (x.numel() + rows * out) * x.element_size()
+                    for values in itertools.product(*knobs.values()):
+                        for knob, value in zip(knobs, values):
+                            setattr(qlt, knob, value)
+                        t = time_cuda(lambda x=x, w=w: qlt.quantized_linear_triton(x, w), flush, repeats)
+                        tile = " ".join(f"{k.split('_', 1)[1]}={v}" for k, v in zip(knobs, values))
+                        print(f"{name:>8} {kind:>5} {rows:>5} {tile:>28} {t.median * 1e6:>8.1f} "
+                              f"{num_bytes / t.median / roof_bps:>8.1%}", flush=True)
+                for knob, value in saved.items():
+                    setattr(qlt, knob, value)
+            del w
 
 
 if __name__ == "__main__":

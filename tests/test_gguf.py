@@ -11,10 +11,10 @@ import dataclasses
 import importlib.util
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import gguf
 import numpy as np
-import openai
 import pytest
 import torch
 import transformers
@@ -31,6 +31,9 @@ from engine.scheduler import ScheduledChunk
 from engine.tensor_source import TensorSlice
 from engine.tokenizer import Tokenizer
 from engine.weights import build_model
+
+if TYPE_CHECKING:
+    import openai
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 REAL_LOGIT_ATOL = 2e-3  # fp32, 30 layers, a different summation order than transformers'
@@ -409,6 +412,8 @@ def test_smollm2_cluster_returns_the_offline_tokens():
         served = [stream_to_record(client.generate(prompt, params, timeout_s=120)) for prompt in prompts]
         assert [record["token_ids"] for record in served] == offline
         assert "Paris" in served[0]["text"]
+        import openai  # here, not at the top: tests/test_cuda_engine.py imports this module where openai is absent
+
         http = openai.OpenAI(base_url=cluster.http_url + "/v1", api_key="none", max_retries=0, timeout=120)
         model = http.models.list().data[0].id
         answer = http.chat.completions.create(model=model, messages=chats[0], max_tokens=16, temperature=0,
@@ -422,6 +427,7 @@ def check_structured_outputs(http: openai.OpenAI, model: str) -> None:
     """Issue 17 on the real model: json_object parses as a JSON object, json_schema validates, and tools are a 400
     saying the default model's chat template has no tool support."""
     import jsonschema
+    import openai
 
     person = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
                                                "age": {"type": "integer", "minimum": 0, "maximum": 120}},

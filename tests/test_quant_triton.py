@@ -182,12 +182,12 @@ def test_kernels_compile_for_h100_without_a_gpu(kind):
     types = {n: "i32" for n in ("rows", "out_features", "in_features", "k_per_split", "stride_xm", "stride_qn",
                                 "stride_sn", "stride_om", "stride_os")}
     types.update(Scales="*fp32", Mins="*fp32", QWeight="*u8" if int4 else "*i8")
-    flags = {"IS_INT4": int4, "GROUP": 576 if per_channel else 32, "PER_CHANNEL": per_channel, "HAS_BIAS": True}
+    flags = {"IS_INT4": int4, "SUB": qlt.PER_CHANNEL_SUB if per_channel else 32, "PER_CHANNEL": per_channel,
+             "HAS_BIAS": True}
     for rows in (1, qlt.GEMV_MAX_ROWS):
-        block_n = qlt.GEMV_TILE_ELEMENTS // (rows * qlt.GEMV_BLOCK_K)
         gemv_types = {**types, "X": "*fp16", "Bias": "*fp16", "Out": "*fp16"}
-        compiled = compile_for_h100(qlt._quantized_gemv_kernel, gemv_types,
-                                    {**flags, "BLOCK_M": rows, "BLOCK_N": block_n, "BLOCK_K": qlt.GEMV_BLOCK_K}, 1)
+        tiles = {"BLOCK_M": rows, "BLOCK_N": qlt.GEMV_BLOCK_N, "BLOCK_K": qlt.GEMV_BLOCK_K}
+        compiled = compile_for_h100(qlt._quantized_gemv_kernel, gemv_types, {**flags, **tiles}, 1)
         assert "cubin" in compiled.asm
     for dtype, precision, stages in (("fp16", "tf32", 3), ("fp32", "ieee", 1)):
         gemm_types = {**types, "X": f"*{dtype}", "Bias": f"*{dtype}", "Out": "*fp32"}  # Out: split partials

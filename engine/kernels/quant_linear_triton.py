@@ -34,8 +34,9 @@ from engine.quant_format import QuantizedWeight
 
 GEMV_MAX_ROWS = 4  # the GEMV's accumulator is [rows padded to a power of 2, BLOCK_N, BLOCK_K] registers
 MAX_SPLITS = 16
-GEMV_BLOCK_K = 128
-GEMV_TILE_ELEMENTS = 4096  # BLOCK_M * BLOCK_N * GEMV_BLOCK_K: 32 fp32 accumulators a thread at 4 warps
+GEMV_BLOCK_N = 64
+GEMV_BLOCK_K = 128  # a multiple of every group size (32, 64) and of PER_CHANNEL_SUB
+PER_CHANNEL_SUB = 32
 GEMM_BLOCK_N = 64
 GEMM_BLOCK_K = 64
 
@@ -121,8 +122,7 @@ def quantized_gemv_triton(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tenso
     if not 1 <= rows <= GEMV_MAX_ROWS:
         raise ValueError(f"quantized_gemv: {rows} rows; the GEMV takes 1..{GEMV_MAX_ROWS}")
     block_m = next_power_of_2(rows)
-    block_n = GEMV_TILE_ELEMENTS // (block_m * GEMV_BLOCK_K)
-    n_blocks = cdiv(w.out_features, block_n)
+    n_blocks = cdiv(w.out_features, GEMV_BLOCK_N)
     split = _SplitK(w.in_features, GEMV_BLOCK_K, n_blocks, num_splits, x.device)
     y, target = _outputs(x, w, split.count)
     _quantized_gemv_kernel[(n_blocks, split.count)](
@@ -131,9 +131,9 @@ def quantized_gemv_triton(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tenso
         rows, w.out_features, w.in_features, split.tiles_per_split * GEMV_BLOCK_K,
         x.stride(0), w.qweight.stride(0), w.scales.stride(0), target.stride(-2),
         target.stride(0) if split.count > 1 else 0,
-        IS_INT4=w.kind == "int4", GROUP=w.group_size, PER_CHANNEL=_per_channel(w),
+        IS_INT4=w.kind == "int4", SUB=_sub_block(w), PER_CHANNEL=_per_channel(w),
         HAS_BIAS=bias is not None and split.count == 1,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=GEMV_BLOCK_K, num_warps=4,
+        BLOCK_M=block_m, BLOCK_N=GEMV_BLOCK_N, BLOCK_K=GEMV_BLOCK_K, num_warps=4,
     )  # fmt: skip
     if split.count > 1:
         _sum_splits(target, bias, y)
@@ -155,7 +155,7 @@ def quantized_gemm_triton(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tenso
         rows, w.out_features, w.in_features, split.tiles_per_split * GEMM_BLOCK_K,
         x.stride(0), w.qweight.stride(0), w.scales.stride(0), target.stride(-2),
         target.stride(0) if split.count > 1 else 0,
-        IS_INT4=w.kind == "int4", GROUP=w.group_size, PER_CHANNEL=_per_channel(w),
+        IS_INT4=w.kind == "int4", SUB=_sub_block(w), PER_CHANNEL=_per_channel(w),
         HAS_BIAS=bias is not None and split.count == 1,
         BLOCK_M=block_m, BLOCK_N=GEMM_BLOCK_N, BLOCK_K=GEMM_BLOCK_K, DOT_PRECISION=dot_precision(x.dtype),
         num_warps=4, num_stages=pipeline_stages(x.dtype, 3),
@@ -165,30 +165,63 @@ def quantized_gemm_triton(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tenso
     return y
 
 
+def _sub_block(w: QuantizedWeight) -> int:
+    """Inputs per sub-block of a K tile (see below): the group, or 32 for per-channel int8."""
+    return PER_CHANNEL_SUB if _per_channel(w) else w.group_size
+
+
 def _per_channel(w: QuantizedWeight) -> bool:
     """One scale per output row (int8 round-to-nearest): the kernels scale the finished dot instead."""
     return w.kind == "int8" and w.group_size == w.in_features
 
 
 # --- Triton ----------------------------------------------------------------------------------------------
+#
+# Both kernels see a K tile as TG = BLOCK_K // SUB sub-blocks of SUB inputs: a quantization group (int4: 32,
+# int8: its group), or for per-channel int8 (no groups) 32 inputs. A tile's weights are loaded as
+# [BLOCK_N, TG, SUB] (int4: [BLOCK_N, TG, 16] bytes, each holding the sub-block's inputs j and j + 16), so a
+# row's bytes are one contiguous run, and the scales (and mins) as [BLOCK_N, TG]: one load per group, not per
+# weight. The GEMV applies them to each group's partial dot (the min times the group's sum of x); the GEMM to
+# the dequantized tile before its tensor-core dot.
 
 
 @jit
-def _dequantize_tile(QWeight, Scales, Mins, n, k, mask, stride_qn, stride_sn,
-                     IS_INT4: tl.constexpr, GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr):
-    """fp32 weights at output rows `n` and inputs `k` (int64 index tensors broadcasting to the tile's
-    shape, either orientation); 0 where `mask` is off. PER_CHANNEL: the raw q, to be scaled after the dot."""
-    if IS_INT4:  # input k: byte (GROUP // 2) * (k // GROUP) + k % (GROUP // 2), nibble (k // (GROUP // 2)) % 2
-        packed = tl.load(QWeight + n * stride_qn + (k // GROUP) * (GROUP // 2) + k % (GROUP // 2), mask=mask, other=0)
-        q = ((packed.to(tl.int32) >> ((k // (GROUP // 2)) % 2 * 4).to(tl.int32)) & 0xF).to(tl.float32)
+def _load_sub_blocks(QWeight, n, tile, k_end, stride_qn, IS_INT4: tl.constexpr, SUB: tl.constexpr,
+                     TG: tl.constexpr, n_mask):
+    """A K tile's quantized values as fp32 [BLOCK_N, TG, W] (W = SUB, or 16 for int4, which gives its low
+    nibbles, then its high ones, as (q_lo, q_hi)); the inputs' k [TG, W] (int4: the low nibbles') and mask."""
+    if IS_INT4:
+        j = tl.arange(0, SUB // 2)
+        k = tile + tl.arange(0, TG)[:, None] * SUB + j[None, :]
+        k_mask = k < k_end  # whole groups: an input k + 16 is in range whenever k is
+        byte = tile // 2 + tl.arange(0, TG)[:, None] * (SUB // 2) + j[None, :]
+        packed = tl.load(QWeight + n[:, None, None] * stride_qn + byte[None, :, :],
+                         mask=n_mask[:, None, None] & k_mask[None, :, :], other=0).to(tl.int32)
+        lo = (packed & 0xF).to(tl.float32)
+        hi = (packed >> 4).to(tl.float32)
     else:
-        q = tl.load(QWeight + n * stride_qn + k, mask=mask, other=0).to(tl.float32)
-    w = q  # a single return at the end: the form every triton version compiles
+        k = tile + tl.arange(0, TG)[:, None] * SUB + tl.arange(0, SUB)[None, :]
+        k_mask = k < k_end
+        lo = tl.load(QWeight + n[:, None, None] * stride_qn + k[None, :, :],
+                     mask=n_mask[:, None, None] & k_mask[None, :, :], other=0).to(tl.float32)
+        hi = lo  # unused: one return shape for both kinds
+    return lo, hi, k, k_mask
+
+
+@jit
+def _load_group_params(Scales, Mins, n, tile, k_end, stride_sn, SUB: tl.constexpr, TG: tl.constexpr, n_mask,
+                       IS_INT4: tl.constexpr, PER_CHANNEL: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Scales and mins [BLOCK_N, TG] of a K tile's groups (ones and zeros where the kind has none)."""
+    g = tl.arange(0, TG)
+    mask = n_mask[:, None] & (tile + g * SUB < k_end)[None, :]
+    offsets = n[:, None] * stride_sn + (tile // SUB + g)[None, :]
+    scales = tl.full([BLOCK_N, TG], 1.0, tl.float32)
+    mins = tl.zeros([BLOCK_N, TG], tl.float32)
     if not PER_CHANNEL:
-        w = q * tl.load(Scales + n * stride_sn + k // GROUP, mask=mask, other=0.0)
-        if IS_INT4:
-            w = w + tl.load(Mins + n * stride_sn + k // GROUP, mask=mask, other=0.0)
-    return w
+        scales = tl.load(Scales + offsets, mask=mask, other=0.0)
+    if IS_INT4:
+        mins = tl.load(Mins + offsets, mask=mask, other=0.0)
+    return scales, mins
 
 
 @jit
@@ -210,25 +243,34 @@ def _quantized_gemv_kernel(
     X, QWeight, Scales, Mins, Bias, Out,
     rows, out_features, in_features, k_per_split,
     stride_xm, stride_qn, stride_sn, stride_om, stride_os,
-    IS_INT4: tl.constexpr, GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
+    IS_INT4: tl.constexpr, SUB: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
+    TG: tl.constexpr = BLOCK_K // SUB
+    W: tl.constexpr = SUB // 2 if IS_INT4 else SUB
     n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < out_features
     split = tl.program_id(1)
     m = tl.arange(0, BLOCK_M)
     k_start = split * k_per_split
     k_end = tl.minimum(k_start + k_per_split, in_features)
-    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for tile in range(k_start, k_end, BLOCK_K):
-        k = (tile + tl.arange(0, BLOCK_K)).to(tl.int64)
-        k_mask = k < k_end
-        w = _dequantize_tile(QWeight, Scales, Mins, n[:, None], k[None, :],
-                             (n < out_features)[:, None] & k_mask[None, :], stride_qn, stride_sn,
-                             IS_INT4, GROUP, PER_CHANNEL)  # [BLOCK_N, BLOCK_K]
-        x = tl.load(X + m[:, None] * stride_xm + k[None, :], mask=(m < rows)[:, None] & k_mask[None, :],
-                    other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_K]
-        acc += x[:, None, :] * w[None, :, :]
-    _finish(tl.sum(acc, axis=2), Scales, Bias, Out + split * stride_os, m, n, rows, out_features,
+        lo, hi, k, k_mask = _load_sub_blocks(QWeight, n, tile, k_end, stride_qn, IS_INT4, SUB, TG, n_mask)
+        scales, mins = _load_group_params(Scales, Mins, n, tile, k_end, stride_sn, SUB, TG, n_mask, IS_INT4,
+                                          PER_CHANNEL, BLOCK_N)
+        for mi in tl.static_range(BLOCK_M):  # the weight tile stays in registers for every row of x
+            x_mask = k_mask & (tl.full([TG, W], mi, tl.int32) < rows)  # a [TG, W] mask (a scalar one is refused)
+            x = tl.load(X + mi * stride_xm + k, mask=x_mask, other=0.0).to(tl.float32)  # [TG, W]
+            if IS_INT4:
+                x_hi = tl.load(X + mi * stride_xm + k + SUB // 2, mask=x_mask, other=0.0).to(tl.float32)
+                part = tl.sum(lo * x[None, :, :] + hi * x_hi[None, :, :], axis=2)  # [BLOCK_N, TG]
+                x_sums = tl.sum(x + x_hi, axis=1)  # [TG]: what each group's min multiplies
+                row = tl.sum(part * scales + mins * x_sums[None, :], axis=1)
+            else:
+                row = tl.sum(tl.sum(lo * x[None, :, :], axis=2) * scales, axis=1)
+            acc = tl.where((m == mi)[:, None], acc + row[None, :], acc)
+    _finish(acc, Scales, Bias, Out + split * stride_os, m, n, rows, out_features,
             stride_sn, stride_om, PER_CHANNEL, HAS_BIAS)
 
 
@@ -237,26 +279,33 @@ def _quantized_gemm_kernel(
     X, QWeight, Scales, Mins, Bias, Out,
     rows, out_features, in_features, k_per_split,
     stride_xm, stride_qn, stride_sn, stride_om, stride_os,
-    IS_INT4: tl.constexpr, GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
+    IS_INT4: tl.constexpr, SUB: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
+    TG: tl.constexpr = BLOCK_K // SUB
+    W: tl.constexpr = SUB // 2 if IS_INT4 else SUB
     m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     n = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask, n_mask = m < rows, n < out_features
     split = tl.program_id(2)
     k_start = split * k_per_split
     k_end = tl.minimum(k_start + k_per_split, in_features)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for tile in range(k_start, k_end, BLOCK_K):
-        k = (tile + tl.arange(0, BLOCK_K)).to(tl.int64)
-        k_mask = k < k_end
-        x = tl.load(X + m[:, None] * stride_xm + k[None, :], mask=(m < rows)[:, None] & k_mask[None, :],
-                    other=0.0)  # [BLOCK_M, BLOCK_K]
-        # the weight tile transposed, [BLOCK_K, BLOCK_N], so the dot needs no tl.trans; in x's dtype for
-        # the tensor cores (exact for per-channel int8's raw q; one rounding of each weight otherwise)
-        w = _dequantize_tile(QWeight, Scales, Mins, n[None, :], k[:, None],
-                             k_mask[:, None] & (n < out_features)[None, :], stride_qn, stride_sn,
-                             IS_INT4, GROUP, PER_CHANNEL)
-        acc = tl.dot(x, w.to(X.dtype.element_ty), acc, input_precision=DOT_PRECISION)
+        lo, hi, k, k_mask = _load_sub_blocks(QWeight, n, tile, k_end, stride_qn, IS_INT4, SUB, TG, n_mask)
+        scales, mins = _load_group_params(Scales, Mins, n, tile, k_end, stride_sn, SUB, TG, n_mask, IS_INT4,
+                                          PER_CHANNEL, BLOCK_N)
+        # the tile in x's dtype for the tensor cores (exact for per-channel int8's raw q; one rounding of each
+        # weight otherwise), flattened to [BLOCK_N, TG * W] in the order of k's elements
+        w = tl.reshape(lo * scales[:, :, None] + mins[:, :, None], [BLOCK_N, TG * W]).to(X.dtype.element_ty)
+        k_flat = tl.reshape(k, [TG * W])
+        x_mask = m_mask[:, None] & tl.reshape(k_mask, [TG * W])[None, :]
+        x = tl.load(X + m[:, None] * stride_xm + k_flat[None, :], mask=x_mask, other=0.0)  # [BLOCK_M, TG * W]
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
+        if IS_INT4:  # the high nibbles: inputs k + 16
+            w = tl.reshape(hi * scales[:, :, None] + mins[:, :, None], [BLOCK_N, TG * W]).to(X.dtype.element_ty)
+            x = tl.load(X + m[:, None] * stride_xm + (k_flat + SUB // 2)[None, :], mask=x_mask, other=0.0)
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
     _finish(acc, Scales, Bias, Out + split * stride_os, m, n, rows, out_features,
             stride_sn, stride_om, PER_CHANNEL, HAS_BIAS)
 

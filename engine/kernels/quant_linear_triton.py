@@ -9,20 +9,23 @@ int8 and int4 layouts. The twin is `quantized_linear_reference` (engine/quant_fo
 
 Two kernels, picked by row count (`quantized_linear_triton`):
 
-    GEMV (rows <= GEMV_MAX_ROWS, decode): bound by the bytes of the weight. A program dequantizes a
-         [BLOCK_N, BLOCK_K] weight tile in fp32 registers once and multiplies it with every row of x
-         (broadcast FMAs into a [rows, BLOCK_N, BLOCK_K] accumulator, reduced once at the end), so each
-         weight byte is read once per call whatever the row count.
-    GEMM (more rows, prefill / big batches): a tiled tl.dot; the weight tile is dequantized in registers
-         and cast to x's dtype (fp16 / bf16 tensor cores; fp32 x takes an IEEE fp32 dot), x tile times it.
+    GEMV (one row: batch-1 decode): bound by the bytes of the weight. A program reads a [BLOCK_N, BLOCK_K]
+         weight tile as [BLOCK_N, groups, group] (16-byte loads), dots each group with x in fp32 and scales
+         the group's sum once (int4: plus the group's min times the group's sum of x), so scales and mins
+         are read once per group, not once per weight.
+    GEMM (2 rows and more: batched decode, prefill): a tiled tl.dot per group; the group's weights are
+         dequantized in registers with its [BLOCK_N] scales and cast to x's dtype (fp16 / bf16 tensor
+         cores, rows padded to 16; fp32 x takes an IEEE fp32 dot). From 2 rows on the tensor cores beat a
+         GEMV's FMAs per row (measured on an H200: benchmarks/RESULTS.md).
 
 Both split K over a grid axis when the output alone gives too few programs to fill the SMs (a 576-wide
-projection is 18 GEMV programs on a 132-SM GPU); the splits write fp32 partial sums [splits, rows, out]
+projection is 18 GEMV programs on a 132-SM GPU; the GEMV aims at GEMV_PROGRAMS_PER_SM small programs per SM
+to keep enough loads in flight); the splits write fp32 partial sums [splits, rows, out]
 that a small kernel adds in a fixed order (deterministic, unlike atomics), with the bias and the cast.
 With one split the main kernel writes y itself.
 
 Per-channel int8 (group = in) multiplies by its scale once at the end (q is exact in fp16 and bf16, so
-the dot runs on the raw values); grouped kinds apply scale (and min) per weight while dequantizing.
+the dot runs on the raw values).
 """
 
 from __future__ import annotations
@@ -32,13 +35,15 @@ import torch
 from engine.kernels.triton_jit import cdiv, dot_precision, jit, next_power_of_2, pipeline_stages, tl
 from engine.quant_format import QuantizedWeight
 
-GEMV_MAX_ROWS = 4  # the GEMV's accumulator is [rows padded to a power of 2, BLOCK_N, BLOCK_K] registers
+GEMV_MAX_ROWS = 1  # from 2 rows on, the GEMM's tensor-core dot (rows padded to 16) beats FMAs per row
 MAX_SPLITS = 16
-GEMV_BLOCK_N = 64
-GEMV_BLOCK_K = 128  # a multiple of every group size (32, 64) and of PER_CHANNEL_SUB
+GEMV_BLOCK_N = 32
+GEMV_BLOCK_K = 256  # a multiple of every group size (32, 64) and of PER_CHANNEL_SUB
+GEMV_PROGRAMS_PER_SM = 8  # small programs (4 warps, one tile in flight each): several per SM keep loads in flight
 PER_CHANNEL_SUB = 32
-GEMM_BLOCK_N = 64
+GEMM_BLOCK_N = 128
 GEMM_BLOCK_K = 64
+GEMM_PROGRAMS_PER_SM = 2
 
 
 def quantized_linear_triton(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None,
@@ -62,11 +67,11 @@ def quantized_linear_triton(x: torch.Tensor, w: QuantizedWeight, bias: torch.Ten
     return launch(rows, w, bias, num_splits).view(*x.shape[:-1], w.out_features)
 
 
-def default_num_splits(output_programs: int, k_tiles: int, device: torch.device) -> int:
-    """Splits of K giving about two programs per SM (1 off CUDA), at most one per K tile."""
+def default_num_splits(output_programs: int, k_tiles: int, device: torch.device, programs_per_sm: int) -> int:
+    """Splits of K giving about `programs_per_sm` programs per SM (1 off CUDA), at most one per K tile."""
     if device.type != "cuda":
         return 1
-    target_programs = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    target_programs = programs_per_sm * torch.cuda.get_device_properties(device).multi_processor_count
     return max(1, min(cdiv(target_programs, output_programs), k_tiles, MAX_SPLITS))
 
 
@@ -74,10 +79,10 @@ class _SplitK:
     """How K is cut: `tiles_per_split` K tiles each, `count` splits (none empty)."""
 
     def __init__(self, in_features: int, block_k: int, output_programs: int, num_splits: int | None,
-                 device: torch.device):
+                 device: torch.device, programs_per_sm: int):
         k_tiles = cdiv(in_features, block_k)
         if num_splits is None:
-            num_splits = default_num_splits(output_programs, k_tiles, device)
+            num_splits = default_num_splits(output_programs, k_tiles, device, programs_per_sm)
         if not 1 <= num_splits <= MAX_SPLITS:
             raise ValueError(f"quantized_linear: num_splits {num_splits} must be in [1, {MAX_SPLITS}]")
         self.tiles_per_split = cdiv(k_tiles, num_splits)
@@ -116,14 +121,13 @@ def _sum_splits(partial: torch.Tensor, bias: torch.Tensor | None, y: torch.Tenso
 
 def quantized_gemv_triton(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None,
                           num_splits: int | None = None) -> torch.Tensor:
-    """x [rows, in] (rows <= GEMV_MAX_ROWS, unit column stride) -> [rows, out]: the decode kernel."""
+    """x [1, in] (unit column stride) -> [1, out]: the decode kernel."""
     _checked(x, w)
     rows = x.shape[0]
     if not 1 <= rows <= GEMV_MAX_ROWS:
         raise ValueError(f"quantized_gemv: {rows} rows; the GEMV takes 1..{GEMV_MAX_ROWS}")
-    block_m = next_power_of_2(rows)
     n_blocks = cdiv(w.out_features, GEMV_BLOCK_N)
-    split = _SplitK(w.in_features, GEMV_BLOCK_K, n_blocks, num_splits, x.device)
+    split = _SplitK(w.in_features, GEMV_BLOCK_K, n_blocks, num_splits, x.device, GEMV_PROGRAMS_PER_SM)
     y, target = _outputs(x, w, split.count)
     _quantized_gemv_kernel[(n_blocks, split.count)](
         x, w.qweight, w.scales, w.mins if w.mins is not None else w.scales,
@@ -133,7 +137,7 @@ def quantized_gemv_triton(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tenso
         target.stride(0) if split.count > 1 else 0,
         IS_INT4=w.kind == "int4", SUB=_sub_block(w), PER_CHANNEL=_per_channel(w),
         HAS_BIAS=bias is not None and split.count == 1,
-        BLOCK_M=block_m, BLOCK_N=GEMV_BLOCK_N, BLOCK_K=GEMV_BLOCK_K, num_warps=4,
+        BLOCK_M=1, BLOCK_N=GEMV_BLOCK_N, BLOCK_K=GEMV_BLOCK_K, num_warps=4,
     )  # fmt: skip
     if split.count > 1:
         _sum_splits(target, bias, y)
@@ -147,7 +151,7 @@ def quantized_gemm_triton(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tenso
     rows = x.shape[0]
     block_m = min(128, max(16, next_power_of_2(rows)))
     m_blocks, n_blocks = cdiv(rows, block_m), cdiv(w.out_features, GEMM_BLOCK_N)
-    split = _SplitK(w.in_features, GEMM_BLOCK_K, m_blocks * n_blocks, num_splits, x.device)
+    split = _SplitK(w.in_features, GEMM_BLOCK_K, m_blocks * n_blocks, num_splits, x.device, GEMM_PROGRAMS_PER_SM)
     y, target = _outputs(x, w, split.count)
     _quantized_gemm_kernel[(m_blocks, n_blocks, split.count)](
         x, w.qweight, w.scales, w.mins if w.mins is not None else w.scales,
@@ -177,51 +181,10 @@ def _per_channel(w: QuantizedWeight) -> bool:
 
 # --- Triton ----------------------------------------------------------------------------------------------
 #
-# Both kernels see a K tile as TG = BLOCK_K // SUB sub-blocks of SUB inputs: a quantization group (int4: 32,
-# int8: its group), or for per-channel int8 (no groups) 32 inputs. A tile's weights are loaded as
-# [BLOCK_N, TG, SUB] (int4: [BLOCK_N, TG, 16] bytes, each holding the sub-block's inputs j and j + 16), so a
-# row's bytes are one contiguous run, and the scales (and mins) as [BLOCK_N, TG]: one load per group, not per
-# weight. The GEMV applies them to each group's partial dot (the min times the group's sum of x); the GEMM to
-# the dequantized tile before its tensor-core dot.
-
-
-@jit
-def _load_sub_blocks(QWeight, n, tile, k_end, stride_qn, IS_INT4: tl.constexpr, SUB: tl.constexpr,
-                     TG: tl.constexpr, n_mask):
-    """A K tile's quantized values as fp32 [BLOCK_N, TG, W] (W = SUB, or 16 for int4, which gives its low
-    nibbles, then its high ones, as (q_lo, q_hi)); the inputs' k [TG, W] (int4: the low nibbles') and mask."""
-    if IS_INT4:
-        j = tl.arange(0, SUB // 2)
-        k = tile + tl.arange(0, TG)[:, None] * SUB + j[None, :]
-        k_mask = k < k_end  # whole groups: an input k + 16 is in range whenever k is
-        byte = tile // 2 + tl.arange(0, TG)[:, None] * (SUB // 2) + j[None, :]
-        packed = tl.load(QWeight + n[:, None, None] * stride_qn + byte[None, :, :],
-                         mask=n_mask[:, None, None] & k_mask[None, :, :], other=0).to(tl.int32)
-        lo = (packed & 0xF).to(tl.float32)
-        hi = (packed >> 4).to(tl.float32)
-    else:
-        k = tile + tl.arange(0, TG)[:, None] * SUB + tl.arange(0, SUB)[None, :]
-        k_mask = k < k_end
-        lo = tl.load(QWeight + n[:, None, None] * stride_qn + k[None, :, :],
-                     mask=n_mask[:, None, None] & k_mask[None, :, :], other=0).to(tl.float32)
-        hi = lo  # unused: one return shape for both kinds
-    return lo, hi, k, k_mask
-
-
-@jit
-def _load_group_params(Scales, Mins, n, tile, k_end, stride_sn, SUB: tl.constexpr, TG: tl.constexpr, n_mask,
-                       IS_INT4: tl.constexpr, PER_CHANNEL: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Scales and mins [BLOCK_N, TG] of a K tile's groups (ones and zeros where the kind has none)."""
-    g = tl.arange(0, TG)
-    mask = n_mask[:, None] & (tile + g * SUB < k_end)[None, :]
-    offsets = n[:, None] * stride_sn + (tile // SUB + g)[None, :]
-    scales = tl.full([BLOCK_N, TG], 1.0, tl.float32)
-    mins = tl.zeros([BLOCK_N, TG], tl.float32)
-    if not PER_CHANNEL:
-        scales = tl.load(Scales + offsets, mask=mask, other=0.0)
-    if IS_INT4:
-        mins = tl.load(Mins + offsets, mask=mask, other=0.0)
-    return scales, mins
+# Both kernels walk a K tile as TG = BLOCK_K // SUB sub-blocks of SUB inputs: a quantization group (int4: 32,
+# int8: its group), or for per-channel int8 (no groups) PER_CHANNEL_SUB inputs, so each sub-block has one scale
+# (and min) per output row, loaded once, not per weight. An int4 sub-block is 16 bytes a row: the low nibbles
+# are its inputs 0..15 and the high ones 16..31, so it is two halves of 16 inputs, each with its own x.
 
 
 @jit
@@ -246,31 +209,41 @@ def _quantized_gemv_kernel(
     IS_INT4: tl.constexpr, SUB: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
+    """One row of x: a [BLOCK_N, TG, W] weight tile (W = SUB, int4: 16 bytes) times x's [TG, W] inputs, each
+    group's partial dot then scaled (int4: plus its min times the group's sum of x)."""
     TG: tl.constexpr = BLOCK_K // SUB
     W: tl.constexpr = SUB // 2 if IS_INT4 else SUB
     n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < out_features
     split = tl.program_id(1)
-    m = tl.arange(0, BLOCK_M)
     k_start = split * k_per_split
     k_end = tl.minimum(k_start + k_per_split, in_features)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    g = tl.arange(0, TG)
+    acc = tl.zeros([BLOCK_N], tl.float32)
     for tile in range(k_start, k_end, BLOCK_K):
-        lo, hi, k, k_mask = _load_sub_blocks(QWeight, n, tile, k_end, stride_qn, IS_INT4, SUB, TG, n_mask)
-        scales, mins = _load_group_params(Scales, Mins, n, tile, k_end, stride_sn, SUB, TG, n_mask, IS_INT4,
-                                          PER_CHANNEL, BLOCK_N)
-        for mi in tl.static_range(BLOCK_M):  # the weight tile stays in registers for every row of x
-            x_mask = k_mask & (tl.full([TG, W], mi, tl.int32) < rows)  # a [TG, W] mask (a scalar one is refused)
-            x = tl.load(X + mi * stride_xm + k, mask=x_mask, other=0.0).to(tl.float32)  # [TG, W]
-            if IS_INT4:
-                x_hi = tl.load(X + mi * stride_xm + k + SUB // 2, mask=x_mask, other=0.0).to(tl.float32)
-                part = tl.sum(lo * x[None, :, :] + hi * x_hi[None, :, :], axis=2)  # [BLOCK_N, TG]
-                x_sums = tl.sum(x + x_hi, axis=1)  # [TG]: what each group's min multiplies
-                row = tl.sum(part * scales + mins * x_sums[None, :], axis=1)
-            else:
-                row = tl.sum(tl.sum(lo * x[None, :, :], axis=2) * scales, axis=1)
-            acc = tl.where((m == mi)[:, None], acc + row[None, :], acc)
-    _finish(acc, Scales, Bias, Out + split * stride_os, m, n, rows, out_features,
+        k = tile + g[:, None] * SUB + tl.arange(0, W)[None, :]  # [TG, W]: int4's low-nibble inputs
+        k_mask = k < k_end  # whole groups: an int4 input k + 16 is in range whenever k is
+        w_mask = n_mask[:, None, None] & k_mask[None, :, :]
+        x = tl.load(X + k, mask=k_mask, other=0.0).to(tl.float32)
+        group_mask = n_mask[:, None] & (tile + g * SUB < k_end)[None, :]
+        group_offsets = n[:, None] * stride_sn + (tile // SUB + g)[None, :]
+        if IS_INT4:
+            byte = tile // 2 + g[:, None] * W + tl.arange(0, W)[None, :]
+            packed = tl.load(QWeight + n[:, None, None] * stride_qn + byte[None, :, :], mask=w_mask,
+                             other=0).to(tl.int32)
+            x_hi = tl.load(X + k + W, mask=k_mask, other=0.0).to(tl.float32)
+            part = tl.sum((packed & 0xF).to(tl.float32) * x[None, :, :]
+                          + (packed >> 4).to(tl.float32) * x_hi[None, :, :], axis=2)  # [BLOCK_N, TG]
+            mins = tl.load(Mins + group_offsets, mask=group_mask, other=0.0)
+            part = part * tl.load(Scales + group_offsets, mask=group_mask, other=0.0) \
+                + mins * tl.sum(x + x_hi, axis=1)[None, :]
+        else:
+            q = tl.load(QWeight + n[:, None, None] * stride_qn + k[None, :, :], mask=w_mask, other=0)
+            part = tl.sum(q.to(tl.float32) * x[None, :, :], axis=2)
+            if not PER_CHANNEL:
+                part = part * tl.load(Scales + group_offsets, mask=group_mask, other=0.0)
+        acc += tl.sum(part, axis=1)
+    _finish(acc[None, :], Scales, Bias, Out + split * stride_os, tl.arange(0, BLOCK_M), n, rows, out_features,
             stride_sn, stride_om, PER_CHANNEL, HAS_BIAS)
 
 
@@ -282,6 +255,10 @@ def _quantized_gemm_kernel(
     IS_INT4: tl.constexpr, SUB: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
+    """Per sub-block: its [W, BLOCK_N] weights (transposed, so the dot needs no tl.trans) dequantized in
+    registers with the sub-block's [BLOCK_N] scales (and mins), in x's dtype for the tensor cores (exact for
+    per-channel int8's raw q, which is scaled after the dot; one rounding of each weight otherwise), times x's
+    [BLOCK_M, W] inputs."""
     TG: tl.constexpr = BLOCK_K // SUB
     W: tl.constexpr = SUB // 2 if IS_INT4 else SUB
     m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -292,20 +269,31 @@ def _quantized_gemm_kernel(
     k_end = tl.minimum(k_start + k_per_split, in_features)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for tile in range(k_start, k_end, BLOCK_K):
-        lo, hi, k, k_mask = _load_sub_blocks(QWeight, n, tile, k_end, stride_qn, IS_INT4, SUB, TG, n_mask)
-        scales, mins = _load_group_params(Scales, Mins, n, tile, k_end, stride_sn, SUB, TG, n_mask, IS_INT4,
-                                          PER_CHANNEL, BLOCK_N)
-        # the tile in x's dtype for the tensor cores (exact for per-channel int8's raw q; one rounding of each
-        # weight otherwise), flattened to [BLOCK_N, TG * W] in the order of k's elements
-        w = tl.reshape(lo * scales[:, :, None] + mins[:, :, None], [BLOCK_N, TG * W]).to(X.dtype.element_ty)
-        k_flat = tl.reshape(k, [TG * W])
-        x_mask = m_mask[:, None] & tl.reshape(k_mask, [TG * W])[None, :]
-        x = tl.load(X + m[:, None] * stride_xm + k_flat[None, :], mask=x_mask, other=0.0)  # [BLOCK_M, TG * W]
-        acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
-        if IS_INT4:  # the high nibbles: inputs k + 16
-            w = tl.reshape(hi * scales[:, :, None] + mins[:, :, None], [BLOCK_N, TG * W]).to(X.dtype.element_ty)
-            x = tl.load(X + m[:, None] * stride_xm + (k_flat + SUB // 2)[None, :], mask=x_mask, other=0.0)
-            acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
+        for sub in tl.static_range(TG):
+            k0 = tile + sub * SUB
+            k = k0 + tl.arange(0, W)
+            k_mask = k < k_end
+            w_mask = k_mask[:, None] & n_mask[None, :]
+            x_mask = m_mask[:, None] & k_mask[None, :]
+            group_mask = n_mask & (k0 + tl.zeros_like(n) < k_end)
+            group = n * stride_sn + k0 // SUB
+            if IS_INT4:
+                packed = tl.load(QWeight + n[None, :] * stride_qn + (k0 // 2 + tl.arange(0, W))[:, None],
+                                 mask=w_mask, other=0).to(tl.int32)
+                scale = tl.load(Scales + group, mask=group_mask, other=0.0)[None, :]
+                low = tl.load(Mins + group, mask=group_mask, other=0.0)[None, :]
+                w = (packed & 0xF).to(tl.float32) * scale + low
+                x = tl.load(X + m[:, None] * stride_xm + k[None, :], mask=x_mask, other=0.0)
+                acc = tl.dot(x, w.to(X.dtype.element_ty), acc, input_precision=DOT_PRECISION)
+                w = (packed >> 4).to(tl.float32) * scale + low
+                x = tl.load(X + m[:, None] * stride_xm + (k + W)[None, :], mask=x_mask, other=0.0)
+                acc = tl.dot(x, w.to(X.dtype.element_ty), acc, input_precision=DOT_PRECISION)
+            else:
+                w = tl.load(QWeight + n[None, :] * stride_qn + k[:, None], mask=w_mask, other=0).to(tl.float32)
+                if not PER_CHANNEL:
+                    w = w * tl.load(Scales + group, mask=group_mask, other=0.0)[None, :]
+                x = tl.load(X + m[:, None] * stride_xm + k[None, :], mask=x_mask, other=0.0)
+                acc = tl.dot(x, w.to(X.dtype.element_ty), acc, input_precision=DOT_PRECISION)
     _finish(acc, Scales, Bias, Out + split * stride_os, m, n, rows, out_features,
             stride_sn, stride_om, PER_CHANNEL, HAS_BIAS)
 

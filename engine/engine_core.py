@@ -4,6 +4,7 @@
     step():
       scheduler.schedule()              ─▶ chunks: tokens to compute under the budget (a decoding request's
                                            guesses too, when speculating: engine/speculation.py)
+      drafter.propose(chunks)           ─▶ a draft model's guesses filled in (engine/drafter.py), if it has one
       hooks.before_execute(chunks)      ─▶ on_layer_done for this forward, or None
       runner.execute(chunks, on_layer_done) ─▶ tokens per sampled request (guesses verified by the sampler)
                                            (raised: hooks.on_execute_failed: re-raise, or abort them)
@@ -22,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from engine.drafter import Drafter
 from engine.errors import InvalidRequestError
 from engine.grammar_compiler import GrammarCompiler
 from engine.model_runner import ModelRunner
@@ -82,16 +84,17 @@ class EngineCore:
     """
 
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, hooks: StepHooks | None = None,
-                 grammar_compiler: GrammarCompiler | None = None):
+                 grammar_compiler: GrammarCompiler | None = None, drafter: Drafter | None = None):
         self.scheduler = scheduler
         self.runner = runner
+        self.drafter = drafter  # speculative decoding with a draft model: fills the step's guesses
         self.hooks = hooks or StepHooks()
         self.last_step_num_tokens = 0  # tokens computed by the last step (metrics: iteration tokens)
         self.grammar_compiler = grammar_compiler  # None: structured output is refused (InvalidRequestError)
 
     @classmethod
     def from_runtime(cls, runtime: Runtime, hooks: StepHooks | None = None) -> EngineCore:
-        return cls(runtime.scheduler, runtime.runner, hooks, runtime.grammar_compiler)
+        return cls(runtime.scheduler, runtime.runner, hooks, runtime.grammar_compiler, runtime.drafter)
 
     # -- requests (between steps) ----------------------------------------------------------------
 
@@ -189,6 +192,8 @@ class EngineCore:
         scheduled = self.scheduler.schedule()
         self.last_step_num_tokens = scheduled.num_batched_tokens
         try:
+            if self.drafter is not None:
+                self.drafter.propose(scheduled.chunks)
             on_layer_done = self.hooks.before_execute(scheduled.chunks)
             sampled = self.runner.execute(scheduled.chunks, on_layer_done)
         except Exception as e:
@@ -202,6 +207,8 @@ class EngineCore:
         updates = self.scheduler.update_from_output(
             scheduled, {request_id: s.token_ids for request_id, s in sampled.items()}
         )
+        if self.drafter is not None:
+            self.drafter.retain(self.scheduler.requests)
         results = []
         for update in updates:
             logprobs = sampled[update.request_id].logprobs

@@ -18,6 +18,7 @@ from engine.block_pool import BlockPool
 from engine.config import EngineConfig, ModelConfig, parse_dtype, resolve_device
 from engine.cpu_allocator import reuse_freed_memory
 from engine.cuda_graphs import SCRATCH_BLOCKS, make_graph_replayer, static_decode_enabled
+from engine.drafter import Drafter, build_drafter, draft_kv_bytes_per_block
 from engine.errors import ModelLoadError
 from engine.grammar_compiler import GrammarCompiler
 from engine.kernels.cpu_native import native_library
@@ -59,6 +60,7 @@ class Runtime:
     followers: list = field(default_factory=list)  # tensor-parallel ranks 1..N-1 (processes)
     tp_driver: TPDriver | None = None  # rank 0's control link to `followers` (None at tp_size 1)
     grammar_compiler: GrammarCompiler | None = None  # structured output (rank 0 samples, so only it needs one)
+    drafter: Drafter | None = None  # speculative decoding with a draft model (engine/drafter.py)
 
     @property
     def block_size(self) -> int:
@@ -87,13 +89,16 @@ class Runtime:
 
 
 def kv_cache_bytes(config: EngineConfig, model_config: ModelConfig, model_dir: Path, dtype: torch.dtype,
-                   device: torch.device) -> int:
+                   device: torch.device, draft: SpeculativeConfig | None = None) -> int:
     """The KV cache's budget: `kv_cache_bytes`, or what `kv_cache_memory_fraction` of the device leaves after this
-    rank's weights as they will be held (quantized ones packed). Raises ModelLoadError when the fraction leaves
-    nothing."""
+    rank's weights as they will be held (quantized ones packed), a draft model's too. Raises ModelLoadError when
+    the fraction leaves nothing."""
     if config.kv_cache_memory_fraction is None:
         return config.kv_cache_bytes
     weights = planned_weight_bytes(model_config, model_dir, dtype, config.tp_size, config.quantization)
+    if draft is not None:
+        draft_path = Path(draft.model)
+        weights += planned_weight_bytes(ModelConfig.from_path(draft_path), draft_path, dtype, 1, draft.quantization)
     try:
         return kv_cache_budget_bytes(config.kv_cache_memory_fraction, device_memory(device), weights)
     except ValueError as e:
@@ -133,8 +138,14 @@ def build_runtime(model_dir: str | Path, config: EngineConfig, follower_module: 
     element_bytes = torch.empty((), dtype=dtype).element_size()
     block_bytes = 2 * layer_config.num_layers * config.block_size * layer_config.num_kv_heads * \
         layer_config.head_dim * element_bytes  # this rank's shard of one block
+    speculative = SpeculativeConfig.parse(config.speculative_config)
+    draft = speculative if speculative is not None and speculative.method == "draft_model" else None
+    if draft is not None and config.tp_size > 1:
+        raise ModelLoadError(f"speculative_config method 'draft_model' with tp_size={config.tp_size} is not supported "
+                             "yet: a draft model runs at tp_size 1 (n-gram speculation works at any tp_size)")
+    pool_block_bytes = block_bytes + (draft_kv_bytes_per_block(draft, dtype, config.block_size) if draft else 0)
     num_blocks = config.num_kv_blocks or max(
-        1, min(kv_cache_bytes(config, model_config, model_dir, dtype, device) // block_bytes,
+        1, min(kv_cache_bytes(config, model_config, model_dir, dtype, device, draft) // pool_block_bytes,
                config.max_num_seqs * cdiv(max_model_len, config.block_size))
     )
     if num_blocks * config.block_size < max_model_len:
@@ -158,7 +169,6 @@ def build_runtime(model_dir: str | Path, config: EngineConfig, follower_module: 
 
     block_pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
     kv_cache = KVCacheManager(block_pool, model_id)
-    speculative = SpeculativeConfig.parse(config.speculative_config)
     scheduler = Scheduler(
         SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_model_len), kv_cache,
         Speculator(speculative, max_model_len) if speculative is not None else None,
@@ -175,6 +185,10 @@ def build_runtime(model_dir: str | Path, config: EngineConfig, follower_module: 
         replayer.capture()
     runner = ModelRunner(model, kv_caches, config.block_size, Sampler(config.seed), graph_replayer=replayer,
                          step_broadcaster=tp_driver)
+    drafter = None
+    if draft is not None:  # its KV blocks mirror the target's, scratch blocks included
+        drafter = build_drafter(draft, model_config, tokenizer, dtype, device, max_positions,
+                                num_blocks + SCRATCH_BLOCKS, config.block_size, config.seed, config.fast_linears)
     if device.type == "cpu":
         reuse_freed_memory()  # after the long-lived weights and KV cache: only step temporaries are affected
     log.info(
@@ -182,10 +196,14 @@ def build_runtime(model_dir: str | Path, config: EngineConfig, follower_module: 
         model_id, str(dtype).removeprefix("torch."), device, num_blocks, config.block_size, max_model_len,
         config.tp_size, config.quantization,
     )
-    log.info("engine memory %s", memory_report(weights_by_kind, num_blocks * block_bytes))
+    if drafter is not None:
+        for kind, num_bytes in weight_bytes_by_kind(drafter.runner.model).items():
+            weights_by_kind[kind] = weights_by_kind.get(kind, 0) + num_bytes
+    log.info("engine memory %s", memory_report(weights_by_kind, num_blocks * pool_block_bytes))
     return Runtime(
         config=config, model_dir=model_dir, model_config=model_config, model_id=model_id, dtype=dtype,
         tokenizer=tokenizer, model=model, max_model_len=max_model_len, num_kv_blocks=num_blocks,
         block_pool=block_pool, kv_cache=kv_cache, scheduler=scheduler, kv_caches=kv_caches, runner=runner,
         followers=followers, tp_driver=tp_driver, grammar_compiler=GrammarCompiler(tokenizer, model_config.vocab_size),
+        drafter=drafter,
     )

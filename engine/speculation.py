@@ -3,7 +3,10 @@ what was accepted. Pure Python (the scheduler never imports torch); the sampler 
 
     schedule():  a decoding request (one known token left to compute) gets up to k guesses from the proposer,
                  fewer near max_tokens / the context end, none when the step is large or the request is
-                 backing off; they ride in its chunk as `proposed_token_ids` and take budget and KV slots
+                 backing off; they ride in its chunk as `proposed_token_ids` and take budget and KV slots.
+                 n-gram guesses are made here; a draft model's are DRAFT_PENDING places that the drafter
+                 (engine/drafter.py, which runs a model: not the scheduler's business) fills before the step
+                 executes
     update:      the sampler kept a of them (and sampled one more): the KV of those a is computed, the rest of
                  the guessed slots are stale and the blocks past the computed tokens go back to the pool
 
@@ -23,6 +26,7 @@ from engine.ngram_proposer import propose_ngram
 from engine.request import Request
 from engine.speculative_config import SpeculativeConfig
 
+DRAFT_PENDING = -1  # a guess the drafter has yet to make (never a token id: a forward over one fails loudly)
 ACCEPTANCE_DECAY = 0.5  # weight of the older drafts in a request's acceptance average
 FIRST_PAUSE_STEPS = 4
 MAX_PAUSE_STEPS = 64
@@ -76,6 +80,8 @@ class Speculator:
                    request.num_output_tokens - 1, self.max_model_len - request.num_tokens - 1)
         if room < 1:
             return []
+        if cfg.method == "draft_model":
+            return [DRAFT_PENDING] * room
         return propose_ngram(request.all_token_ids, cfg.prompt_lookup_min, cfg.prompt_lookup_max, room)
 
     def record(self, request_id: str, num_proposed: int, num_accepted: int) -> None:

@@ -1,10 +1,12 @@
 """`speculative_config` in vLLM's form: which proposer guesses tokens ahead, how many, and when to back off.
 
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    {"method": "draft_model", "model": PATH, "num_speculative_tokens": 4, "quantization": "int4"}
 
 Keys are vLLM's where vLLM has one (`disable_by_batch_size` included); duet adds `min_acceptance_rate`, the
-per-request back-off. A key duet does not implement is refused, never dropped. Methods: "ngram" (prompt lookup:
-engine/ngram_proposer.py). "draft_model" is refused until it exists (issue 19).
+per-request back-off. A key duet does not implement is refused, never dropped, and so is a key of the other
+method. Methods: "ngram" (prompt lookup: engine/ngram_proposer.py) and "draft_model" (a smaller checkpoint with
+the target's tokenizer, or the target itself held quantized: engine/drafter.py).
 """
 
 from __future__ import annotations
@@ -13,8 +15,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
-METHODS = ("ngram",)
-NOT_YET = {"draft_model": "a draft model proposer is not implemented yet (issue 19)"}
+METHODS = ("ngram", "draft_model")
 # Steps with more live requests than this verify no guesses: past it a step is compute-bound and verifying k more
 # tokens per sequence costs time instead of saving it (llama.cpp's lookup decoding: 1.10x at 1 slot, 0.77x at 8).
 # Measured on the default model: benchmarks/speculative_bench.py, RESULTS.md.
@@ -31,15 +32,43 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 0  # ngram: the longest (0: set from prompt_lookup_min; both 0: 5 and 5, as vLLM)
     disable_by_batch_size: int = DISABLE_BY_BATCH_SIZE  # more live requests than this: no speculation this step
     min_acceptance_rate: float = MIN_ACCEPTANCE_RATE  # per request: back off below it
+    model: str = ""  # draft_model: the draft checkpoint (a Hugging Face directory or a .gguf file)
+    quantization: str = ""  # draft_model: how the draft's linears are held (engine_config.QUANTIZATIONS; "": auto)
 
     def __post_init__(self) -> None:
-        if self.method in NOT_YET:
-            raise ValueError(f"speculative_config method={self.method!r} is refused: {NOT_YET[self.method]}; "
-                             f"allowed: {', '.join(METHODS)}")
         if self.method not in METHODS:
             raise ValueError(f"speculative_config method={self.method!r} is invalid: must be one of "
                              f"{', '.join(METHODS)}")
         _check_int("num_speculative_tokens", self.num_speculative_tokens, 1)
+        if self.method == "draft_model":
+            self._check_draft_model()
+        else:
+            for key in ("model", "quantization"):
+                if getattr(self, key):
+                    raise ValueError(f"speculative_config {key}={getattr(self, key)!r} is invalid for method "
+                                     f"{self.method!r}: it is a draft_model key")
+            self._check_lookup()
+        _check_int("disable_by_batch_size", self.disable_by_batch_size, 1)
+        rate = self.min_acceptance_rate
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate <= 1:
+            raise ValueError(f"speculative_config min_acceptance_rate={rate!r} is invalid: must be in [0, 1]")
+
+    def _check_draft_model(self) -> None:
+        from engine.engine_config import QUANTIZATIONS  # (engine_config imports this module)
+
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"speculative_config model={self.model!r} is invalid: method 'draft_model' needs the "
+                             "draft checkpoint's path")
+        if self.quantization and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"speculative_config quantization={self.quantization!r} is invalid: must be one of "
+                             f"{', '.join(QUANTIZATIONS)}")
+        for key in ("prompt_lookup_min", "prompt_lookup_max"):
+            if getattr(self, key):
+                raise ValueError(f"speculative_config {key}={getattr(self, key)!r} is invalid for method "
+                                 "'draft_model': it is an ngram key")
+        object.__setattr__(self, "quantization", self.quantization or "auto")
+
+    def _check_lookup(self) -> None:
         low, high = self.prompt_lookup_min, self.prompt_lookup_max
         _check_int("prompt_lookup_min", low, 0)
         _check_int("prompt_lookup_max", high, 0)
@@ -51,10 +80,6 @@ class SpeculativeConfig:
                              "min must be <= max")
         object.__setattr__(self, "prompt_lookup_min", low)
         object.__setattr__(self, "prompt_lookup_max", high)
-        _check_int("disable_by_batch_size", self.disable_by_batch_size, 1)
-        rate = self.min_acceptance_rate
-        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate <= 1:
-            raise ValueError(f"speculative_config min_acceptance_rate={rate!r} is invalid: must be in [0, 1]")
 
     @classmethod
     def parse(cls, value: str | Mapping | SpeculativeConfig | None) -> SpeculativeConfig | None:

@@ -1,0 +1,165 @@
+"""Speculative decoding with a draft model: a second, cheaper model guesses each decoding request's next k tokens
+right before the target's step verifies them (engine/speculation.py schedules the guesses' places, the sampler
+verifies them).
+
+The draft's KV cache has the target's blocks, block for block: a request's block table indexes both, so the
+scheduler's allocation, trimming and freeing cover the draft too and the drafter allocates nothing.
+
+    target KV   [ prompt ........................ | t_n | g_1 ... g_k ]   the step computes t_n and the guesses
+    draft KV    [ prompt ................... | catch-up | g_1 ... g_k-1 ]   written while guessing
+                                             ^ first position whose draft KV does not hold the request's token
+
+Each request remembers the tokens its draft KV holds (`_DraftedPrefix`). To guess, the drafter feeds the draft
+every known token from the first one its KV lacks through t_n (one chunk: the whole prompt the first time, the
+bonus token and maybe the last accepted guess after a verification, more after steps it did not draft in), then
+its own guesses one at a time, greedily. A rejection needs no rollback: the next guess re-feeds from the first
+token that differs. Draft KV in blocks the request no longer owns (preemption) is never trusted: the prefix
+counts only while the block table under it is unchanged.
+
+Greedy guesses are a one-hot proposal, which the sampler's verification (drawing each position as plain sampling
+would, keeping guesses up to the first miss) makes exact rejection sampling: output distribution and seeded
+tokens are the target's alone.
+
+In a disaggregated cluster the decode worker drafts: the first guess of a request whose KV arrived from a prefill
+worker feeds the draft its whole prompt there (README, "Speculative decoding": measured against shipping draft KV).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.config import ModelConfig
+from engine.errors import ModelLoadError
+from engine.model_runner import ModelRunner, allocate_kv_caches, kv_bytes_per_block
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledChunk
+from engine.speculation import DRAFT_PENDING
+from engine.speculative_config import SpeculativeConfig
+from engine.tokenizer import Tokenizer
+
+log = logging.getLogger("duet.engine")
+
+GREEDY = SamplingParams(max_tokens=1, temperature=0.0)
+
+
+@dataclass(slots=True)
+class _DraftedPrefix:
+    """The tokens whose draft KV a request's blocks hold (from position 0), and the block table they were
+    written through (a snapshot)."""
+
+    token_ids: list[int]
+    block_ids: list[int]
+
+    def valid_length(self, token_ids: list[int], block_ids: list[int], block_size: int) -> int:
+        """How many leading tokens of `token_ids` the draft KV holds under the request's `block_ids` now."""
+        limit = min(len(self.token_ids), len(token_ids))
+        same_blocks = 0
+        while same_blocks < min(len(self.block_ids), len(block_ids)) and \
+                self.block_ids[same_blocks] == block_ids[same_blocks]:
+            same_blocks += 1
+        limit = min(limit, same_blocks * block_size)
+        n = 0
+        while n < limit and self.token_ids[n] == token_ids[n]:
+            n += 1
+        return n
+
+
+class Drafter:
+    """A draft model over the target's block tables. Not thread-safe: the engine's step thread."""
+
+    def __init__(self, runner: ModelRunner, block_size: int, model_id: str):
+        self.runner = runner
+        self.block_size = block_size
+        self.model_id = model_id
+        self._drafted: dict[str, _DraftedPrefix] = {}
+        self.num_fed_tokens = 0  # tokens the draft computed (catch-up chunks and guesses): its cost
+
+    def propose(self, chunks: list[ScheduledChunk]) -> None:
+        """Fill every DRAFT_PENDING guess of the step's chunks with the draft's greedy tokens. A chunk with
+        guesses is a decode chunk: its one known token t_n, then its k guesses' places (slots allocated)."""
+        pending = [c for c in chunks if c.proposed_token_ids and c.proposed_token_ids[0] == DRAFT_PENDING]
+        if not pending:
+            return
+        feeds = []
+        for chunk in pending:
+            token_ids = [*chunk.prompt_token_ids, *chunk.output_token_ids]
+            assert len(token_ids) == chunk.start_position + 1, (chunk.request_id, len(token_ids))
+            drafted = self._drafted.get(chunk.request_id)
+            start = 0 if drafted is None else drafted.valid_length(token_ids, chunk.block_ids, self.block_size)
+            start = min(start, chunk.start_position)  # t_n itself is always fed: its logits make the first guess
+            feeds.append(ScheduledChunk(chunk.request_id, token_ids[start:], start, chunk.block_ids, True, GREEDY,
+                                        (), ()))
+            self._drafted[chunk.request_id] = _DraftedPrefix(token_ids, list(chunk.block_ids))
+        guesses: dict[str, list[int]] = {c.request_id: [] for c in pending}
+        want = {c.request_id: len(c.proposed_token_ids) for c in pending}
+        while feeds:
+            self.num_fed_tokens += sum(len(f.token_ids) for f in feeds)
+            sampled = self.runner.execute(feeds)
+            next_feeds = []
+            for feed in feeds:
+                token = sampled[feed.request_id].token_ids[0]
+                guesses[feed.request_id].append(token)
+                if len(guesses[feed.request_id]) < want[feed.request_id]:
+                    position = feed.start_position + len(feed.token_ids)
+                    next_feeds.append(ScheduledChunk(feed.request_id, [token], position, feed.block_ids, True, GREEDY,
+                                                     (), ()))
+            feeds = next_feeds
+        for chunk in pending:
+            made = guesses[chunk.request_id]
+            chunk.proposed_token_ids[:] = made
+            # the draft KV now holds t_0..t_n and every guess but the last (which was never fed)
+            self._drafted[chunk.request_id].token_ids.extend(made[:-1])
+
+    def retain(self, live_request_ids) -> None:
+        """Forget the requests that are no longer live (`live_request_ids`: a container of ids)."""
+        for request_id in [r for r in self._drafted if r not in live_request_ids]:
+            del self._drafted[request_id]
+
+
+def build_drafter(spec: SpeculativeConfig, target_config: ModelConfig, target_tokenizer: Tokenizer,
+                  dtype: torch.dtype, device: torch.device, max_positions: int, num_blocks: int, block_size: int,
+                  seed: int, fast_linears: bool) -> Drafter:
+    """Load `spec.model` as a draft for the target (same vocabulary, token for token: ModelLoadError otherwise),
+    with KV caches of `num_blocks` blocks (the target's pool and its scratch blocks)."""
+    from engine.linear_fast import linear_fast_paths
+    from engine.weights import build_model
+
+    path = Path(spec.model)
+    try:
+        config = ModelConfig.from_path(path)
+        tokenizer = Tokenizer.from_path(path)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"speculative_config model={spec.model!r}: {e}") from None
+    if config.vocab_size != target_config.vocab_size or not same_vocabulary(tokenizer, target_tokenizer):
+        raise ModelLoadError(f"speculative_config model={spec.model!r} is invalid: its vocabulary ({config.vocab_size} "
+                             f"embeddings, tokenizer of {tokenizer.vocab_size}) is not the target's "
+                             f"({target_config.vocab_size}, {target_tokenizer.vocab_size}): a draft must share the "
+                             "target's tokenizer")
+    model = build_model(config, path, dtype, max_positions=max_positions, device=device,
+                        quantization=spec.quantization)
+    linear_fast_paths(model, fast_linears)
+    kv_caches = allocate_kv_caches(model, num_blocks, block_size, dtype, device)
+    runner = ModelRunner(model, kv_caches, block_size, Sampler(seed))
+    log.info("draft model=%s quantization=%s kv_bytes_per_block=%d", path.resolve().name, spec.quantization,
+             kv_bytes_per_block(model, block_size, dtype))
+    return Drafter(runner, block_size, path.resolve().name)
+
+
+def same_vocabulary(a: Tokenizer, b: Tokenizer) -> bool:
+    """Token for token the same vocabulary (special tokens included)."""
+    if a.vocab_size != b.vocab_size:
+        return False
+    ids = range(a.vocab_size)
+    return a.convert_ids_to_tokens(ids) == b.convert_ids_to_tokens(ids)
+
+
+def draft_kv_bytes_per_block(spec: SpeculativeConfig, dtype: torch.dtype, block_size: int) -> int:
+    """Bytes one KV block of the draft takes (the engine sizes its pool for both models' blocks)."""
+    config = ModelConfig.from_path(Path(spec.model))
+    element_bytes = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * element_bytes

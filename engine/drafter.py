@@ -13,8 +13,9 @@ Each request remembers the tokens its draft KV holds (`_DraftedPrefix`). To gues
 every known token from the first one its KV lacks through t_n (one chunk: the whole prompt the first time, the
 bonus token and maybe the last accepted guess after a verification, more after steps it did not draft in), then
 its own guesses one at a time, greedily. A rejection needs no rollback: the next guess re-feeds from the first
-token that differs. Draft KV in blocks the request no longer owns (preemption) is never trusted: the prefix
-counts only while the block table under it is unchanged.
+token that differs. Draft KV in blocks the request gave back is never trusted: a preempted request is forgotten
+(its blocks may have held others' KV before it gets them back), and the prefix counts only while the block table
+under it is unchanged (a block trimmed after a rejection may come back as another one).
 
 Greedy guesses are a one-hot proposal, which the sampler's verification (drawing each position as plain sampling
 would, keeping guesses up to the first miss) makes exact rejection sampling: output distribution and seeded
@@ -115,6 +116,16 @@ class Drafter:
             # the draft KV now holds t_0..t_n and every guess but the last (which was never fed)
             self._drafted[chunk.request_id].token_ids.extend(made[:-1])
 
+    @property
+    def num_requests(self) -> int:
+        """Requests whose drafted prefix it remembers."""
+        return len(self._drafted)
+
+    def forget(self, request_ids) -> None:
+        """The requests' blocks went back to the pool (preemption): their draft KV with them."""
+        for request_id in request_ids:
+            self._drafted.pop(request_id, None)
+
     def retain(self, live_request_ids) -> None:
         """Forget the requests that are no longer live (`live_request_ids`: a container of ids)."""
         for request_id in [r for r in self._drafted if r not in live_request_ids]:
@@ -130,8 +141,8 @@ def build_drafter(spec: SpeculativeConfig, target_config: ModelConfig, target_to
     from engine.weights import build_model
 
     path = Path(spec.model)
+    config = draft_model_config(spec)
     try:
-        config = ModelConfig.from_path(path)
         tokenizer = Tokenizer.from_path(path)
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"speculative_config model={spec.model!r}: {e}") from None
@@ -158,8 +169,16 @@ def same_vocabulary(a: Tokenizer, b: Tokenizer) -> bool:
     return a.convert_ids_to_tokens(ids) == b.convert_ids_to_tokens(ids)
 
 
+def draft_model_config(spec: SpeculativeConfig) -> ModelConfig:
+    """The draft checkpoint's config; ModelLoadError naming the speculative_config key if it cannot be read."""
+    try:
+        return ModelConfig.from_path(Path(spec.model))
+    except (OSError, ValueError, ModelLoadError) as e:
+        raise ModelLoadError(f"speculative_config model={spec.model!r}: {e}") from None
+
+
 def draft_kv_bytes_per_block(spec: SpeculativeConfig, dtype: torch.dtype, block_size: int) -> int:
     """Bytes one KV block of the draft takes (the engine sizes its pool for both models' blocks)."""
-    config = ModelConfig.from_path(Path(spec.model))
+    config = draft_model_config(spec)
     element_bytes = torch.empty((), dtype=dtype).element_size()
     return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * element_bytes

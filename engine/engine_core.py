@@ -193,6 +193,7 @@ class EngineCore:
         self.last_step_num_tokens = scheduled.num_batched_tokens
         try:
             if self.drafter is not None:
+                self.drafter.forget(scheduled.preempted_ids)
                 self.drafter.propose(scheduled.chunks)
             on_layer_done = self.hooks.before_execute(scheduled.chunks)
             sampled = self.runner.execute(scheduled.chunks, on_layer_done)

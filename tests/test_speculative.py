@@ -49,11 +49,18 @@ def test_speculative_config_takes_vllms_form_and_refuses_what_it_does_not_implem
     assert SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3,
                                     "prompt_lookup_max": 4}).prompt_lookup_min == 4
     assert SpeculativeConfig.parse(config.to_json()) == config
+    draft = SpeculativeConfig.parse({"method": "draft_model", "model": "/m", "num_speculative_tokens": 3})
+    assert (draft.model, draft.quantization, draft.prompt_lookup_max) == ("/m", "auto", 0)
+    assert SpeculativeConfig.parse(draft.to_json()) == draft
     for value, message in [
         ({"method": "ngram", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 1},
          "keys draft_tensor_parallel_size are unknown or not implemented"),
-        ({"method": "draft_model", "model": "x", "num_speculative_tokens": 3}, "keys model are unknown"),
-        ({"method": "draft_model", "num_speculative_tokens": 3}, "method='draft_model' is refused: a draft model"),
+        ({"method": "draft_model", "num_speculative_tokens": 3}, "model='' is invalid: method 'draft_model' needs"),
+        ({"method": "ngram", "num_speculative_tokens": 3, "model": "x"}, "model='x' is invalid for method 'ngram'"),
+        ({"method": "draft_model", "model": "x", "num_speculative_tokens": 3, "prompt_lookup_max": 2},
+         "prompt_lookup_max=2 is invalid for method 'draft_model': it is an ngram key"),
+        ({"method": "draft_model", "model": "x", "num_speculative_tokens": 3, "quantization": "q3"},
+         "quantization='q3' is invalid: must be one of auto, none, int8, int4"),
         ({"method": "eagle", "num_speculative_tokens": 3}, "method='eagle' is invalid"),
         ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens=0 is invalid"),
         ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},

@@ -1,0 +1,183 @@
+"""Speculative decoding with a draft model (engine/drafter.py): a draft identical to the target is accepted every
+time and changes nothing; other drafts change only the speed; the draft's KV follows the target's block tables
+through chunked prefill, preemption, prefix hits and rejections; a cluster's decode worker drafts for requests
+whose KV came from a prefill worker.
+"""
+
+import json
+from collections import Counter
+
+import pytest
+from test_speculative import assert_same_distribution, repetitive_prompts, run_stepwise
+
+from engine import LLM, SamplingParams
+from engine.errors import ModelLoadError
+from engine.tiny_model import make_tiny_model
+
+
+def draft_config(model_dir, k: int = 4, quantization: str = "none") -> dict:
+    return {"method": "draft_model", "model": str(model_dir), "num_speculative_tokens": k,
+            "quantization": quantization, "disable_by_batch_size": 64}
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def other_draft_dir(tmp_path_factory, tiny_llama_dir):
+    """Another random model with tiny_llama_dir's tokenizer (one layer, other weights): a draft that is often
+    wrong."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-draft"), arch="llama", layers=1, hidden=64, heads=4,
+                           kv_heads=2, vocab=512, seed=11)
+
+
+@pytest.mark.parametrize("engine_args", [
+    {},
+    {"max_num_batched_tokens": 16},  # chunked prefill next to decodes with guesses
+    {"num_kv_blocks": 12, "block_size": 8},  # preemption: more sequences than blocks
+], ids=["plain", "chunked", "preempting"])
+def test_a_draft_identical_to_the_target_is_always_accepted(tiny_llama_dir, engine_args):
+    """vLLM's strongest check: the target as its own draft (fp32, unquantized) guesses exactly the target's greedy
+    tokens, so every guess is accepted and the output is the plain one; block accounting after every step."""
+    prompts = repetitive_prompts()
+    params = [greedy(n) for n in (30, 24, 17, 40, 9)]
+    want = [o.outputs[0].token_ids for o in LLM(tiny_llama_dir, max_model_len=256, **engine_args)
+            .generate(prompts, params, use_tqdm=False)]
+    spec = LLM(tiny_llama_dir, max_model_len=256, speculative_config=draft_config(tiny_llama_dir), **engine_args)
+    assert list(run_stepwise(spec, prompts, params).values()) == want
+    stats = spec.engine.core.speculation
+    assert stats.num_draft_tokens > 50 and stats.num_accepted_tokens == stats.num_draft_tokens
+    assert stats.num_accepted_per_position[0] == stats.num_drafts
+    if "num_kv_blocks" in engine_args:
+        assert spec.engine.core.num_preemptions > 0
+    # again: prefix hits on the blocks the first run cached (the draft re-feeds what its KV may lack)
+    assert list(run_stepwise(spec, prompts, params).values()) == want
+    assert spec.engine.core.speculation.num_accepted_tokens == spec.engine.core.speculation.num_draft_tokens
+    assert spec.engine.core.drafter.num_requests == 0  # every finished request forgotten
+
+
+def test_another_draft_changes_only_the_speed(tiny_llama_dir, other_draft_dir):
+    prompts = repetitive_prompts()
+    params = [greedy(n) for n in (30, 24, 17, 40, 9)]
+    want = [o.outputs[0].token_ids for o in LLM(tiny_llama_dir, max_model_len=256).generate(prompts, params,
+                                                                                             use_tqdm=False)]
+    spec = LLM(tiny_llama_dir, max_model_len=256, speculative_config=draft_config(other_draft_dir, k=3))
+    assert list(run_stepwise(spec, prompts, params).values()) == want
+    stats = spec.engine.core.speculation
+    assert 0 < stats.num_draft_tokens and stats.num_accepted_tokens < stats.num_draft_tokens
+
+
+def test_the_target_drafting_for_itself_quantized(tmp_path):
+    """The choice for a model with no smaller sibling: itself, quantized (round-to-nearest int8 here: on a random
+    model's near-flat logits int4 moves the argmax too often to say much; the default model's test uses its Q4)."""
+    model_dir = make_tiny_model(tmp_path / "m", arch="llama", layers=2, hidden=64, heads=4, kv_heads=2, vocab=512,
+                                intermediate=128, seed=3)
+    prompts = repetitive_prompts()[:3]
+    params = greedy(24)
+    want = [o.outputs[0].token_ids for o in LLM(model_dir, max_model_len=256).generate(prompts, params,
+                                                                                        use_tqdm=False)]
+    spec = LLM(model_dir, max_model_len=256, speculative_config=draft_config(model_dir, quantization="int8"))
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, params, use_tqdm=False)] == want
+    stats = spec.engine.core.speculation
+    assert stats.num_accepted_tokens >= 0.5 * stats.num_draft_tokens > 0
+    spec.engine.check_integrity()
+
+
+def test_seeded_sampling_draws_the_plain_tokens(tiny_llama_dir, other_draft_dir):
+    """Greedy guesses are a one-hot proposal: verification draws each position as plain sampling would, so a
+    seeded request gets exactly the plain tokens and logprobs, whatever the draft guessed."""
+    prompts = repetitive_prompts()
+    params = [SamplingParams(max_tokens=24, temperature=0.7, top_k=20, top_p=0.9, min_p=0.02, seed=11 + i,
+                             repetition_penalty=1.1, frequency_penalty=0.2, logprobs=2, ignore_eos=True)
+              for i in range(len(prompts))]
+    plain = LLM(tiny_llama_dir, max_model_len=256).generate(prompts, params, use_tqdm=False)
+    for draft_dir in (tiny_llama_dir, other_draft_dir):
+        spec = LLM(tiny_llama_dir, max_model_len=256, speculative_config=draft_config(draft_dir))
+        got = spec.generate(prompts, params, use_tqdm=False)
+        for a, b in zip(plain, got):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+            for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+                assert list(x) == list(y) and all(abs(x[t].logprob - y[t].logprob) < 1e-4 for t in x)
+        stats = spec.engine.core.speculation
+        # the target's own greedy guess is its most likely token: often drawn; the other model's, almost never
+        assert stats.num_draft_tokens > 50 and (stats.num_accepted_tokens > 0 or draft_dir == other_draft_dir)
+
+
+def test_unseeded_sampling_with_a_draft_follows_the_plain_distribution(tiny_llama_dir):
+    """Two statistics of ten sampled tokens, plain vs drafted by the target itself, over 400 unseeded requests."""
+    prompt = [3, 4, 5] * 5
+    params = SamplingParams(max_tokens=10, temperature=0.8, top_k=4, ignore_eos=True)
+    outputs = {}
+    for name, spec in (("plain", None), ("drafted", {**draft_config(tiny_llama_dir, k=3),
+                                                     "disable_by_batch_size": 1024})):
+        llm = LLM(tiny_llama_dir, max_model_len=256, speculative_config=spec, seed=5, max_num_seqs=128)
+        outputs[name] = [o.outputs[0].token_ids for o in llm.generate([prompt] * 400, params, use_tqdm=False)]
+        if spec:
+            assert llm.engine.core.speculation.num_accepted_tokens > 400
+    for statistic in (lambda tokens: tokens[-1], lambda tokens: len(set(tokens))):
+        counts = {name: Counter(statistic(t) for t in outs) for name, outs in outputs.items()}
+        assert_same_distribution(counts["plain"], counts["drafted"])
+
+
+def test_a_draft_with_another_vocabulary_or_at_tensor_parallel_is_refused(tiny_llama_dir, tmp_path):
+    small_vocab = make_tiny_model(tmp_path / "v384", arch="llama", layers=1, hidden=64, heads=4, kv_heads=2,
+                                  vocab=384, seed=1)
+    with pytest.raises(ModelLoadError, match=r"its vocabulary \(384 embeddings, tokenizer of 384\) is not the target's \(512, 512\)"):
+        LLM(tiny_llama_dir, max_model_len=256, speculative_config=draft_config(small_vocab))
+    with pytest.raises(ModelLoadError, match="method 'draft_model' with tp_size=2 is not supported yet"):
+        LLM(tiny_llama_dir, max_model_len=256, tp_size=2, speculative_config=draft_config(tiny_llama_dir))
+    with pytest.raises(ModelLoadError, match="speculative_config model='/nonexistent/draft'"):
+        LLM(tiny_llama_dir, max_model_len=256,
+            speculative_config={**draft_config(tiny_llama_dir), "model": "/nonexistent/draft"})
+
+
+def test_the_draft_and_its_kv_are_in_the_memory_budget(tiny_llama_dir):
+    """With a draft, each pool block holds both models' KV: the same budget gives fewer blocks."""
+    budget = 64 * 1024
+    plain = LLM(tiny_llama_dir, max_model_len=64, kv_cache_bytes=budget)
+    drafted = LLM(tiny_llama_dir, max_model_len=64, kv_cache_bytes=budget,
+                  speculative_config=draft_config(tiny_llama_dir))
+    assert drafted.engine.num_kv_blocks == plain.engine.num_kv_blocks // 2
+    caches = drafted.engine.core.drafter.runner.kv_caches
+    assert caches[0][0].shape[1] == drafted.engine.runtime.kv_caches[0][0].shape[1]  # block for block
+
+
+def test_a_cluster_whose_decode_worker_drafts_gives_the_offline_tokens(tiny_llama_dir, other_draft_dir):
+    """Disaggregated: the prefill worker ships the target's KV only; the decode worker feeds its draft the prompt on
+    the request's first guess (engine/drafter.py)."""
+    from cluster_helpers import wait_idle
+
+    from deploy.local_cluster import ClusterConfig, LocalCluster
+    from duet.client import Client, stream_to_record
+
+    config = ClusterConfig(model_dir=str(tiny_llama_dir), worker_args=["--max-model-len", "256"],
+                           decode_args=["--speculative-config", json.dumps(draft_config(other_draft_dir, k=3))],
+                           router_args=["--max-model-len", "256"])
+    prompts = repetitive_prompts()
+    params = greedy(24)
+    want = [o.outputs[0].token_ids for o in LLM(tiny_llama_dir, max_model_len=256).generate(prompts, params,
+                                                                                             use_tqdm=False)]
+    with LocalCluster(config).start() as cluster, Client(cluster.router_address) as client:
+        got = [stream_to_record(client.generate(p, params, timeout_s=60))["token_ids"] for p in prompts]
+        assert got == want
+        wait_idle(cluster)  # every block back in its pool
+
+
+@pytest.mark.slow
+def test_the_default_model_drafting_for_itself_from_its_q4_weights():
+    """SmolLM2-135M-Instruct dequantized to fp32 as the target, the same GGUF kept Q4_1 as its draft: the greedy
+    answer is the plain one and most guesses are accepted."""
+    from engine.default_model import default_model_path
+
+    chat = [[{"role": "user", "content": "Write a short poem about the sea."}]]
+    params = SamplingParams(max_tokens=48, temperature=0)
+    plain = LLM(quantization="none").chat(chat, params, use_tqdm=False)[0].outputs[0]
+    spec_llm = LLM(quantization="none", speculative_config={
+        "method": "draft_model", "model": str(default_model_path()), "num_speculative_tokens": 4,
+        "quantization": "auto"})
+    spec = spec_llm.chat(chat, params, use_tqdm=False)[0].outputs[0]
+    assert spec.token_ids == plain.token_ids
+    stats = spec_llm.engine.core.speculation
+    assert stats.num_accepted_tokens >= 0.6 * stats.num_draft_tokens > 0
+

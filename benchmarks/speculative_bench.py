@@ -1,8 +1,13 @@
-"""n-gram speculative decoding on the default model: with vs without, copy-heavy vs open chat, batch 1 and 8,
-and llama.cpp's prompt lookup decoding on the same file and prompts at batch 1 (issue 19's benchmark).
+"""Speculative decoding on the default model: with vs without, copy-heavy vs open chat, batch 1 and 8, and
+llama.cpp's prompt lookup decoding on the same file and prompts at batch 1 (issue 19's benchmark).
 
     .venv/bin/python benchmarks/speculative_bench.py                       # llama.cpp from $DUET_LLAMA_VENV
     .venv/bin/python benchmarks/speculative_bench.py --modes auto --batches 1 --repeats 3 --no-llama
+    .venv/bin/python benchmarks/speculative_bench.py --method draft_model --modes float32,bfloat16 --batches 1
+
+--method draft_model drafts with the same GGUF file held as --draft-quantization (default auto: its Q4_1 weights
+kept, decoded by the quantized kernels) for a target held dense (modes float32 / bfloat16); llama-cpp-python has
+no draft-model decoding, so that run has no llama.cpp cells.
 
 Workloads (chat prompts, greedy, up to --max-tokens each):
     copy   edit a given passage or code and return it whole: rename a function in duet source files, fix the
@@ -82,16 +87,23 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=192)
     p.add_argument("--k", type=int, default=5, help="num_speculative_tokens")
+    p.add_argument("--method", default="ngram", choices=("ngram", "draft_model"))
+    p.add_argument("--draft-quantization", default="auto", help="draft_model: how the draft's linears are held")
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--disable-by-batch-size", type=int, default=None, help="default: engine/speculative_config.py's")
     p.add_argument("--no-llama", action="store_true")
     p.add_argument("--llama-venv", default=os.environ.get("DUET_LLAMA_VENV", "/work/llama-venv"))
     args = p.parse_args()
     modes, batches = args.modes.split(","), [int(b) for b in args.batches.split(",")]
-    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    model = default_model_path()
+    if args.method == "ngram":
+        spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    else:
+        spec = {"method": "draft_model", "model": str(model), "num_speculative_tokens": args.k,
+                "quantization": args.draft_quantization}
+        args.no_llama = True
     if args.disable_by_batch_size is not None:  # e.g. 64: speculate at every batch size, to see where it stops paying
         spec["disable_by_batch_size"] = args.disable_by_batch_size
-    model = default_model_path()
     loads = workloads()
     print(f"config: modes={modes} batches={batches} repeats={args.repeats} max_tokens={args.max_tokens} k={args.k} "
           f"threads={args.threads} model={model.name} speculative={json.dumps(spec)}", flush=True)
@@ -123,8 +135,8 @@ def main() -> None:
                         counts.setdefault(key, []).append((stats1.num_drafts - stats0.num_drafts,
                                                            stats1.num_draft_tokens - stats0.num_draft_tokens,
                                                            stats1.num_accepted_tokens - stats0.num_accepted_tokens))
-                        print(f"repeat={repeat} {name} batch={batch} {mode} ngram={on}: {tokens / seconds:.1f} tok/s",
-                              flush=True)
+                        print(f"repeat={repeat} {name} batch={batch} {mode} speculative={on}: "
+                              f"{tokens / seconds:.1f} tok/s", flush=True)
                     if llama is not None and batch == 1:
                         for on in (False, True):
                             reply = llama.ask(1, repeat, workload=name, lookup=on)
@@ -134,8 +146,8 @@ def main() -> None:
     finally:
         if llama is not None:
             llama.close()
-    print("\n| engine | workload | batch | plain tok/s | n-gram tok/s | n-gram / plain (min / median / max) | "
-          "acceptance | mean accepted length |")
+    print(f"\n| engine | workload | batch | plain tok/s | {args.method} tok/s | {args.method} / plain "
+          "(min / median / max) | acceptance | mean accepted length |")
     print("|---|---|---:|---|---|---|---:|---:|")
     for (mode, name, batch, on), values in rates.items():
         if on:

@@ -46,6 +46,9 @@ from engine.tokenizer import Tokenizer
 log = logging.getLogger("duet.engine")
 
 GREEDY = SamplingParams(max_tokens=1, temperature=0.0)
+# Tokens a step feeds the draft to catch up (all requests together): bounds what a long prompt's first draft pass
+# adds to one step. Measured: benchmarks/RESULTS.md, "Speculative decoding with a draft model".
+MAX_CATCH_UP_TOKENS = 256
 
 
 @dataclass(slots=True)
@@ -73,36 +76,52 @@ class _DraftedPrefix:
 class Drafter:
     """A draft model over the target's block tables. Not thread-safe: the engine's step thread."""
 
-    def __init__(self, runner: ModelRunner, block_size: int, model_id: str):
+    def __init__(self, runner: ModelRunner, block_size: int, model_id: str,
+                 max_catch_up_tokens: int = MAX_CATCH_UP_TOKENS):
         self.runner = runner
         self.block_size = block_size
+        self.max_catch_up_tokens = max_catch_up_tokens
         self.model_id = model_id
         self._drafted: dict[str, _DraftedPrefix] = {}
         self.num_fed_tokens = 0  # tokens the draft computed (catch-up chunks and guesses): its cost
 
     def propose(self, chunks: list[ScheduledChunk]) -> None:
         """Fill every DRAFT_PENDING guess of the step's chunks with the draft's greedy tokens. A chunk with
-        guesses is a decode chunk: its one known token t_n, then its k guesses' places (slots allocated)."""
+        guesses is a decode chunk: its one known token t_n, then its k guesses' places (slots allocated).
+
+        The tokens fed to catch up are bounded per step (`max_catch_up_tokens`, over all requests): a request
+        whose draft lags further (its first guess after a long prompt arrived from a prefill worker) is fed part
+        of its lag and guesses nothing this step (its chunk's guesses are dropped: a plain decode step), so one
+        long catch-up never stalls the whole batch for a draft prefill."""
         pending = [c for c in chunks if c.proposed_token_ids and c.proposed_token_ids[0] == DRAFT_PENDING]
         if not pending:
             return
-        feeds = []
+        feeds, guessing, budget = [], [], self.max_catch_up_tokens
         for chunk in pending:
             token_ids = [*chunk.prompt_token_ids, *chunk.output_token_ids]
             assert len(token_ids) == chunk.start_position + 1, (chunk.request_id, len(token_ids))
             drafted = self._drafted.get(chunk.request_id)
             start = 0 if drafted is None else drafted.valid_length(token_ids, chunk.block_ids, self.block_size)
             start = min(start, chunk.start_position)  # t_n itself is always fed: its logits make the first guess
-            feeds.append(ScheduledChunk(chunk.request_id, token_ids[start:], start, chunk.block_ids, True, GREEDY,
-                                        (), ()))
-            self._drafted[chunk.request_id] = _DraftedPrefix(token_ids, list(chunk.block_ids))
-        guesses: dict[str, list[int]] = {c.request_id: [] for c in pending}
-        want = {c.request_id: len(c.proposed_token_ids) for c in pending}
+            end = min(len(token_ids), start + budget)
+            budget -= end - start
+            if end > start:
+                feeds.append(ScheduledChunk(chunk.request_id, token_ids[start:end], start, chunk.block_ids,
+                                            end == len(token_ids), GREEDY, (), ()))
+            self._drafted[chunk.request_id] = _DraftedPrefix(token_ids[:end], list(chunk.block_ids))
+            if end == len(token_ids):
+                guessing.append(chunk)
+            else:
+                chunk.proposed_token_ids.clear()  # still catching up: no guesses this step
+        guesses: dict[str, list[int]] = {c.request_id: [] for c in guessing}
+        want = {c.request_id: len(c.proposed_token_ids) for c in guessing}
         while feeds:
             self.num_fed_tokens += sum(len(f.token_ids) for f in feeds)
             sampled = self.runner.execute(feeds)
             next_feeds = []
             for feed in feeds:
+                if not feed.sample:
+                    continue
                 token = sampled[feed.request_id].token_ids[0]
                 guesses[feed.request_id].append(token)
                 if len(guesses[feed.request_id]) < want[feed.request_id]:
@@ -110,7 +129,7 @@ class Drafter:
                     next_feeds.append(ScheduledChunk(feed.request_id, [token], position, feed.block_ids, True, GREEDY,
                                                      (), ()))
             feeds = next_feeds
-        for chunk in pending:
+        for chunk in guessing:
             made = guesses[chunk.request_id]
             chunk.proposed_token_ids[:] = made
             # the draft KV now holds t_0..t_n and every guess but the last (which was never fed)

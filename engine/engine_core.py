@@ -20,6 +20,7 @@ none of them touches the scheduler's queues. Not thread-safe: one thread drives 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -191,6 +192,7 @@ class EngineCore:
     def step(self) -> list[NewTokens]:
         scheduled = self.scheduler.schedule()
         self.last_step_num_tokens = scheduled.num_batched_tokens
+        start = time.perf_counter()
         try:
             if self.drafter is not None:
                 self.drafter.forget(scheduled.preempted_ids)
@@ -200,6 +202,7 @@ class EngineCore:
         except Exception as e:
             self.hooks.on_execute_failed(scheduled.chunks, e)
             return []
+        self._observe_speculation(scheduled.chunks, sampled, time.perf_counter() - start)
         failed = [NewTokens(request_id, [], None, RequestStatus.FINISHED_ERROR, s.error)
                   for request_id, s in sampled.items() if s.error is not None]
         failed += self._advance_grammars(sampled)
@@ -217,6 +220,16 @@ class EngineCore:
                 logprobs = logprobs[: len(update.token_ids)]  # those of tokens past a stop were dropped too
             results.append(NewTokens(update.request_id, update.token_ids, logprobs, update.status))
         return results + failed
+
+    def _observe_speculation(self, chunks: list[ScheduledChunk], sampled: dict[str, SampledTokens],
+                             seconds: float) -> None:
+        """A decode-only step's speed, with or without guesses, for the speculator's measured back-off."""
+        speculator = self.scheduler.speculator
+        if speculator is None or not chunks or any(len(c.token_ids) != 1 for c in chunks):
+            return
+        speculated = any(c.proposed_token_ids for c in chunks)
+        num_tokens = sum(len(s.token_ids) for s in sampled.values())
+        speculator.observe_step(len(chunks), speculated, num_tokens, seconds)
 
     def _advance_grammars(self, sampled: dict[str, SampledTokens]) -> list[NewTokens]:
         """Feed each structured request's sampled tokens to its grammar (they were drawn under its mask, so

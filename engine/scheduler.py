@@ -155,6 +155,8 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
 
         num_live = len(self.requests)
+        if self.speculator is not None:
+            self.speculator.begin_step(len(self.running))
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -236,8 +238,8 @@ class Scheduler:
             if num_accepted and not request.status.finished:  # the accepted guesses' KV was computed this step
                 request.num_computed_tokens += num_accepted
                 self.kv_cache.cache_computed_blocks(request)
-            if chunk.proposed_token_ids and not request.status.finished:
-                self.kv_cache.trim(request)
+            if self.speculator is not None and not request.status.finished:
+                self.kv_cache.trim(request)  # the slots of rejected guesses (or of guesses a drafter did not make)
             updates.append(TokenUpdate(request.request_id, kept, request.status))
         return updates
 

@@ -12,7 +12,9 @@ what was accepted. Pure Python (the scheduler never imports torch); the sampler 
 
 Back-off, so speculation never makes a workload noticeably slower:
   per step     more live requests than `disable_by_batch_size`: nobody drafts (verification is not free when
-               a step is compute-bound);
+               a step is compute-bound); and at each batch size, by measurement: while speculative steps gain
+               fewer tokens per second than plain ones (x `min_speedup`), nobody drafts for a while
+               (engine/speculation_payoff.py);
   per request  an acceptance rate (exponential average over its drafts) below `min_acceptance_rate` pauses its
                drafting for a number of steps that doubles each time it happens again (up to MAX_PAUSE_STEPS).
 """
@@ -24,6 +26,7 @@ from typing import NamedTuple
 
 from engine.ngram_proposer import propose_ngram
 from engine.request import Request
+from engine.speculation_payoff import PayoffTracker
 from engine.speculative_config import SpeculativeConfig
 
 DRAFT_PENDING = -1  # a guess the drafter has yet to make (never a token id: a forward over one fails loudly)
@@ -65,11 +68,21 @@ class Speculator:
         self.num_accepted_tokens = 0
         self.num_accepted_per_position = [0] * config.num_speculative_tokens
         self._states: dict[str, DraftState] = {}
+        self.payoff = PayoffTracker(config.min_speedup)
+        self._step_on = True  # this step's verdict (begin_step)
+
+    def begin_step(self, batch_size: int) -> None:
+        """A step with `batch_size` running requests is being scheduled: whether it speculates at all."""
+        self._step_on = self.payoff.speculate(batch_size)
+
+    def observe_step(self, batch_size: int, speculated: bool, num_tokens: int, seconds: float) -> None:
+        """A decode-only step of `batch_size` chunks (with guesses or not) gained `num_tokens` in `seconds`."""
+        self.payoff.observe(batch_size, speculated, num_tokens, seconds)
 
     def draft(self, request: Request, num_live: int, max_tokens: int) -> list[int]:
         """Guesses for a decoding request's next tokens: at most `max_tokens` (what is left of the step's budget)."""
         cfg = self.config
-        if num_live > cfg.disable_by_batch_size or max_tokens < 1:
+        if not self._step_on or num_live > cfg.disable_by_batch_size or max_tokens < 1:
             return []
         state = self._states.setdefault(request.request_id, DraftState())
         if state.paused_steps:

@@ -4,9 +4,10 @@
     {"method": "draft_model", "model": PATH, "num_speculative_tokens": 4, "quantization": "int4"}
 
 Keys are vLLM's where vLLM has one (`disable_by_batch_size` included); duet adds `min_acceptance_rate`, the
-per-request back-off. A key duet does not implement is refused, never dropped, and so is a key of the other
-method. Methods: "ngram" (prompt lookup: engine/ngram_proposer.py) and "draft_model" (a smaller checkpoint with
-the target's tokenizer, or the target itself held quantized: engine/drafter.py).
+per-request back-off, and `min_speedup`, the measured one per batch size. A key duet does not implement is
+refused, never dropped, and so is a key of the other method. Methods: "ngram" (prompt lookup:
+engine/ngram_proposer.py) and "draft_model" (a smaller checkpoint with the target's tokenizer, or the target
+itself held quantized: engine/drafter.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ METHODS = ("ngram", "draft_model")
 DISABLE_BY_BATCH_SIZE = 4
 # A request whose guesses were accepted at less than this rate (over its recent drafts) stops drafting for a while
 MIN_ACCEPTANCE_RATE = 0.25
+# Speculation at a batch size whose measured tokens/s falls under this fraction of plain decoding's is switched off
+# for a while (engine/speculation_payoff.py); 0: never by measurement
+MIN_SPEEDUP = 0.97
 
 
 @dataclass(frozen=True)
@@ -32,6 +36,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 0  # ngram: the longest (0: set from prompt_lookup_min; both 0: 5 and 5, as vLLM)
     disable_by_batch_size: int = DISABLE_BY_BATCH_SIZE  # more live requests than this: no speculation this step
     min_acceptance_rate: float = MIN_ACCEPTANCE_RATE  # per request: back off below it
+    min_speedup: float = MIN_SPEEDUP  # per batch size: off while measured tokens/s < this x plain's
     model: str = ""  # draft_model: the draft checkpoint (a Hugging Face directory or a .gguf file)
     quantization: str = ""  # draft_model: how the draft's linears are held (engine_config.QUANTIZATIONS; "": auto)
 
@@ -52,6 +57,9 @@ class SpeculativeConfig:
         rate = self.min_acceptance_rate
         if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate <= 1:
             raise ValueError(f"speculative_config min_acceptance_rate={rate!r} is invalid: must be in [0, 1]")
+        speedup = self.min_speedup
+        if isinstance(speedup, bool) or not isinstance(speedup, (int, float)) or not 0 <= speedup <= 2:
+            raise ValueError(f"speculative_config min_speedup={speedup!r} is invalid: must be in [0, 2] (0: off)")
 
     def _check_draft_model(self) -> None:
         from engine.engine_config import QUANTIZATIONS  # (engine_config imports this module)

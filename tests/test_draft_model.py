@@ -17,7 +17,7 @@ from engine.tiny_model import make_tiny_model
 
 def draft_config(model_dir, k: int = 4, quantization: str = "none") -> dict:
     return {"method": "draft_model", "model": str(model_dir), "num_speculative_tokens": k,
-            "quantization": quantization, "disable_by_batch_size": 64}
+            "quantization": quantization, "disable_by_batch_size": 64, "min_speedup": 0}
 
 
 def greedy(n: int) -> SamplingParams:

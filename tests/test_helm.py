@@ -638,6 +638,25 @@ def test_every_flag_the_chart_passes_is_accepted_by_duet(case):
             assert engine.device == ("cuda" if merged_values(case)["gpu"]["enabled"] else "cpu")
 
 
+@pytest.mark.parametrize("spec", [
+    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4},
+    {"method": "draft_model", "model": "/models/draft.gguf", "num_speculative_tokens": 3, "quantization": "int4"},
+], ids=["ngram", "draft_model"])
+def test_speculative_config_reaches_the_decode_pods_only(spec):
+    from duet.cli import build_parser
+    from duet.cli_common import engine_config
+    from engine.speculative_config import SpeculativeConfig
+
+    objs = [yaml.safe_load(doc) for _, doc in documents(render({"decode": {"engine": {"speculativeConfig": spec}}}))]
+    flags = {role: [a for a in container(deployment(objs, role))["args"] if a.startswith("--speculative-config")]
+             for role in WORKER_ROLES}
+    assert flags["prefill"] == [] and len(flags["decode"]) == 1
+    args = [_expand_env(a) for a in container(deployment(objs, "decode"))["args"]]
+    parsed = build_parser().parse_args(args)
+    assert SpeculativeConfig.parse(engine_config(parsed, model_id=parsed.model_id).speculative_config) == \
+        SpeculativeConfig.parse(spec)
+
+
 def test_no_assumed_flags_are_left_in_the_chart():
     for path in CHART.rglob("*"):
         if path.is_file():
@@ -817,8 +836,12 @@ BAD_VALUES = [
     ({"gpu": {"resourceName": "nvidia gpu"}}, "/gpu/resourceName"),
     ({"metrics": {"serviceMonitor": {"interval": "15 seconds"}}}, "/metrics/serviceMonitor/interval"),
     ({"decode": {"engine": {"kvCacheMemoryFraction": 1.5}}}, "/decode/engine/kvCacheMemoryFraction"),
-    ({"decode": {"engine": {"speculativeConfig": {"method": "draft_model", "num_speculative_tokens": 2}}}},
+    ({"decode": {"engine": {"speculativeConfig": {"method": "eagle", "num_speculative_tokens": 2}}}},
      "/decode/engine/speculativeConfig/method"),
+    ({"decode": {"engine": {"speculativeConfig": {"method": "draft_model", "num_speculative_tokens": 2}}}},
+     "missing property 'model'"),
+    ({"decode": {"engine": {"speculativeConfig": {"method": "draft_model", "num_speculative_tokens": 2,
+                                                  "model": "draft"}}}}, "/decode/engine/speculativeConfig/model"),
     ({"decode": {"engine": {"speculativeConfig": {"method": "ngram"}}}}, "/decode/engine/speculativeConfig"),
     ({"prefill": {"engine": {"speculativeConfig": {}}}}, "additional properties 'speculativeConfig' not allowed"),
     ({"decode": {"kvPort": 0}}, "/decode/kvPort"),

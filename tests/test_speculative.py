@@ -24,8 +24,9 @@ from engine.request import Request
 from engine.sampler import Sampler, SamplingRow
 from engine.speculative_config import SpeculativeConfig
 
+# min_speedup 0: tests pin which steps speculate, so the measured back-off (timing) stays out of them
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
-         "disable_by_batch_size": 64}
+         "disable_by_batch_size": 64, "min_speedup": 0}
 
 
 # -- proposer and config ------------------------------------------------------------------------------------------
@@ -178,6 +179,37 @@ def test_a_step_with_many_requests_and_a_request_with_low_acceptance_back_off(ti
     request.append_output_token(1)  # ... 1 2 3 9 1: "1" matches the 1 at 6, which 2 follows
     assert speculator.draft(request, num_live=1, max_tokens=10) == []  # max_tokens 3, 2 out, 1 bonus: no guess
     assert (speculator.num_drafts, speculator.num_draft_tokens, speculator.num_accepted_tokens) == (2, 8, 0)
+
+
+def test_speculation_that_measures_slower_than_plain_decoding_is_switched_off_for_a_while():
+    """engine/speculation_payoff.py on scripted step timings (pure logic; every engine test runs the same path with
+    real timings, min_speedup 0 pinning it on where a test needs guesses)."""
+    from engine.speculation_payoff import FIRST_OFF_STEPS, PROBE_EVERY_STEPS, PayoffTracker
+
+    tracker = PayoffTracker(min_speedup=0.97)
+    assert not tracker.speculate(1)  # no plain figure yet: a probe
+    tracker.observe(1, False, 1, 0.010)  # plain: 100 tok/s
+    assert tracker.speculate(1)
+    tracker.observe(1, True, 3, 0.015)  # 200 tok/s: it pays
+    for _ in range(PROBE_EVERY_STEPS - 1):
+        assert tracker.speculate(1)
+        tracker.observe(1, True, 3, 0.015)
+    assert not tracker.speculate(1)  # a probe of plain decoding every PROBE_EVERY_STEPS speculative steps
+    tracker.observe(1, False, 1, 0.010)
+    assert tracker.speculate(1) and tracker.speculate(8) is False  # batch sizes are measured apart
+    for _ in range(20):  # the draft turns slow: 1.2 tokens in 15 ms = 80 tok/s < 0.97 x 100
+        tracker.observe(1, True, 1.2, 0.015)
+    assert not tracker.speculate(1) and tracker.num_off_switches == 1
+    assert [tracker.speculate(1) for _ in range(FIRST_OFF_STEPS)] == [False] * FIRST_OFF_STEPS
+    assert tracker.speculate(1)  # back on, measured afresh
+    tracker.observe(1, True, 1.2, 0.015)
+    assert not tracker.speculate(1) and tracker.num_off_switches == 2
+    assert sum(not tracker.speculate(1) for _ in range(3 * FIRST_OFF_STEPS)) == 2 * FIRST_OFF_STEPS  # doubled
+    off = PayoffTracker(min_speedup=0)
+    off.observe(1, True, 1, 10.0)
+    assert off.speculate(1)  # 0: never switched off by measurement
+    with pytest.raises(ValueError, match=r"min_speedup=3 is invalid: must be in \[0, 2\] \(0: off\)"):
+        SpeculativeConfig.parse({**NGRAM, "min_speedup": 3})
 
 
 # -- distribution: rejection sampling for a one-hot draft ----------------------------------------------------------

@@ -44,7 +44,9 @@ class DecodeWorker(WorkerProcess, wpb_grpc.DecodeWorkerServicer):
     def __init__(self, config: WorkerConfig):
         super().__init__(config)
         self.reservations = ReservationTable(self.layout.num_layers)
-        self.receiver = KVReceiver(self.layout, self.rt.kv_caches, self.reservations, host=config.host,
+        if self.rt.draft_ships_kv:
+            self.rt.drafter.receives_kv = True  # the draft's prompt KV arrives with the target's
+        self.receiver = KVReceiver(self.layout, self.rt.transfer_caches, self.reservations, host=config.host,
                                    port=config.kv_port, handshake_key=self.kv_handshake_key,
                                    **kv_receiver_tls(self.internal_tls))
         self.rank_kv_addresses: list[str] = []  # tensor parallelism: ranks 1..N-1's receivers, in rank order

@@ -14,16 +14,18 @@ def cmd_ray_up(args: argparse.Namespace) -> int:
     from engine.speculative_config import SpeculativeConfig
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    decode_args = shlex.split(args.decode_args)
+    decode_args, prefill_args = shlex.split(args.decode_args), shlex.split(args.prefill_args)
     if args.speculative_config is not None:  # speculation runs where tokens are decoded: the decode pool
-        decode_args = ["--speculative-config", SpeculativeConfig.parse(args.speculative_config).to_json(),
-                       *decode_args]
+        spec = SpeculativeConfig.parse(args.speculative_config)
+        decode_args = ["--speculative-config", spec.to_json(), *decode_args]
+        if spec.method == "draft_model":  # the prefill pool computes the draft's prompt KV and ships it
+            prefill_args = ["--speculative-config", spec.to_json(), *prefill_args]
     config = RayLauncherConfig(
         model_dir=str(args.model) if args.model is not None else None, model_id=args.model_id,
         prefill=PoolConfig(min_replicas=args.prefill_min, max_replicas=args.prefill_max,
                            target_per_replica=args.prefill_target_tokens,
                            scale_up_cooldown_s=args.scale_up_cooldown, scale_down_cooldown_s=args.scale_down_cooldown,
-                           args=shlex.split(args.prefill_args)),
+                           args=prefill_args),
         decode=PoolConfig(min_replicas=args.decode_min, max_replicas=args.decode_max,
                           target_per_replica=args.decode_target_requests,
                           scale_up_cooldown_s=args.scale_up_cooldown, scale_down_cooldown_s=args.scale_down_cooldown,

@@ -161,6 +161,7 @@ def resolve_model(args: argparse.Namespace) -> Path:
 
 def cmd_up(args: argparse.Namespace) -> int:
     from deploy.local_cluster import ClusterConfig, run_up
+    from engine.speculative_config import SpeculativeConfig
 
     if args.internal_tls and args.kv_transport == "torch":
         print("error: --internal-tls needs --kv-transport tcp: the torch transport's payloads travel outside the "
@@ -169,7 +170,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     model = resolve_model(args)
     model_id = ["--model-id", args.model_id] if args.model_id is not None else []
     engine = engine_config(args)
-    # speculation runs where tokens are decoded: the decode workers get --speculative-config, the prefill ones not
+    # speculation runs where tokens are decoded: the decode workers get --speculative-config, the prefill ones only a
+    # draft_model one (engine/drafter.py)
     speculative = ["--speculative-config", engine.speculative_config] if engine.speculative_config else []
     worker_args = dataclasses.replace(engine, speculative_config=None).to_flags() + \
         ["--kv-transport", args.kv_transport] + model_id
@@ -180,6 +182,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         router_args += ["--shutdown-grace", f"{args.shutdown_grace:g}"]
     role_args = {role: shlex.split(getattr(args, f"{role}_args")) for role in ("prefill", "decode")}
     role_args["decode"] = speculative + role_args["decode"]
+    if engine.speculative_config and SpeculativeConfig.parse(engine.speculative_config).method == "draft_model":
+        role_args["prefill"] = speculative + role_args["prefill"]  # it computes the draft's prompt KV and ships it
     for role, extra in role_args.items():  # refused here, in one line, rather than by every worker it starts
         # the --redis-url is a stand-in: the cluster gives each worker its own redis-server's
         _worker_parser(role).parse_args(["--model", str(model), "--redis-url", "redis://127.0.0.1:6379", *worker_args,

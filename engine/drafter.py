@@ -21,13 +21,19 @@ Greedy guesses are a one-hot proposal, which the sampler's verification (drawing
 would, keeping guesses up to the first miss) makes exact rejection sampling: output distribution and seeded
 tokens are the target's alone.
 
-In a disaggregated cluster the decode worker drafts: the first guess of a request whose KV arrived from a prefill
-worker feeds the draft its whole prompt there (README, "Speculative decoding": measured against shipping draft KV).
+In a disaggregated cluster the decode worker drafts, and the draft's prompt KV comes with the target's when the
+two caches have one shape (`ships_kv`): the prefill worker runs the draft over every chunk it computes (`shadow`)
+and its layers travel after the target's (kvtransfer/layout.py: `draft` in the layout, so workers with other
+drafts refuse each other at the handshake); the decode worker takes the prompt as drafted (`adopt`). Measured
+(benchmarks/draft_placement.py): shipping the draft's KV costs 1/40 to 1/110 of recomputing it on the decode
+worker, whose every step would wait for that. A draft of another shape is fed its prompt on the decode worker,
+at most `max_catch_up_tokens` a step.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,12 +82,14 @@ class _DraftedPrefix:
 class Drafter:
     """A draft model over the target's block tables. Not thread-safe: the engine's step thread."""
 
-    def __init__(self, runner: ModelRunner, block_size: int, model_id: str,
+    def __init__(self, runner: ModelRunner, block_size: int, draft_id: str,
                  max_catch_up_tokens: int = MAX_CATCH_UP_TOKENS):
         self.runner = runner
         self.block_size = block_size
+        self.draft_id = draft_id  # the draft's checkpoint name and how its weights are held
         self.max_catch_up_tokens = max_catch_up_tokens
-        self.model_id = model_id
+        self.shadows = False  # a prefill worker: `shadow` every step's chunks (their draft KV is shipped)
+        self.receives_kv = False  # a decode worker: transferred KV brings the draft's (`adopt`)
         self._drafted: dict[str, _DraftedPrefix] = {}
         self.num_fed_tokens = 0  # tokens the draft computed (catch-up chunks and guesses): its cost
 
@@ -135,6 +143,29 @@ class Drafter:
             # the draft KV now holds t_0..t_n and every guess but the last (which was never fed)
             self._drafted[chunk.request_id].token_ids.extend(made[:-1])
 
+    def shadow(self, chunks: list[ScheduledChunk], on_layer_done: Callable[[int], None] | None) -> None:
+        """Compute the draft's KV for exactly the tokens the target computed this step (each chunk's tokens at
+        its positions, no sampling); `on_layer_done(i)` after the draft's layer i, as the target's forward calls
+        it (a prefill worker ships each group of the draft's layers from it)."""
+        feeds = [ScheduledChunk(c.request_id, c.token_ids, c.start_position, c.block_ids, False, GREEDY, (), ())
+                 for c in chunks if c.token_ids]
+        if feeds:
+            self.num_fed_tokens += sum(len(f.token_ids) for f in feeds)
+            self.runner.execute(feeds, on_layer_done)
+
+    def adopt(self, request_id: str, token_ids: list[int], block_ids: list[int]) -> None:
+        """The draft KV of `token_ids` (from position 0) arrived in `block_ids` with the target's."""
+        self._drafted[request_id] = _DraftedPrefix(list(token_ids), list(block_ids))
+
+    def kv_has_shape_of(self, target_caches: list) -> bool:
+        """Whether the draft's per-layer KV cache is shaped as the target's (then it can travel with it)."""
+        k, d = target_caches[0][0], self.runner.kv_caches[0][0]
+        return k.shape == d.shape and k.dtype == d.dtype and k.device == d.device
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.runner.kv_caches)
+
     @property
     def num_requests(self) -> int:
         """Requests whose drafted prefix it remembers."""
@@ -177,7 +208,7 @@ def build_drafter(spec: SpeculativeConfig, target_config: ModelConfig, target_to
     runner = ModelRunner(model, kv_caches, block_size, Sampler(seed))
     log.info("draft model=%s quantization=%s kv_bytes_per_block=%d", path.resolve().name, spec.quantization,
              kv_bytes_per_block(model, block_size, dtype))
-    return Drafter(runner, block_size, path.resolve().name)
+    return Drafter(runner, block_size, f"{path.resolve().name}:{spec.quantization}")
 
 
 def same_vocabulary(a: Tokenizer, b: Tokenizer) -> bool:

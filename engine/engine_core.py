@@ -111,6 +111,8 @@ class EngineCore:
         Raises as `add_request` (nothing is taken then)."""
         self._attach_grammar(request)
         self.scheduler.add_transferred(request, block_ids)
+        if self.drafter is not None and self.drafter.receives_kv:  # the draft's KV of the same tokens came too
+            self.drafter.adopt(request.request_id, request.all_token_ids[:-1], block_ids)
 
     def _attach_grammar(self, request: Request) -> None:
         """A structured request's grammar state, having replayed the tokens it generated elsewhere (the
@@ -199,6 +201,10 @@ class EngineCore:
                 self.drafter.propose(scheduled.chunks)
             on_layer_done = self.hooks.before_execute(scheduled.chunks)
             sampled = self.runner.execute(scheduled.chunks, on_layer_done)
+            if self.drafter is not None and self.drafter.shadows:  # a prefill worker: the draft's KV too
+                num_layers = len(self.runner.kv_caches)
+                self.drafter.shadow(scheduled.chunks, None if on_layer_done is None else
+                                    lambda layer: on_layer_done(num_layers + layer))
         except Exception as e:
             self.hooks.on_execute_failed(scheduled.chunks, e)
             return []

@@ -67,6 +67,16 @@ class Runtime:
         return self.config.block_size
 
     @property
+    def draft_ships_kv(self) -> bool:
+        """A draft model whose KV has the target's shape: in a cluster it travels with the target's."""
+        return self.drafter is not None and self.drafter.kv_has_shape_of(self.kv_caches)
+
+    @property
+    def transfer_caches(self) -> list[KVCache]:
+        """The caches KV transfer moves, layer by layer: the target's, then the draft's if it travels."""
+        return self.kv_caches + (self.drafter.runner.kv_caches if self.draft_ships_kv else [])
+
+    @property
     def tp_size(self) -> int:
         return self.config.tp_size
 

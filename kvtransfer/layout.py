@@ -9,6 +9,10 @@ addressed by id. `num_kv_heads` is the number of heads in one rank's cache (afte
 split them `tp_size` ways); `tp_rank` says which shard it is. KV moves rank to rank between workers of
 equal TP size, so two ranks can exchange blocks iff their layouts are equal; the handshake compares
 `fingerprint()`s and reports `mismatch()` when they differ.
+
+With a draft model for speculative decoding (engine/drafter.py) whose KV has the target's shape, the draft's
+layers travel after the target's: `num_layers` counts both and `draft` names the draft (model and how its
+weights are held), so workers with different drafts, or one without, refuse each other at the handshake.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ class KVLayout:
     head_dim: int
     tp_size: int = 1
     tp_rank: int = 0
+    draft: str = ""  # the draft model whose KV travels after the target's layers ("": none)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_id, str) or not self.model_id:
@@ -78,7 +83,17 @@ class KVLayout:
             diffs.insert(0, f"TP sizes differ ({self_name} tp_size={self.tp_size}, {other_name} "
                             f"tp_size={other.tp_size}): KV moves rank to rank, so prefill and decode workers "
                             "need the same --tp")
+        if self.draft != other.draft:
+            diffs.insert(0, f"draft models differ ({self_name} {self.draft or 'none'}, {other_name} "
+                            f"{other.draft or 'none'}): the draft's KV travels with the target's, so prefill and "
+                            "decode workers need the same draft_model --speculative-config")
         return "; ".join(diffs) if diffs else None
+
+    def check_caches(self, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """ValueError naming every difference if `kv_caches` are not caches of this layout."""
+        caches = KVLayout.for_caches(self.model_id, kv_caches, self.tp_size, self.tp_rank, self.draft)
+        if problem := caches.mismatch(self, "caches", "layout"):
+            raise ValueError(f"kv_caches do not match the layout: {problem}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -98,7 +113,7 @@ class KVLayout:
 
     @classmethod
     def for_caches(cls, model_id: str, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                   tp_size: int = 1, tp_rank: int = 0) -> KVLayout:
+                   tp_size: int = 1, tp_rank: int = 0, draft: str = "") -> KVLayout:
         """Derive the layout from a worker's caches; they must all share one shape, dtype and device."""
         if not kv_caches:
             raise ValueError("kv_caches is empty: need one (k_cache, v_cache) pair per layer")
@@ -120,4 +135,4 @@ class KVLayout:
         num_kv_heads, _, block_size, head_dim = first.shape
         return cls(model_id=model_id, dtype=_DTYPE_NAMES[first.dtype], block_size=block_size,
                    num_layers=len(kv_caches), num_kv_heads=num_kv_heads, head_dim=head_dim, tp_size=tp_size,
-                   tp_rank=tp_rank)
+                   tp_rank=tp_rank, draft=draft)

@@ -53,9 +53,7 @@ class KVReceiver:
         """With `handshake_key`, only senders that prove they hold it are served (kvtransfer/handshake_auth);
         with `tls_context`, connections are TLS (a sender without a certificate it trusts is refused) and only
         the "tcp" transport is served (the "torch" one would send payloads around the encryption)."""
-        if problem := KVLayout.for_caches(layout.model_id, kv_caches, layout.tp_size, layout.tp_rank).mismatch(
-                layout, "caches", "layout"):
-            raise ValueError(f"kv_caches do not match the layout: {problem}")
+        layout.check_caches(kv_caches)
         if reservations.num_layers != layout.num_layers:
             raise ValueError(f"reservations track {reservations.num_layers} layers: must be {layout.num_layers}")
         if max_payload_bytes < 1:

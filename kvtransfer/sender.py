@@ -51,9 +51,7 @@ class KVSender:
                  tls_context: ssl.SSLContext | None = None, tls_server_name: str = ""):
         """With `tls_context`, connections are TLS and the receiver's certificate must name `tls_server_name`
         (cluster/internal_tls.py); the "torch" transport sends payloads outside the socket, so it cannot be."""
-        if problem := KVLayout.for_caches(layout.model_id, kv_caches, layout.tp_size, layout.tp_rank).mismatch(
-                layout, "caches", "layout"):
-            raise ValueError(f"kv_caches do not match the layout: {problem}")
+        layout.check_caches(kv_caches)
         if transport not in ("tcp", "torch"):
             raise ValueError(f"transport={transport!r} is invalid: must be 'tcp' or 'torch'")
         if tls_context is not None and transport == "torch":

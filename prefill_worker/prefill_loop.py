@@ -268,7 +268,8 @@ class PrefillLoop(StepHooks):
                 job.transfers.append(future)
                 job.kv_bytes += (end - start) * len(send.block_ids) * self._block_layer_bytes * self.rt.tp_size
 
-        return layer_group_callback(self.rt.model_config.num_layers, self.layer_group_size, ship)
+        # the target's layers, then the draft's when its KV travels too (engine/drafter.py): one numbering
+        return layer_group_callback(len(self.rt.transfer_caches), self.layer_group_size, ship)
 
     def _count_waiting_tokens(self) -> None:
         total = 0

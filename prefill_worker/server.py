@@ -22,6 +22,7 @@ from duet.internal.v1 import workers_pb2 as wpb
 from duet.internal.v1 import workers_pb2_grpc as wpb_grpc
 from engine.errors import ExceedsContextError, InvalidRequestError, RequestFailed
 from engine.request import Request
+from engine.speculative_config import SpeculativeConfig
 from engine.validation import check_request, check_token_ids_fast
 from kvtransfer.errors import (
     ChecksumMismatch,
@@ -68,11 +69,19 @@ class PrefillWorker(WorkerProcess, wpb_grpc.PrefillWorkerServicer):
     service_names = ("duet.internal.v1.PrefillWorker",)
 
     def __init__(self, config: WorkerConfig):
-        if config.engine.speculative_config is not None:
+        speculative = SpeculativeConfig.parse(config.engine.speculative_config)
+        if speculative is not None and speculative.method != "draft_model":
             raise ValueError("--speculative-config is for decode workers: a prefill worker samples only a request's "
-                             "first token (give it to `duet decode`, or to `duet up`, which passes it there)")
+                             "first token (give it to `duet decode`, or to `duet up`, which passes it there); only a "
+                             "draft_model one is taken here, to compute and ship the draft's prompt KV")
         super().__init__(config)
-        self.sender = KVSender(self.layout, self.rt.kv_caches, transport=config.kv_transport,
+        if self.rt.draft_ships_kv:
+            self.rt.drafter.shadows = True  # every chunk's draft KV, shipped after the target's layers
+        elif self.rt.drafter is not None:
+            log.info("worker=%s event=draft_not_shipped draft=%s: its KV is not shaped as the target's, so decode "
+                     "workers feed it the prompt themselves", self.worker_id, self.rt.drafter.draft_id)
+            self.rt.drafter = None
+        self.sender = KVSender(self.layout, self.rt.transfer_caches, transport=config.kv_transport,
                                checksum=config.kv_checksum, handshake_key=self.kv_handshake_key,
                                **kv_sender_tls(self.internal_tls))
         self.acks = FollowerAcks(self.tp_store, list(range(1, self.tp_size))) if self.tp_store is not None else None

@@ -140,6 +140,12 @@ def test_up_gives_each_pool_its_own_flags_and_refuses_bad_ones_before_starting(m
     assert "--speculative-config" not in config.worker_args + config.prefill_args
     assert config.decode_args[:1] == ["--speculative-config"]
     assert json.loads(config.decode_args[1])["num_speculative_tokens"] == 3
+    # ... and a draft_model one reaches the prefill pool too: it computes the draft's prompt KV and ships it
+    draft = '{"method": "draft_model", "model": "/m/draft", "num_speculative_tokens": 3}'
+    assert main(["up", "--speculative-config", draft]) == 0
+    config = started.pop()
+    assert config.prefill_args[:1] == config.decode_args[:1] == ["--speculative-config"]
+    assert config.prefill_args[1] == config.decode_args[1] and json.loads(config.prefill_args[1])["model"] == "/m/draft"
 
 
 def test_errors_are_one_line_without_a_traceback_unless_asked_for():

@@ -123,7 +123,8 @@ def test_unseeded_sampling_with_a_draft_follows_the_plain_distribution(tiny_llam
 def test_a_draft_with_another_vocabulary_or_at_tensor_parallel_is_refused(tiny_llama_dir, tmp_path):
     small_vocab = make_tiny_model(tmp_path / "v384", arch="llama", layers=1, hidden=64, heads=4, kv_heads=2,
                                   vocab=384, seed=1)
-    with pytest.raises(ModelLoadError, match=r"its vocabulary \(384 embeddings, tokenizer of 384\) is not the target's \(512, 512\)"):
+    with pytest.raises(ModelLoadError, match=r"its vocabulary \(384 embeddings, tokenizer of 384\) is not the "
+                                             r"target's \(512, 512\)"):
         LLM(tiny_llama_dir, max_model_len=256, speculative_config=draft_config(small_vocab))
     with pytest.raises(ModelLoadError, match="method 'draft_model' with tp_size=2 is not supported yet"):
         LLM(tiny_llama_dir, max_model_len=256, tp_size=2, speculative_config=draft_config(tiny_llama_dir))
@@ -143,25 +144,54 @@ def test_the_draft_and_its_kv_are_in_the_memory_budget(tiny_llama_dir):
     assert caches[0][0].shape[1] == drafted.engine.runtime.kv_caches[0][0].shape[1]  # block for block
 
 
-def test_a_cluster_whose_decode_worker_drafts_gives_the_offline_tokens(tiny_llama_dir, other_draft_dir):
-    """Disaggregated: the prefill worker ships the target's KV only; the decode worker feeds its draft the prompt on
-    the request's first guess (engine/drafter.py)."""
+def test_a_cluster_ships_the_drafts_prompt_kv_with_the_targets(tiny_llama_dir, other_draft_dir):
+    """Disaggregated: the prefill worker runs the draft over every prompt it computes and its KV layers travel after
+    the target's (a draft of the target's KV shape), so the decode worker drafts from the first step without feeding
+    the draft any prompt: it computes only the guesses and the tokens since the prefill."""
+    import urllib.request
+
     from cluster_helpers import wait_idle
 
     from deploy.local_cluster import ClusterConfig, LocalCluster
     from duet.client import Client, stream_to_record
+    from engine.ports import pick_free_port
 
-    config = ClusterConfig(model_dir=str(tiny_llama_dir), worker_args=["--max-model-len", "256"],
-                           decode_args=["--speculative-config", json.dumps(draft_config(other_draft_dir, k=3))],
-                           router_args=["--max-model-len", "256"])
-    prompts = repetitive_prompts()
-    params = greedy(24)
-    want = [o.outputs[0].token_ids for o in LLM(tiny_llama_dir, max_model_len=256).generate(prompts, params,
+    ports = {"prefill": pick_free_port(), "decode": pick_free_port()}
+    spec = ["--speculative-config", json.dumps(draft_config(other_draft_dir, k=3))]
+    config = ClusterConfig(model_dir=str(tiny_llama_dir), worker_args=["--max-model-len", "512", *spec],
+                           prefill_args=["--metrics-port", str(ports["prefill"])],
+                           decode_args=["--metrics-port", str(ports["decode"])], router_args=["--max-model-len", "512"])
+    prompts = [p * 6 for p in repetitive_prompts()]  # 150..250 tokens
+    params = greedy(8)
+    want = [o.outputs[0].token_ids for o in LLM(tiny_llama_dir, max_model_len=512).generate(prompts, params,
                                                                                              use_tqdm=False)]
     with LocalCluster(config).start() as cluster, Client(cluster.router_address) as client:
         got = [stream_to_record(client.generate(p, params, timeout_s=60))["token_ids"] for p in prompts]
         assert got == want
         wait_idle(cluster)  # every block back in its pool
+        scraped = {}
+        for role, port in ports.items():
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+                text = response.read().decode()
+            scraped[role] = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                             if line.startswith("duet_")}
+    prompt_tokens = sum(len(p) for p in prompts)
+    assert scraped["prefill"]["duet_draft_computed_tokens_total"] >= prompt_tokens  # the prompts, for their KV
+    # decode: per request about one token and two guesses a step, for 8 tokens; the prompts never
+    assert 0 < scraped["decode"]["duet_draft_computed_tokens_total"] < 0.3 * prompt_tokens
+    assert scraped["decode"]["duet_spec_decode_num_draft_tokens_total"] > 0
+
+
+def test_workers_with_different_drafts_refuse_each_others_kv():
+    from kvtransfer.layout import KVLayout
+
+    target = KVLayout("m", "float32", 16, 4, 2, 16)
+    with_draft = KVLayout("m", "float32", 16, 5, 2, 16, draft="tiny-draft:none")
+    problem = with_draft.mismatch(target)
+    assert problem.startswith("draft models differ (sender tiny-draft:none, receiver none): the draft's KV travels "
+                              "with the target's, so prefill and decode workers need the same draft_model")
+    assert "num_layers: sender 5 != receiver 4" in problem
+    assert with_draft.fingerprint() != KVLayout("m", "float32", 16, 5, 2, 16, draft="tiny-draft:int4").fingerprint()
 
 
 @pytest.mark.slow

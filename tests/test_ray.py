@@ -266,6 +266,11 @@ def test_duet_ray_up_flags_map_to_the_launcher_config(monkeypatch):
     assert config.worker_args == ["--num-kv-blocks", "64", "--max-model-len", "512"] and config.router_args == []
     assert config.prefill.args == ["--quantization", "none"]
     assert config.decode.args[:1] == ["--speculative-config"] and config.decode.args[2:] == ["--quantization", "int8"]
+    args = parser.parse_args(["ray", "up", "--address", "local", "--model", "/m/tiny", "--speculative-config",
+                              '{"method": "draft_model", "model": "/m/draft", "num_speculative_tokens": 2}'])
+    assert args.func(args) == 0
+    config = seen["c"]  # a draft model's prompt KV is computed by the prefill pool and shipped
+    assert config.prefill.args[:1] == config.decode.args[:1] == ["--speculative-config"]
     with pytest.raises(ValueError, match="min_replicas=2, max_replicas=1"):
         RayLauncherConfig(prefill=PoolConfig(min_replicas=2, max_replicas=1))
 

@@ -34,6 +34,9 @@ for vLLM's `vllm:` and a `role` label (prefill | decode, so one query covers a p
     spec_decode_num_accepted_tokens_total counter vllm:spec_decode_num_accepted_tokens  of which accepted
     spec_decode_num_accepted_tokens_per_pos_total counter vllm:(same)    {position}: drafts whose guess at that
                                                                           position was accepted
+    draft_computed_tokens_total     counter -                             tokens a draft model computed here (decode:
+                                                                          guesses and catch-up; prefill: the prompts
+                                                                          whose draft KV it ships)
     kv_events_dropped_total         counter -                             KV events dropped (Redis unreachable)
     prefix_index_resyncs_total      counter -
     kv_transfer_seconds             histogram -                           prefill: last forward pass -> the decode
@@ -80,6 +83,7 @@ COUNTERS = {
     "spec_decode_num_drafts": "Chunks that carried speculative guesses",
     "spec_decode_num_draft_tokens": "Speculative guesses verified",
     "spec_decode_num_accepted_tokens": "Speculative guesses accepted",
+    "draft_computed_tokens": "Tokens the draft model computed on this worker",
 }
 PER_POSITION = "spec_decode_num_accepted_tokens_per_pos"  # a sequence of counts, one per guess position
 

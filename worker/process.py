@@ -122,7 +122,8 @@ class WorkerProcess:
                 cluster_secret_file=config.cluster_secret_file, internal_tls_dir=config.internal_tls_dir,
                 kv_port=config.kv_port)
         self.rt: Runtime = build_runtime(model_dir, config.engine, tp_module, follower_argv)
-        self.layout = KVLayout.for_caches(self.rt.model_id, self.rt.kv_caches, self.tp_size, 0)
+        self.layout = KVLayout.for_caches(self.rt.model_id, self.rt.transfer_caches, self.tp_size, 0,
+                                          self.rt.drafter.draft_id if self.rt.draft_ships_kv else "")
         self.registry = WorkerRegistry.from_url(config.redis_url, ttl_s=config.heartbeat_ttl_s,
                                                 cluster_secret=self.cluster_secret)
         self.redis = self.registry.client
@@ -191,6 +192,7 @@ class WorkerProcess:
             "spec_decode_num_drafts": speculation.num_drafts, "spec_decode_num_draft_tokens":
                 speculation.num_draft_tokens, "spec_decode_num_accepted_tokens": speculation.num_accepted_tokens,
             PER_POSITION: speculation.num_accepted_per_position,
+            "draft_computed_tokens": self.rt.drafter.num_fed_tokens if self.rt.drafter is not None else 0,
             "num_requests_waiting": load.num_waiting, "num_requests_running": load.num_running,
             "num_waiting_tokens": load.num_waiting_tokens, "kv_cache_usage_perc": pool.usage(),
             "prefix_cache_queries": core.num_prefix_query_tokens, "prefix_cache_hits": core.num_prefix_hit_tokens,

@@ -642,7 +642,8 @@ def test_every_flag_the_chart_passes_is_accepted_by_duet(case):
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4},
     {"method": "draft_model", "model": "/models/draft.gguf", "num_speculative_tokens": 3, "quantization": "int4"},
 ], ids=["ngram", "draft_model"])
-def test_speculative_config_reaches_the_decode_pods_only(spec):
+def test_speculative_config_reaches_the_pods_that_need_it(spec):
+    """Decode pods speculate; prefill pods get a draft_model config too (they compute the draft's prompt KV)."""
     from duet.cli import build_parser
     from duet.cli_common import engine_config
     from engine.speculative_config import SpeculativeConfig
@@ -650,7 +651,8 @@ def test_speculative_config_reaches_the_decode_pods_only(spec):
     objs = [yaml.safe_load(doc) for _, doc in documents(render({"decode": {"engine": {"speculativeConfig": spec}}}))]
     flags = {role: [a for a in container(deployment(objs, role))["args"] if a.startswith("--speculative-config")]
              for role in WORKER_ROLES}
-    assert flags["prefill"] == [] and len(flags["decode"]) == 1
+    assert flags["prefill"] == (flags["decode"] if spec["method"] == "draft_model" else [])
+    assert len(flags["decode"]) == 1
     args = [_expand_env(a) for a in container(deployment(objs, "decode"))["args"]]
     parsed = build_parser().parse_args(args)
     assert SpeculativeConfig.parse(engine_config(parsed, model_id=parsed.model_id).speculative_config) == \

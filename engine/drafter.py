@@ -52,9 +52,9 @@ from engine.tokenizer import Tokenizer
 log = logging.getLogger("duet.engine")
 
 GREEDY = SamplingParams(max_tokens=1, temperature=0.0)
-# Tokens a step feeds the draft to catch up (all requests together): bounds what a long prompt's first draft pass
-# adds to one step. Measured: benchmarks/RESULTS.md, "Speculative decoding with a draft model".
-MAX_CATCH_UP_TOKENS = 256
+# Tokens a step feeds the draft to catch up (all requests together): bounds what a prompt the draft lacks adds to
+# one step (the default model's Q4 self-draft computes ~600 prompt tokens/s on 2 cores: 64 cost ~0.1 s; RESULTS.md)
+MAX_CATCH_UP_TOKENS = 64
 
 
 @dataclass(slots=True)

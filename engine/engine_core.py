@@ -195,6 +195,7 @@ class EngineCore:
         scheduled = self.scheduler.schedule()
         self.last_step_num_tokens = scheduled.num_batched_tokens
         start = time.perf_counter()
+        fed_before = self.drafter.num_fed_tokens if self.drafter is not None else 0
         try:
             if self.drafter is not None:
                 self.drafter.forget(scheduled.preempted_ids)
@@ -208,7 +209,8 @@ class EngineCore:
         except Exception as e:
             self.hooks.on_execute_failed(scheduled.chunks, e)
             return []
-        self._observe_speculation(scheduled.chunks, sampled, time.perf_counter() - start)
+        drafted = self.drafter is not None and self.drafter.num_fed_tokens > fed_before
+        self._observe_speculation(scheduled.chunks, sampled, time.perf_counter() - start, drafted)
         failed = [NewTokens(request_id, [], None, RequestStatus.FINISHED_ERROR, s.error)
                   for request_id, s in sampled.items() if s.error is not None]
         failed += self._advance_grammars(sampled)
@@ -228,12 +230,13 @@ class EngineCore:
         return results + failed
 
     def _observe_speculation(self, chunks: list[ScheduledChunk], sampled: dict[str, SampledTokens],
-                             seconds: float) -> None:
-        """A decode-only step's speed, with or without guesses, for the speculator's measured back-off."""
+                             seconds: float, drafted: bool) -> None:
+        """A decode-only step's speed, with or without guesses, for the speculator's measured back-off (a step in
+        which a draft model only caught up counts as speculative: speculation cost it that time)."""
         speculator = self.scheduler.speculator
         if speculator is None or not chunks or any(len(c.token_ids) != 1 for c in chunks):
             return
-        speculated = any(c.proposed_token_ids for c in chunks)
+        speculated = drafted or any(c.proposed_token_ids for c in chunks)
         num_tokens = sum(len(s.token_ids) for s in sampled.values())
         speculator.observe_step(len(chunks), speculated, num_tokens, seconds)
 

@@ -144,11 +144,26 @@ class Drafter:
             self._drafted[chunk.request_id].token_ids.extend(made[:-1])
 
     def shadow(self, chunks: list[ScheduledChunk], on_layer_done: Callable[[int], None] | None) -> None:
-        """Compute the draft's KV for exactly the tokens the target computed this step (each chunk's tokens at
-        its positions, no sampling); `on_layer_done(i)` after the draft's layer i, as the target's forward calls
-        it (a prefill worker ships each group of the draft's layers from it)."""
-        feeds = [ScheduledChunk(c.request_id, c.token_ids, c.start_position, c.block_ids, False, GREEDY, (), ())
-                 for c in chunks if c.token_ids]
+        """After the target's forward: compute the draft's KV for tokens the target computed this step, so the
+        draft does not meet them later as a catch-up. On a prefill worker (`shadows`) every chunk's, whose draft
+        KV it ships (`on_layer_done(i)` after the draft's layer i, as the target's forward calls it); elsewhere
+        the prompt chunks (more than one token) that continue a request's drafted prefix: decode steps feed the
+        draft only when they guess."""
+        feeds = []
+        for c in chunks:
+            if not c.token_ids:
+                continue
+            if not self.shadows:
+                drafted = self._drafted.get(c.request_id)
+                if len(c.token_ids) < 2 or c.start_position != (0 if drafted is None else len(drafted.token_ids)):
+                    continue
+                known = [*c.prompt_token_ids, *c.output_token_ids][: c.start_position + len(c.token_ids)]
+                if drafted is not None and (drafted.token_ids != known[: c.start_position] or
+                                            drafted.block_ids != c.block_ids[: len(drafted.block_ids)]):
+                    continue
+                self._drafted[c.request_id] = _DraftedPrefix(known, list(c.block_ids))
+            feeds.append(ScheduledChunk(c.request_id, c.token_ids, c.start_position, c.block_ids, False, GREEDY,
+                                        (), ()))
         if feeds:
             self.num_fed_tokens += sum(len(f.token_ids) for f in feeds)
             self.runner.execute(feeds, on_layer_done)

@@ -202,7 +202,7 @@ class EngineCore:
                 self.drafter.propose(scheduled.chunks)
             on_layer_done = self.hooks.before_execute(scheduled.chunks)
             sampled = self.runner.execute(scheduled.chunks, on_layer_done)
-            if self.drafter is not None and self.drafter.shadows:  # a prefill worker: the draft's KV too
+            if self.drafter is not None:  # the draft's KV of the prompt chunks (a prefill worker: of every chunk)
                 num_layers = len(self.runner.kv_caches)
                 self.drafter.shadow(scheduled.chunks, None if on_layer_done is None else
                                     lambda layer: on_layer_done(num_layers + layer))

@@ -10,21 +10,22 @@ scheduler's allocation, trimming and freeing cover the draft too and the drafter
                                              ^ first position whose draft KV does not hold the request's token
 
 Each request remembers the tokens its draft KV holds (`_DraftedPrefix`). To guess, the drafter feeds the draft
-every known token from the first one its KV lacks through t_n (one chunk: the whole prompt the first time, the
-bonus token and maybe the last accepted guess after a verification, more after steps it did not draft in), then
-its own guesses one at a time, greedily. A rejection needs no rollback: the next guess re-feeds from the first
-token that differs. Draft KV in blocks the request gave back is never trusted: a preempted request is forgotten
-(its blocks may have held others' KV before it gets them back), and the prefix counts only while the block table
-under it is unchanged (a block trimmed after a rejection may come back as another one).
-
-Greedy guesses are a one-hot proposal, which the sampler's verification (drawing each position as plain sampling
-would, keeping guesses up to the first miss) makes exact rejection sampling: output distribution and seeded
-tokens are the target's alone.
+every known token from the first one its KV lacks through t_n (usually t_n alone, or with the last accepted guess:
+prompt chunks are fed right after the target computes them, `shadow`), then its own guesses one at a time, each
+drawn as the request samples: a greedy request's is the draft's argmax (a single candidate, which the sampler
+verifies by drawing each position plainly: seeded requests then draw exactly the plain tokens), a sampled
+request's is drawn from the draft's distribution under the request's own parameters, which travels with the
+guess for speculative sampling (engine/proposal_verifier.py). A rejection needs no rollback: the next guess
+re-feeds from the first token that differs. Draft KV in blocks the request gave back is never trusted: a
+preempted request is forgotten (its blocks may have held others' KV before it gets them back), and the prefix
+counts only while the block table under it is unchanged (a block trimmed after a rejection may come back as
+another one).
 
 In a disaggregated cluster the decode worker drafts, and the draft's prompt KV comes with the target's when the
-two caches have one shape (`ships_kv`): the prefill worker runs the draft over every chunk it computes (`shadow`)
-and its layers travel after the target's (kvtransfer/layout.py: `draft` in the layout, so workers with other
-drafts refuse each other at the handshake); the decode worker takes the prompt as drafted (`adopt`). Measured
+two caches have one shape (`Runtime.draft_ships_kv`): the prefill worker runs the draft over every chunk it
+computes (`shadow`) and its layers travel after the target's (kvtransfer/layout.py: `draft` in the layout, so
+workers with other drafts refuse each other at the handshake); the decode worker takes the prompt as drafted
+(`adopt`). Measured
 (benchmarks/draft_placement.py): shipping the draft's KV costs 1/40 to 1/110 of recomputing it on the decode
 worker, whose every step would wait for that. A draft of another shape is fed its prompt on the decode worker,
 at most `max_catch_up_tokens` a step.
@@ -42,7 +43,7 @@ import torch
 from engine.config import ModelConfig
 from engine.errors import ModelLoadError
 from engine.model_runner import ModelRunner, allocate_kv_caches, kv_bytes_per_block
-from engine.sampler import Sampler
+from engine.proposal_verifier import ProposalSampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledChunk
 from engine.speculation import DRAFT_PENDING
@@ -114,14 +115,15 @@ class Drafter:
             end = min(len(token_ids), start + budget)
             budget -= end - start
             if end > start:
-                feeds.append(ScheduledChunk(chunk.request_id, token_ids[start:end], start, chunk.block_ids,
-                                            end == len(token_ids), GREEDY, (), ()))
+                feeds.append(self._feed(chunk, token_ids[start:end], start, [], sample=end == len(token_ids)))
             self._drafted[chunk.request_id] = _DraftedPrefix(token_ids[:end], list(chunk.block_ids))
             if end == len(token_ids):
                 guessing.append(chunk)
             else:
                 chunk.proposed_token_ids.clear()  # still catching up: no guesses this step
         guesses: dict[str, list[int]] = {c.request_id: [] for c in guessing}
+        probs: dict[str, list] = {c.request_id: [] for c in guessing}
+        by_id = {c.request_id: c for c in guessing}
         want = {c.request_id: len(c.proposed_token_ids) for c in guessing}
         while feeds:
             self.num_fed_tokens += sum(len(f.token_ids) for f in feeds)
@@ -130,18 +132,31 @@ class Drafter:
             for feed in feeds:
                 if not feed.sample:
                     continue
-                token = sampled[feed.request_id].token_ids[0]
+                drawn = sampled[feed.request_id]
+                token = drawn.token_ids[0]
                 guesses[feed.request_id].append(token)
+                probs[feed.request_id].append(drawn.probs)
                 if len(guesses[feed.request_id]) < want[feed.request_id]:
-                    position = feed.start_position + len(feed.token_ids)
-                    next_feeds.append(ScheduledChunk(feed.request_id, [token], position, feed.block_ids, True, GREEDY,
-                                                     (), ()))
+                    chunk = by_id[feed.request_id]
+                    next_feeds.append(self._feed(chunk, [token], feed.start_position + len(feed.token_ids),
+                                                 guesses[feed.request_id]))
             feeds = next_feeds
         for chunk in guessing:
             made = guesses[chunk.request_id]
             chunk.proposed_token_ids[:] = made
+            drawn_from = probs[chunk.request_id]
+            chunk.proposal_probs = drawn_from if all(q is not None for q in drawn_from) else None
             # the draft KV now holds t_0..t_n and every guess but the last (which was never fed)
             self._drafted[chunk.request_id].token_ids.extend(made[:-1])
+
+    @staticmethod
+    def _feed(chunk: ScheduledChunk, token_ids: list[int], start: int, guessed: list[int], sample: bool = True
+              ) -> ScheduledChunk:
+        """A draft forward over `token_ids` at `start` for `chunk`'s request, sampling the next guess as the request
+        samples (its parameters; its output extended by the guesses made so far, for penalties and min_tokens)."""
+        return ScheduledChunk(chunk.request_id, token_ids, start, chunk.block_ids, sample, chunk.sampling_params,
+                              chunk.prompt_token_ids, [*chunk.output_token_ids, *guessed],
+                              eos_token_ids=chunk.eos_token_ids)
 
     def shadow(self, chunks: list[ScheduledChunk], on_layer_done: Callable[[int], None] | None) -> None:
         """After the target's forward: compute the draft's KV for tokens the target computed this step, so the
@@ -220,7 +235,7 @@ def build_drafter(spec: SpeculativeConfig, target_config: ModelConfig, target_to
                         quantization=spec.quantization)
     linear_fast_paths(model, fast_linears)
     kv_caches = allocate_kv_caches(model, num_blocks, block_size, dtype, device)
-    runner = ModelRunner(model, kv_caches, block_size, Sampler(seed))
+    runner = ModelRunner(model, kv_caches, block_size, ProposalSampler(seed))
     log.info("draft model=%s quantization=%s kv_bytes_per_block=%d", path.resolve().name, spec.quantization,
              kv_bytes_per_block(model, block_size, dtype))
     return Drafter(runner, block_size, f"{path.resolve().name}:{spec.quantization}")

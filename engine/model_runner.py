@@ -128,7 +128,8 @@ class ModelRunner:
             hidden = hidden.index_select(0, self._on_device(int64_tensor(rows)))
         logits = self.model.compute_logits(hidden)
         sampling_rows = [SamplingRow(c.sampling_params, c.prompt_token_ids, c.output_token_ids, c.proposed_token_ids,
-                                     c.eos_token_ids, c.grammar) for c in sample_chunks]
+                                     c.eos_token_ids, c.grammar, c.proposal_probs if c.proposed_token_ids else None)
+                         for c in sample_chunks]
         return {c.request_id: s for c, s in zip(sample_chunks, self.sampler.sample(logits, sampling_rows))}
 
     def prepare_inputs(self, ordered: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:

@@ -72,6 +72,9 @@ class SamplingRow:
     proposed_token_ids: Sequence[int] = ()  # a proposer's guesses to verify (see `Sampler.sample`)
     eos_token_ids: frozenset[int] = frozenset()  # masked with stop_token_ids while under params.min_tokens
     grammar: AllowedTokens | None = None  # structured output: only the tokens it allows may be drawn
+    # the distributions [V] the guesses were drawn from (a sampling draft model), one per guess; None: each guess
+    # is the proposer's only candidate (n-gram, a greedy draft)
+    proposal_probs: Sequence[torch.Tensor] | None = None
 
     @property
     def step(self) -> int:
@@ -113,6 +116,7 @@ class SampledTokens:
     token_ids: list[int]
     logprobs: list[TokenLogprobs] | None  # one per token in token_ids; None where params.logprobs is None
     error: str | None = None  # this row's sampling raised; the other rows are unaffected
+    probs: torch.Tensor | None = None  # [V] the distribution the token was drawn from (ProposalSampler only)
 
 
 class Sampler:
@@ -141,6 +145,10 @@ class Sampler:
         raises by itself gets a `SampledTokens` with `error` set and no token.
         """
         if any(row.proposed_token_ids for row in rows):
+            if any(row.proposal_probs is not None for row in rows):
+                from engine.proposal_verifier import verify_with_proposal_probs
+
+                return verify_with_proposal_probs(self, logits, rows)
             return self._verify(logits, rows)
         try:
             out = self(logits, rows)
@@ -214,8 +222,26 @@ class Sampler:
         token_ids[random_idx] = self._sample(penalized.index_select(0, random_idx), [rows[i] for i in random])
         return token_ids
 
-    def _sample(self, penalized: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-        """Draw one token per row (all with temperature > 0) after temperature, top-k, top-p and min-p."""
+    def probabilities(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """float32 [B, V]: the distribution each row's token is drawn from, every step of the pipeline applied
+        (a greedy row's: all mass on its argmax)."""
+        constrained = apply_grammar_masks(logits, [row.grammar for row in rows])
+        penalized = apply_penalties(apply_logit_bias(constrained, rows), rows)
+        probs = torch.zeros_like(penalized)
+        greedy = [i for i, row in enumerate(rows) if row.params.greedy]
+        if greedy:
+            index = torch.tensor(greedy, device=logits.device)
+            probs[index, greedy_argmax(penalized.index_select(0, index))] = 1.0
+        sampled = [i for i, row in enumerate(rows) if not row.params.greedy]
+        if sampled:
+            index = torch.tensor(sampled, device=logits.device)
+            x, cutoff = self._shape(penalized.index_select(0, index), [rows[i] for i in sampled])
+            probs[index] = torch.softmax(x.masked_fill(x < cutoff.unsqueeze(1), -math.inf), dim=-1)
+        return probs
+
+    def _shape(self, penalized: torch.Tensor, rows: Sequence[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, cutoff): the rows' logits after temperature (all > 0) and the per-row value below which top-k,
+        top-p and min-p drop a token; the draw is softmax(x) over x >= cutoff."""
         params = [row.params for row in rows]
         vocab = penalized.shape[1]
         top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]  # vocab means "keep all"
@@ -233,6 +259,12 @@ class Sampler:
             cutoff = top_k_top_p_cutoffs_fast(x, top_k_t.long(), top_p)
         if any(p.min_p > 0.0 for p in params):
             cutoff = torch.maximum(cutoff, min_p_cutoffs(x, min_p))
+        return x, cutoff
+
+    def _sample(self, penalized: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """Draw one token per row (all with temperature > 0) after temperature, top-k, top-p and min-p."""
+        params = [row.params for row in rows]
+        x, cutoff = self._shape(penalized, rows)
         seeded = [i for i, p in enumerate(params) if p.seed is not None]
         if not seeded:
             u = torch.rand(len(rows), dtype=torch.float64, device=x.device, generator=self._generator(x.device))

@@ -53,6 +53,9 @@ class ScheduledChunk:
     proposed_token_ids: list[int] = field(default_factory=list)
     eos_token_ids: frozenset[int] = frozenset()  # the request's: the sampler masks them under min_tokens
     grammar: GrammarState | None = None  # structured output: the request's grammar state (engine thread only)
+    # the distributions a sampling draft model drew the guesses from (engine/drafter.py: opaque here, one tensor per
+    # guess); None: each guess is its proposer's single candidate
+    proposal_probs: list | None = None
 
 
 @dataclass

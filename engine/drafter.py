@@ -60,11 +60,12 @@ MAX_CATCH_UP_TOKENS = 64
 
 @dataclass(slots=True)
 class _DraftedPrefix:
-    """The tokens whose draft KV a request's blocks hold (from position 0), and the block table they were
-    written through (a snapshot)."""
+    """The tokens whose draft KV a request's blocks hold (from position 0), the block table they were written
+    through (a snapshot), and the chain hash of each full block's prefix (see `Drafter._block_prefixes`)."""
 
     token_ids: list[int]
     block_ids: list[int]
+    chain: list[int]
 
     def valid_length(self, token_ids: list[int], block_ids: list[int], block_size: int) -> int:
         """How many leading tokens of `token_ids` the draft KV holds under the request's `block_ids` now."""
@@ -92,6 +93,11 @@ class Drafter:
         self.shadows = False  # a prefill worker: `shadow` every step's chunks (their draft KV is shipped)
         self.receives_kv = False  # a decode worker: transferred KV brings the draft's (`adopt`)
         self._drafted: dict[str, _DraftedPrefix] = {}
+        # full blocks of the draft's cache -> chain hash of the tokens from position 0 through the block's end whose
+        # draft KV it holds: a request that starts on the target's prefix-cache hit starts on the draft's too where
+        # these agree (entries are dropped when the drafter writes into a block; correctness never rests on them,
+        # only acceptance: verification is exact)
+        self._block_prefixes: dict[int, int] = {}
         self.num_fed_tokens = 0  # tokens the draft computed (catch-up chunks and guesses): its cost
 
     def propose(self, chunks: list[ScheduledChunk]) -> None:
@@ -109,22 +115,21 @@ class Drafter:
         for chunk in pending:
             token_ids = [*chunk.prompt_token_ids, *chunk.output_token_ids]
             assert len(token_ids) == chunk.start_position + 1, (chunk.request_id, len(token_ids))
-            drafted = self._drafted.get(chunk.request_id)
-            start = 0 if drafted is None else drafted.valid_length(token_ids, chunk.block_ids, self.block_size)
-            start = min(start, chunk.start_position)  # t_n itself is always fed: its logits make the first guess
+            start = min(self._valid_length(chunk.request_id, token_ids, chunk.block_ids),
+                        chunk.start_position)  # t_n itself is always fed: its logits make the first guess
             end = min(len(token_ids), start + budget)
             budget -= end - start
             if end > start:
                 feeds.append(self._feed(chunk, token_ids[start:end], start, [], sample=end == len(token_ids)))
-            self._drafted[chunk.request_id] = _DraftedPrefix(token_ids[:end], list(chunk.block_ids))
             if end == len(token_ids):
-                guessing.append(chunk)
+                guessing.append((chunk, start))
             else:
+                self._wrote(chunk.request_id, token_ids[:end], chunk.block_ids, start)
                 chunk.proposed_token_ids.clear()  # still catching up: no guesses this step
-        guesses: dict[str, list[int]] = {c.request_id: [] for c in guessing}
-        probs: dict[str, list] = {c.request_id: [] for c in guessing}
-        by_id = {c.request_id: c for c in guessing}
-        want = {c.request_id: len(c.proposed_token_ids) for c in guessing}
+        guesses: dict[str, list[int]] = {c.request_id: [] for c, _ in guessing}
+        probs: dict[str, list] = {c.request_id: [] for c, _ in guessing}
+        by_id = {c.request_id: c for c, _ in guessing}
+        want = {c.request_id: len(c.proposed_token_ids) for c, _ in guessing}
         while feeds:
             self.num_fed_tokens += sum(len(f.token_ids) for f in feeds)
             sampled = self.runner.execute(feeds)
@@ -141,13 +146,45 @@ class Drafter:
                     next_feeds.append(self._feed(chunk, [token], feed.start_position + len(feed.token_ids),
                                                  guesses[feed.request_id]))
             feeds = next_feeds
-        for chunk in guessing:
+        for chunk, start in guessing:
             made = guesses[chunk.request_id]
             chunk.proposed_token_ids[:] = made
             drawn_from = probs[chunk.request_id]
             chunk.proposal_probs = drawn_from if all(q is not None for q in drawn_from) else None
             # the draft KV now holds t_0..t_n and every guess but the last (which was never fed)
-            self._drafted[chunk.request_id].token_ids.extend(made[:-1])
+            known = [*chunk.prompt_token_ids, *chunk.output_token_ids]
+            self._wrote(chunk.request_id, known + made[:-1], chunk.block_ids, start)
+
+    def _valid_length(self, request_id: str, token_ids: list[int], block_ids: list[int]) -> int:
+        """How many leading tokens of a request's `token_ids` the draft KV under its `block_ids` holds: its own
+        record's, or for a request without one (new, preempted) the full blocks the target's prefix-cache hit
+        gave it whose draft KV is known to hold the same prefix."""
+        drafted = self._drafted.get(request_id)
+        if drafted is not None:
+            return drafted.valid_length(token_ids, block_ids, self.block_size)
+        bs, chain, n = self.block_size, 0, 0
+        for b in range(min(len(token_ids) // bs, len(block_ids))):
+            chain = hash((chain, tuple(token_ids[b * bs : (b + 1) * bs])))
+            if self._block_prefixes.get(block_ids[b]) != chain:
+                break
+            n = (b + 1) * bs
+        return n
+
+    def _wrote(self, request_id: str, token_ids: list[int], block_ids: list[int], start: int) -> None:
+        """The request's draft KV now holds `token_ids` (from position 0) through `block_ids`; positions from
+        `start` on were written just now."""
+        bs = self.block_size
+        old = self._drafted.get(request_id)
+        chain = old.chain[: start // bs] if old is not None else []
+        for b in range(start // bs, min(-(-len(token_ids) // bs), len(block_ids))):  # blocks written into
+            self._block_prefixes.pop(block_ids[b], None)
+        prev = chain[-1] if chain else 0
+        for b in range(len(chain), len(token_ids) // bs):
+            prev = hash((prev, tuple(token_ids[b * bs : (b + 1) * bs])))
+            chain.append(prev)
+            if b >= start // bs:
+                self._block_prefixes[block_ids[b]] = prev
+        self._drafted[request_id] = _DraftedPrefix(list(token_ids), list(block_ids), chain)
 
     @staticmethod
     def _feed(chunk: ScheduledChunk, token_ids: list[int], start: int, guessed: list[int], sample: bool = True
@@ -169,14 +206,11 @@ class Drafter:
             if not c.token_ids:
                 continue
             if not self.shadows:
-                drafted = self._drafted.get(c.request_id)
-                if len(c.token_ids) < 2 or c.start_position != (0 if drafted is None else len(drafted.token_ids)):
-                    continue
                 known = [*c.prompt_token_ids, *c.output_token_ids][: c.start_position + len(c.token_ids)]
-                if drafted is not None and (drafted.token_ids != known[: c.start_position] or
-                                            drafted.block_ids != c.block_ids[: len(drafted.block_ids)]):
+                if len(c.token_ids) < 2 or \
+                        self._valid_length(c.request_id, known, c.block_ids) != c.start_position:
                     continue
-                self._drafted[c.request_id] = _DraftedPrefix(known, list(c.block_ids))
+                self._wrote(c.request_id, known, c.block_ids, c.start_position)
             feeds.append(ScheduledChunk(c.request_id, c.token_ids, c.start_position, c.block_ids, False, GREEDY,
                                         (), ()))
         if feeds:
@@ -185,7 +219,7 @@ class Drafter:
 
     def adopt(self, request_id: str, token_ids: list[int], block_ids: list[int]) -> None:
         """The draft KV of `token_ids` (from position 0) arrived in `block_ids` with the target's."""
-        self._drafted[request_id] = _DraftedPrefix(list(token_ids), list(block_ids))
+        self._wrote(request_id, list(token_ids), block_ids, 0)
 
     def kv_has_shape_of(self, target_caches: list) -> bool:
         """Whether the draft's per-layer KV cache is shaped as the target's (then it can travel with it)."""

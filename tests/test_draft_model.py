@@ -53,9 +53,14 @@ def test_a_draft_identical_to_the_target_is_always_accepted(tiny_llama_dir, engi
     assert stats.num_accepted_per_position[0] == stats.num_drafts
     if "num_kv_blocks" in engine_args:
         assert spec.engine.core.num_preemptions > 0
-    # again: prefix hits on the blocks the first run cached (the draft re-feeds what its KV may lack)
+    # again: prefix hits on the blocks the first run cached, whose draft KV holds the same prefixes (the drafter
+    # knows which), so the draft is not fed those prompt blocks again
+    fed_before = spec.engine.core.drafter.num_fed_tokens
     assert list(run_stepwise(spec, prompts, params).values()) == want
     assert spec.engine.core.speculation.num_accepted_tokens == spec.engine.core.speculation.num_draft_tokens
+    if not engine_args:
+        cached = sum(len(p) // 16 * 16 for p in prompts)
+        assert spec.engine.core.drafter.num_fed_tokens - fed_before <= fed_before - cached
     assert spec.engine.core.drafter.num_requests == 0  # every finished request forgotten
 
 

@@ -1,5 +1,6 @@
 """`FusedDecode`: a decode-only step's layers each in one C call (engine/kernels/csrc/decode_layer.c), a fast
-path of ModelRunner for CPU models whose linears are all quantized and bound to the C kernels.
+path of ModelRunner for CPU models whose linears all run C kernels: quantized ones, or dense fp32 / bf16 ones
+whose single rows take the C GEMVs (engine/linear_fast.py's `one_row`; such a model's steps of one row only).
 
 Why: at batch 1 a layer's kernels take ~0.3 ms and the Python around them (nine wrappers: tensor checks,
 allocations, ctypes conversions, module calls) about as much again (benchmarks/RESULTS.md, issue 18 part 2).
@@ -8,23 +9,27 @@ runs the same kernels on the same inputs in the same order as the plain forward 
 equal bit for bit, tests/test_fused_decode.py).
 
 Applies when: CPU, the C kernels built, no tensor parallelism, fp32 or bf16 activations, and every layer's four
-linears `QuantizedLinear`s bound to a native kernel. The structs point into the model's tensors and the KV
+linears either `QuantizedLinear`s bound to a native kernel or `FastLinear`s with a one-row GEMV of the
+activations' dtype. The structs point into the model's tensors and the KV
 caches given at construction: valid while those live (a ModelRunner owns both for its life).
 """
 
 from __future__ import annotations
 
 import ctypes
+from typing import NamedTuple
 
 import torch
 
 from engine.attention import AttentionMetadata
 from engine.kernels import cpu_native
+from engine.linear_fast import FastLinear
 from engine.model import LlamaForCausalLM
 from engine.quantized_linear import QuantizedLinear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 p, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
+DENSE_BF16, DENSE_F32 = 16, 32  # csrc/decode_layer.c's duet_qlinear kinds for plain weights
 
 
 class _QLinear(ctypes.Structure):
@@ -52,36 +57,31 @@ class FusedDecode:
             return None
         if not all(k.is_cpu and k.dtype == dtype and k.is_contiguous() and v.is_contiguous() for k, v in kv_caches):
             return None
-        max_rows = 1 << 62
-        for layer in model.layers:
-            linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-            if not all(isinstance(m, QuantizedLinear) and m.all_reduce is None and m.native_kernel() is not None
-                       for m in linears):
-                return None
-            max_rows = min(max_rows, *(m.native_max_rows() for m in linears))
-        return cls(model, kv_caches, lib, max_rows)
+        bound = [[_bind_linear(m, dtype) for m in _linears(layer)] for layer in model.layers]
+        if any(b is None for layer in bound for b in layer):
+            return None
+        return cls(model, kv_caches, lib, bound)
 
-    def __init__(self, model: LlamaForCausalLM, kv_caches: list[KVCache], lib: ctypes.CDLL, max_rows: int):
+    def __init__(self, model: LlamaForCausalLM, kv_caches: list[KVCache], lib: ctypes.CDLL,
+                 bound: list[list[_BoundLinear]]):
         self.model, self.kv_caches = model, kv_caches
-        # the most rows every linear's own dispatch gives its C kernel (more: dequantize + GEMM wins there)
-        self.max_rows = max_rows
+        # the most rows every linear's own dispatch gives its C kernel (quantized: more go to dequantize + GEMM;
+        # dense: more go to oneDNN's GEMM, which reads the weight once for all rows)
+        self.max_rows = min(b.max_rows for layer in bound for b in layer)
         self._layer, self._scratch_bytes = lib.duet_decode_layer, lib.duet_decode_layer_scratch_bytes
         config, dtype = model.config, model.embed_tokens.weight.dtype
         k_cache = kv_caches[0][0]
         self.shape = _LayerShape(config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
                                  config.intermediate_size, k_cache.shape[1], k_cache.shape[2], config.rms_norm_eps,
                                  config.head_dim**-0.5, int(dtype == torch.bfloat16))
-        # what the structs point into, kept alive here: the linears' bound kernels (their tensors) and the norm
-        # weights in the activation dtype where they had to be converted
-        self._held: list[object] = []
-        self.layers = [self._bind(layer) for layer in model.layers]
+        # what the structs point into, kept alive here: the linears' bound kernels or weights and the norm weights
+        # in the activation dtype where they had to be converted
+        self._held: list[object] = [b.owner for layer in bound for b in layer]
+        self.layers = [self._bind(layer, linears) for layer, linears in zip(model.layers, bound)]
 
-    def _bind(self, layer) -> _LayerWeights:
-        attn, mlp = layer.self_attn, layer.mlp
+    def _bind(self, layer, linears: list[_BoundLinear]) -> _LayerWeights:
         norms = [self._dense(n.weight) for n in (layer.input_layernorm, layer.post_attention_layernorm)]
-        kernels = [m.native_kernel() for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-        self._held += kernels
-        return _LayerWeights(norms[0], norms[1], *(_QLinear(*kernel.struct_fields()) for kernel in kernels))
+        return _LayerWeights(norms[0], norms[1], *(_QLinear(*b.fields) for b in linears))
 
     def _dense(self, t: torch.Tensor) -> int:
         dtype = self.model.embed_tokens.weight.dtype
@@ -121,3 +121,28 @@ class FusedDecode:
         x, residual = nxt, nxt_residual  # the last layer's outputs (swapped in above)
         return model.norm.add_and_norm(x, residual)[0]
 
+
+
+class _BoundLinear(NamedTuple):
+    fields: tuple  # duet_qlinear's, in order
+    max_rows: int  # the most rows the C call is given
+    owner: object  # keeps the tensors the fields point into alive
+
+
+def _linears(layer) -> tuple:
+    return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
+
+
+def _bind_linear(m, dtype: torch.dtype) -> _BoundLinear | None:
+    """A linear as the C layer runs it, or None where it cannot (not bound to a C kernel, sharded, or a dense
+    weight of another dtype than the activations')."""
+    if isinstance(m, QuantizedLinear):
+        kernel = m.native_kernel() if m.all_reduce is None else None
+        return None if kernel is None else _BoundLinear(kernel.struct_fields(), m.native_max_rows(), kernel)
+    gemv = m.one_row if isinstance(m, FastLinear) else None
+    if gemv is None or gemv.weight.dtype != dtype or not gemv.weight.is_contiguous():
+        return None
+    bias = 0 if gemv.bias is None else gemv.bias.data_ptr()
+    kind = DENSE_BF16 if dtype == torch.bfloat16 else DENSE_F32
+    # one row a call: the plain forward's FastLinear gives oneDNN's GEMM more rows
+    return _BoundLinear((kind, 0, gemv.weight.data_ptr(), 0, 0, bias, 0, m.out_features, m.in_features), 1, gemv)

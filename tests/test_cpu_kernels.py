@@ -236,6 +236,22 @@ def test_the_override_keeps_the_twins():
     assert out.stdout.strip() == "True"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.usefixtures("kernels")
+def test_a_gemv_rows_sums_do_not_depend_on_which_run_or_thread_reads_it(dtype):
+    """The GEMVs read each thread's rows as four runs side by side, the slice's last rows one at a time: every
+    row's result is bit for bit that of the same row multiplied alone (one run, one thread)."""
+    g = torch.Generator().manual_seed(3)
+    # 203 rows on two threads: runs and tails; 330 inputs: k tails
+    w = (torch.randn(203, 330, generator=g) * 0.05).to(dtype)
+    b = torch.randn(203, generator=g).to(dtype)
+    x = torch.randn(1, 330, generator=g).to(dtype)
+    gemv = cpu_native.gemv_bf16_native if dtype == torch.bfloat16 else cpu_native.gemv_f32_native
+    whole = gemv(x, w, b)
+    alone = torch.cat([gemv(x, w[o : o + 1], b[o : o + 1]) for o in range(203)], dim=1)
+    assert torch.equal(whole, alone)
+
+
 def test_f_silu_reference_is_what_the_model_ran():
     """The twin is the model's former two ops."""
     x = torch.randn(4, 20)

@@ -12,6 +12,7 @@ from engine.config import ModelConfig
 from engine.fused_decode import FusedDecode
 from engine.kernels import cpu_native
 from engine.kernels.quant_linear import NATIVE_MAX_ROWS
+from engine.linear_fast import FastLinear, fast_linears
 from engine.model_runner import ModelRunner, allocate_kv_caches
 from engine.quantized_linear import use_int8_activations
 from engine.scheduler import ScheduledChunk
@@ -64,6 +65,36 @@ def test_a_decode_step_equals_the_plain_forward(tiny_dir, mode, activations, dty
                 assert torch.equal(k, pk) and torch.equal(v, pv)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_dense_models_one_row_step_equals_the_plain_forward(tiny_dir, dtype, monkeypatch):
+    """Dense linears whose single rows take the C GEMVs (FastLinear's one_row: the tiny model's weights are under
+    MIN_GEMV_BYTES, so the threshold is lowered) run in the fused layer one row a call, bit for bit the plain
+    forward's (which calls the same GEMVs); steps of more rows stay on the plain forward (oneDNN's GEMM)."""
+    monkeypatch.setattr("engine.linear_fast.MIN_GEMV_BYTES", 0)
+    model = build_model(ModelConfig.from_dir(tiny_dir), tiny_dir, dtype, 256, quantization="none")
+    fast_linears(model)
+    assert isinstance(model.layers[0].mlp.down_proj, FastLinear) and model.layers[0].mlp.down_proj.one_row
+    caches = allocate_kv_caches(model, num_blocks=16, block_size=BLOCK, dtype=dtype)
+    plain_caches = [(k.clone(), v.clone()) for k, v in caches]
+    runner = ModelRunner(model, caches, BLOCK, sampler=None)
+    fused = FusedDecode.for_model(model, caches)
+    assert fused is not None and fused.max_rows == 1
+    prompt, table = torch.randint(0, 512, (33,), generator=torch.Generator().manual_seed(2)).tolist(), [1, 2, 3, 4]
+    with torch.inference_mode():
+        ids, pos, meta = runner.prepare_inputs([chunk(0, prompt, 0, table)])
+        for kv in (caches, plain_caches):
+            model(ids, pos, kv, meta)
+        two = runner.prepare_inputs([chunk(0, [5], 33, table), chunk(1, [6], 0, [5])])[2]
+        assert not fused.applies_to(two, 2)
+        for step, token in enumerate([7, 300, 11]):
+            ids, pos, meta = runner.prepare_inputs([chunk(0, [token], 33 + step, table)])
+            assert fused.applies_to(meta, 1)
+            got, want = fused(ids, pos, meta), model(ids, pos, plain_caches, meta)
+            assert got.dtype == dtype and torch.equal(got, want)
+            for (k, v), (pk, pv) in zip(caches, plain_caches):
+                assert torch.equal(k, pk) and torch.equal(v, pv)
+
+
 def test_a_bad_slot_is_refused_before_anything_is_written(tiny_dir):
     model = build_model(ModelConfig.from_dir(tiny_dir), tiny_dir, torch.float32, 256, quantization="int4")
     caches = allocate_kv_caches(model, num_blocks=4, block_size=BLOCK, dtype=torch.float32)
@@ -77,6 +108,8 @@ def test_a_bad_slot_is_refused_before_anything_is_written(tiny_dir):
 def test_it_applies_only_where_every_linear_is_quantized_and_bound(tiny_dir):
     config = ModelConfig.from_dir(tiny_dir)
     dense = build_model(config, tiny_dir, torch.float32, 256, quantization="none")
+    assert FusedDecode.for_model(dense, allocate_kv_caches(dense, 4, BLOCK, torch.float32)) is None
+    fast_linears(dense)  # the tiny weights are under MIN_GEMV_BYTES: no one-row GEMV, so still no fused path
     assert FusedDecode.for_model(dense, allocate_kv_caches(dense, 4, BLOCK, torch.float32)) is None
     quantized = build_model(config, tiny_dir, torch.float32, 256, quantization="int8")
     fused = FusedDecode.for_model(quantized, allocate_kv_caches(quantized, 4, BLOCK, torch.float32))

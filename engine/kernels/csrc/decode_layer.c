@@ -8,7 +8,8 @@
  *     --o_proj--> o --add_rms_norm(residual')--> xn2 --gate_up--> gu --silu * up--> act --down--> out
  *
  * Activations float32 or bfloat16 (`bf16`), rows contiguous; the linears are quantized (int4 / int8, float or
- * int8 activations), the layout of engine/quant_format.py. */
+ * int8 activations, the layout of engine/quant_format.py) or dense weights of the activations' dtype through the
+ * one-row GEMVs of gemv.c (engine/linear_fast.py's `one_row`: FusedDecode gives those one row a call). */
 
 #include <stdint.h>
 #include <string.h>
@@ -29,15 +30,19 @@ void duet_int8_linear(const void *x, int64_t ldx, const int8_t *qweight, const f
                       const float *bias, void *y, int64_t rows, int64_t n_out, int64_t k_in, int bf16);
 void duet_int4_linear(const void *x, int64_t ldx, const uint8_t *qweight, const float *scales, const float *mins,
                       const float *bias, void *y, int64_t rows, int64_t n_out, int64_t k_in, int bf16);
+void duet_gemv_f32(const float *x, const float *w, const float *bias, float *y, int64_t n_out, int64_t k_in);
+void duet_gemv_bf16(const uint16_t *x_bf16, const uint16_t *w, const uint16_t *bias, uint16_t *y, int64_t n_out,
+                    int64_t k_in);
 void duet_quantized_linear_q8(const void *x, int64_t ldx, int kind, const void *qweight, const float *scales,
                               const float *mins, int64_t group, const float *bias, void *y, int64_t rows,
                               int64_t n_out, int64_t k_in, int bf16);
 
 typedef struct {
-    int32_t kind;             /* 4: int4, 8: int8 */
+    int32_t kind;             /* 4: int4, 8: int8; DENSE_F32 / DENSE_BF16: a plain [n_out, k_in] weight */
     int32_t int8_activations; /* x rounded per 32 inputs, integer dot products */
     const void *qweight;
-    const float *scales, *mins, *bias; /* mins: int4 only; bias float32 or NULL */
+    const float *scales, *mins; /* quantized only; mins: int4 only */
+    const void *bias;           /* float32 (quantized and DENSE_F32), bf16 (DENSE_BF16), or NULL */
     int64_t group, n_out, k_in;
 } duet_qlinear;
 
@@ -52,8 +57,20 @@ typedef struct { /* the model's shape, the same for every layer */
     int32_t bf16;
 } duet_layer_shape;
 
+enum { DENSE_BF16 = 16, DENSE_F32 = 32 };
+
 static void qlinear(const duet_qlinear *l, const void *x, void *y, int64_t rows, int bf16) {
-    if (l->int8_activations)
+    if (l->kind == DENSE_F32 || l->kind == DENSE_BF16) { /* a GEMV per row (FusedDecode sends one) */
+        int64_t esize = bf16 ? 2 : 4;
+        for (int64_t r = 0; r < rows; r++) {
+            const char *xr = (const char *)x + r * l->k_in * esize;
+            char *yr = (char *)y + r * l->n_out * esize;
+            if (l->kind == DENSE_F32)
+                duet_gemv_f32((const float *)xr, l->qweight, l->bias, (float *)yr, l->n_out, l->k_in);
+            else
+                duet_gemv_bf16((const uint16_t *)xr, l->qweight, l->bias, (uint16_t *)yr, l->n_out, l->k_in);
+        }
+    } else if (l->int8_activations)
         duet_quantized_linear_q8(x, l->k_in, l->kind, l->qweight, l->scales, l->mins, l->group, l->bias, y, rows,
                                  l->n_out, l->k_in, bf16);
     else if (l->kind == 4)

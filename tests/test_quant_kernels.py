@@ -160,10 +160,11 @@ def test_bf16_panels_are_the_twin_on_bfloat16_weights(kind):
 @pytest.mark.usefixtures("build")
 @pytest.mark.parametrize("kind,in_features,group", [("int8", 77, 77), ("int8", 200, 200), ("int8", 576, 32),
                                                     ("int8", 288, 96), ("int4", 96, 32), ("int4", 576, 32)])
-def test_one_row_takes_four_outputs_at_a_time_and_the_rest_alone(kind, in_features, group):
-    """Batch-1 decode's path (AVX2 / AVX-512: four output rows per call, interleaved block by block or, int8 on
-    AVX-512, one after the other; the last n_out % 4 one by one; a group of 96 puts two int8 blocks of one VNNI step,
-    and of one AVX-512 pair, under different scales)."""
+def test_one_row_reads_four_runs_a_thread_and_the_rest_alone(kind, in_features, group):
+    """Batch-1 decode's path (AVX2 / AVX-512: four output rows per call, one from each of four runs of the thread's
+    rows, interleaved block by block; a slice's last rows one by one; a group of 96 puts two int8 blocks of one VNNI
+    step, and of one AVX-512 pair, under different scales). Every row's sum is bit for bit that row multiplied
+    alone, whichever run or thread read it."""
     for n, out in enumerate([1, 4, 9, 301]):
         w = random_weight(kind, out, in_features, group, seed=40 + n)
         g = torch.Generator().manual_seed(50 + n)
@@ -173,6 +174,10 @@ def test_one_row_takes_four_outputs_at_a_time_and_the_rest_alone(kind, in_featur
             assert_matches_twin(x, w, bias)
             if in_features % 32 == 0:
                 assert_int8_activations_match_twin(x, w, bias)
+        if out == 301:  # on two threads from 65536 weights
+            whole = cpu_native.quantized_linear_native(x, w)
+            alone = torch.cat([cpu_native.quantized_linear_native(x, w.rows(o, o + 1)) for o in range(out)], dim=1)
+            assert torch.equal(whole, alone)
 
 
 @pytest.mark.usefixtures("build")

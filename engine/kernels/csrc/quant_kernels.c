@@ -10,7 +10,7 @@
  *   y [R, N] contiguous in x's dtype, rounded once (after the bias) as the twin's final `.to(x.dtype)`.
  *
  * Work: OpenMP over output rows (each thread streams its own slice of W once); one row of x takes four output
- * rows a pass (the one-row passes); a few rows go per output row, x's rows in tiles of up to ROW_TILE, so a weight
+ * rows a pass, one from each of four runs of the thread's slice (the one-row passes, `thread_row_runs`); a few rows go per output row, x's rows in tiles of up to ROW_TILE, so a weight
  * block is unpacked once per tile and reused from registers by every row of it; from PANEL_MIN_ROWS rows on,
  * csrc/quant_panels.c (dequantized panels in cache). One block is 32 inputs (an int4 group, or an int8 block
  * sharing one scale since G is K or a multiple of 32). With int8 activations (duet_quantized_linear_q8) the
@@ -33,6 +33,9 @@
 #include <immintrin.h>
 #endif
 #include <math.h>
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -41,6 +44,7 @@
 
 #define BLOCK 32          /* inputs per int4 group and per int8 scale step */
 #define ROW_TILE 4        /* rows of x sharing one unpacked weight block */
+#define RUNS 4            /* output rows a step of the one-row passes (`thread_row_runs`) */
 #define PARALLEL_MIN_WEIGHTS 65536 /* below this a thread barrier costs more than the second core gives */
 
 
@@ -162,9 +166,10 @@ static inline __attribute__((always_inline)) void int4_tile_avx2(const float *x,
     for (int r = 0; r < rt; r++) sums[r] = hsum256(acc[r]);
     add_min_terms(rt, m, xsum, k_in / BLOCK, sums);
 }
-/* One row of x (batch-1 decode) against four output rows at once: each load of x serves four weight rows, and
- * the four rows' FMA chains are independent (one row's 18-block chain of dependent FMAs would otherwise bound the
- * loop by FMA latency, not by its instructions). */
+/* One row of x (batch-1 decode) against n (1..4) output rows at once (rows of four runs: see `one_row_runs`): each
+ * load of x serves n weight rows, and the rows' FMA chains are independent (one row's 18-block chain of dependent
+ * FMAs would otherwise bound the loop by FMA latency, not by its instructions). A row's sums are the same whatever
+ * n. */
 static inline __m256 int4_block_avx2(const uint8_t *q, const __m256 xv[4]) { /* x . q over one group */
     const __m128i nibble = _mm_set1_epi8(0x0F);
     __m128i raw = _mm_loadu_si128((const __m128i *)q);
@@ -176,22 +181,23 @@ static inline __m256 int4_block_avx2(const uint8_t *q, const __m256 xv[4]) { /* 
     return _mm256_add_ps(d01, d23);
 }
 
-static void int4_gemv4_avx2(const float *x, const uint8_t *q, const float *s, const float *m, const float *xsum,
-                            int64_t k_in, float out[4]) {
+static inline __attribute__((always_inline)) void int4_gemv4_avx2(const float *x, const uint8_t *const *q,
+                                                                  const float *const *s, const float *const *m,
+                                                                  const float *xsum, int64_t k_in, int n,
+                                                                  float *out) {
     int64_t groups = k_in / BLOCK, row_bytes = k_in / 2;
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int64_t g = 0; g < groups; g++) {
         const __m256 xv[4] = {_mm256_loadu_ps(x + g * BLOCK), _mm256_loadu_ps(x + g * BLOCK + 8),
                               _mm256_loadu_ps(x + g * BLOCK + 16), _mm256_loadu_ps(x + g * BLOCK + 24)};
-        for (int i = 0; i < 4; i++) {
-            _mm_prefetch((const char *)(q + (4 + i) * row_bytes + g * 16), _MM_HINT_T0); /* as int8_gemv4_avx2 */
-            acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(s[i * groups + g]), int4_block_avx2(q + i * row_bytes + g * 16, xv),
-                                     acc[i]);
+        for (int i = 0; i < n; i++) {
+            _mm_prefetch((const char *)(q[i] + RUNS * row_bytes + g * 16), _MM_HINT_T0); /* the next step's */
+            acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(s[i][g]), int4_block_avx2(q[i] + g * 16, xv), acc[i]);
         }
     }
-    for (int i = 0; i < 4; i++) {
+    for (int i = 0; i < n; i++) {
         out[i] = hsum256(acc[i]);
-        add_min_terms(1, m + i * groups, xsum, groups, out + i);
+        add_min_terms(1, m[i], xsum, groups, out + i);
     }
 }
 
@@ -203,27 +209,26 @@ static inline __m256 int8_block_avx2(const int8_t *q, const __m256 xv[4]) { /* x
     return _mm256_add_ps(d01, d23);
 }
 
-static void int8_gemv4_avx2(const float *x, const int8_t *q, const float *s, int64_t group, int64_t k_in,
-                            float out[4]) {
-    int64_t groups = k_in / group;
+static inline __attribute__((always_inline)) void int8_gemv4_avx2(const float *x, const int8_t *const *q,
+                                                                  const float *const *s, int64_t group,
+                                                                  int64_t k_in, int n, float *out) {
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     int64_t k32 = k_in / BLOCK * BLOCK;
     for (int64_t k = 0; k < k32; k += BLOCK) {
         const __m256 xv[4] = {_mm256_loadu_ps(x + k), _mm256_loadu_ps(x + k + 8), _mm256_loadu_ps(x + k + 16),
                               _mm256_loadu_ps(x + k + 24)};
-        for (int i = 0; i < 4; i++) {
-            /* the next four rows' same block: this pass hops between four rows, which the hardware prefetcher
-             * does not follow from DRAM (a 28 MB int8 lm_head ran 2x slower without it) */
-            _mm_prefetch((const char *)(q + (4 + i) * k_in + k), _MM_HINT_T0);
-            acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(s[i * groups + k / group]), int8_block_avx2(q + i * k_in + k, xv),
-                                     acc[i]);
+        for (int i = 0; i < n; i++) {
+            /* the run's next row's same block: this pass hops between rows, which the hardware prefetcher did not
+             * follow from DRAM (a 28 MB int8 lm_head ran 2x slower without it) */
+            _mm_prefetch((const char *)(q[i] + k_in + k), _MM_HINT_T0);
+            acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(s[i][k / group]), int8_block_avx2(q[i] + k, xv), acc[i]);
         }
     }
-    for (int i = 0; i < 4; i++) {
+    for (int i = 0; i < n; i++) {
         out[i] = hsum256(acc[i]);
         if (k32 < k_in) { /* per-channel int8 of a width that is no multiple of 32: the plain loop for the rest */
             float tail;
-            int8_tile_plain(x + k32, k_in, 1, q + i * k_in + k32, s + i * groups, group, k_in - k32, &tail);
+            int8_tile_plain(x + k32, k_in, 1, q[i] + k32, s[i], group, k_in - k32, &tail);
             out[i] += tail;
         }
     }
@@ -288,8 +293,8 @@ static inline __attribute__((always_inline)) void int4_tile_avx512(const float *
     for (int r = 0; r < rt; r++) sums[r] = _mm512_reduce_add_ps(acc[r]);
     add_min_terms(rt, m, xsum, k_in / BLOCK, sums);
 }
-/* One row of x against four output rows (batch-1 decode), as int4_gemv4_avx2: x's block loaded once for four
- * weight rows, four independent FMA chains, the next four rows' blocks prefetched. */
+/* One row of x against n (1..4) output rows (batch-1 decode), as int4_gemv4_avx2: x's block loaded once for the
+ * rows, independent FMA chains, the next step's rows prefetched (see `thread_row_runs`). */
 static inline __m512 int4_block_avx512(const uint8_t *q, const __m512 xv[2]) { /* x . q over one group */
     const __m128i nibble = _mm_set1_epi8(0x0F);
     __m128i raw = _mm_loadu_si128((const __m128i *)q);
@@ -298,21 +303,22 @@ static inline __m512 int4_block_avx512(const uint8_t *q, const __m512 xv[2]) { /
     return _mm512_fmadd_ps(xv[1], hi, _mm512_mul_ps(xv[0], lo));
 }
 
-static void int4_gemv4_avx512(const float *x, const uint8_t *q, const float *s, const float *m, const float *xsum,
-                              int64_t k_in, float out[4]) {
+static inline __attribute__((always_inline)) void int4_gemv4_avx512(const float *x, const uint8_t *const *q,
+                                                                    const float *const *s, const float *const *m,
+                                                                    const float *xsum, int64_t k_in, int n,
+                                                                    float *out) {
     int64_t groups = k_in / BLOCK, row_bytes = k_in / 2;
     __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
     for (int64_t g = 0; g < groups; g++) {
         const __m512 xv[2] = {_mm512_loadu_ps(x + g * BLOCK), _mm512_loadu_ps(x + g * BLOCK + 16)};
-        for (int i = 0; i < 4; i++) {
-            _mm_prefetch((const char *)(q + (4 + i) * row_bytes + g * 16), _MM_HINT_T0);
-            acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(s[i * groups + g]),
-                                     int4_block_avx512(q + i * row_bytes + g * 16, xv), acc[i]);
+        for (int i = 0; i < n; i++) {
+            _mm_prefetch((const char *)(q[i] + RUNS * row_bytes + g * 16), _MM_HINT_T0); /* the next step's rows */
+            acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(s[i][g]), int4_block_avx512(q[i] + g * 16, xv), acc[i]);
         }
     }
-    for (int i = 0; i < 4; i++) {
+    for (int i = 0; i < n; i++) {
         out[i] = _mm512_reduce_add_ps(acc[i]);
-        add_min_terms(1, m + i * groups, xsum, groups, out + i);
+        add_min_terms(1, m[i], xsum, groups, out + i);
     }
 }
 
@@ -322,33 +328,36 @@ static inline __m512 int8_block_avx512(const int8_t *q, const __m512 xv[2]) { /*
     return _mm512_fmadd_ps(xv[1], w1, _mm512_mul_ps(xv[0], w0));
 }
 
-/* int8, unlike int4, one output row after the other: each thread then reads its slice of W as one sequential stream
- * (x stays in L1), which the hardware prefetcher follows; two accumulators a row. Measured on Zen 4 against the
- * four-rows-a-block pass, weights from DRAM: 28 MB Q8_0 lm_head 1.60 -> 1.12 ms (20 -> 28 GB/s), 3072x576 per
- * channel 116 -> 81 us; int4's rows (half as long) went the other way (lm_head 0.89 -> 1.03 ms), so it keeps the
- * four-row pass. */
-static void int8_gemv4_avx512(const float *x, const int8_t *q, const float *s, int64_t group, int64_t k_in,
-                              float out[4]) {
-    int64_t groups = k_in / group, k32 = k_in / BLOCK * BLOCK;
-    for (int i = 0; i < 4; i++) {
-        const int8_t *qi = q + i * k_in;
-        const float *si = s + i * groups;
-        __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-        int64_t k = 0;
-        for (; k + 2 * BLOCK <= k32; k += 2 * BLOCK) {
-            const __m512 x0[2] = {_mm512_loadu_ps(x + k), _mm512_loadu_ps(x + k + 16)};
-            const __m512 x1[2] = {_mm512_loadu_ps(x + k + 32), _mm512_loadu_ps(x + k + 48)};
-            a0 = _mm512_fmadd_ps(_mm512_set1_ps(si[k / group]), int8_block_avx512(qi + k, x0), a0);
-            a1 = _mm512_fmadd_ps(_mm512_set1_ps(si[(k + BLOCK) / group]), int8_block_avx512(qi + k + BLOCK, x1), a1);
+/* int8: the n rows interleaved block by block, two accumulators a row (each row the next of its run, a sequential
+ * stream). Rows read one after the other (one stream a thread) took the 28 MB Q8_0 lm_head from 20 to 28 GB/s
+ * against four adjacent rows a block (short hops the prefetcher did not follow); four runs side by side take it
+ * further (RESULTS.md). */
+static inline __attribute__((always_inline)) void int8_gemv4_avx512(const float *x, const int8_t *const *q,
+                                                                    const float *const *s, int64_t group,
+                                                                    int64_t k_in, int n, float *out) {
+    int64_t k32 = k_in / BLOCK * BLOCK;
+    __m512 a0[4], a1[4];
+    for (int i = 0; i < n; i++) a0[i] = a1[i] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 2 * BLOCK <= k32; k += 2 * BLOCK) {
+        const __m512 x0[2] = {_mm512_loadu_ps(x + k), _mm512_loadu_ps(x + k + 16)};
+        const __m512 x1[2] = {_mm512_loadu_ps(x + k + 32), _mm512_loadu_ps(x + k + 48)};
+        for (int i = 0; i < n; i++) {
+            a0[i] = _mm512_fmadd_ps(_mm512_set1_ps(s[i][k / group]), int8_block_avx512(q[i] + k, x0), a0[i]);
+            a1[i] = _mm512_fmadd_ps(_mm512_set1_ps(s[i][(k + BLOCK) / group]), int8_block_avx512(q[i] + k + BLOCK, x1),
+                                    a1[i]);
         }
-        if (k < k32) { /* an odd number of blocks */
-            const __m512 x0[2] = {_mm512_loadu_ps(x + k), _mm512_loadu_ps(x + k + 16)};
-            a0 = _mm512_fmadd_ps(_mm512_set1_ps(si[k / group]), int8_block_avx512(qi + k, x0), a0);
-        }
-        out[i] = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+    }
+    if (k < k32) { /* an odd number of blocks */
+        const __m512 x0[2] = {_mm512_loadu_ps(x + k), _mm512_loadu_ps(x + k + 16)};
+        for (int i = 0; i < n; i++)
+            a0[i] = _mm512_fmadd_ps(_mm512_set1_ps(s[i][k / group]), int8_block_avx512(q[i] + k, x0), a0[i]);
+    }
+    for (int i = 0; i < n; i++) {
+        out[i] = _mm512_reduce_add_ps(_mm512_add_ps(a0[i], a1[i]));
         if (k32 < k_in) { /* per-channel int8 of a width that is no multiple of 32: the plain loop for the rest */
             float tail;
-            int8_tile_plain(x + k32, k_in, 1, qi + k32, si, group, k_in - k32, &tail);
+            int8_tile_plain(x + k32, k_in, 1, q[i] + k32, s[i], group, k_in - k32, &tail);
             out[i] += tail;
         }
     }
@@ -416,6 +425,64 @@ static inline void store(void *y, int64_t at, float sum, const float *bias, int6
         ((float *)y)[at] = v;
 }
 
+#if defined(QUANT_GEMV4)
+/* The one-row passes (batch-1 decode): each thread's slice [lo, hi) of W's rows, RUNS rows a step, the slice's last
+ * (hi - lo) % RUNS rows after them one at a time. int8 reads the slice as RUNS runs side by side (step j: rows
+ * lo + j, lo + run + j, lo + 2 run + j, lo + 3 run + j): four sequential streams a thread keep more reads in flight
+ * than one (csrc/gemv.c; the Q8_0 lm_head 26 -> 30 GB/s). int4, bound by its unpacking instructions rather than
+ * by the reads, takes four adjacent rows a step (one stream a thread, the next step's rows prefetched), which
+ * measured as fast or faster (the int4 lm_head shape 23-24 GB/s vs 18-21 as runs). A row's sums are the same
+ * whichever step or thread computes it. Call inside an OpenMP parallel region (or none). */
+typedef struct {
+    int64_t lo, hi, run;
+    int adjacent; /* step j's rows: lo + RUNS j + i (int4), else lo + i run + j (int8) */
+} RowRuns;
+
+static RowRuns thread_row_runs(int64_t n_out, int adjacent) {
+    int64_t t = 0, threads = 1;
+#if defined(_OPENMP)
+    t = omp_get_thread_num(), threads = omp_get_num_threads();
+#endif
+    RowRuns r = {n_out * t / threads, n_out * (t + 1) / threads, 0, adjacent};
+    r.run = (r.hi - r.lo) / RUNS;
+    return r;
+}
+
+/* the rows of step j: n == RUNS: as `adjacent` says; n == 1: row lo + j (a leftover, j >= RUNS run) */
+static inline __attribute__((always_inline)) void row_indices(RowRuns runs, int64_t j, int n, int64_t *o) {
+    for (int i = 0; i < n; i++)
+        o[i] = runs.lo + (n == 1 ? j : runs.adjacent ? RUNS * j + i : i * runs.run + j);
+}
+
+static inline __attribute__((always_inline)) void int8_rows(const float *x, const int8_t *qweight, const float *scales,
+                                                            int64_t group, const float *bias, void *y, int64_t k_in,
+                                                            int bf16, RowRuns runs, int64_t j, int n) {
+    int64_t o[RUNS], groups = k_in / group;
+    const int8_t *q[RUNS];
+    const float *s[RUNS];
+    float sums[RUNS];
+    row_indices(runs, j, n, o);
+    for (int i = 0; i < n; i++) q[i] = qweight + o[i] * k_in, s[i] = scales + o[i] * groups;
+    INT8_GEMV4(x, q, s, group, k_in, n, sums);
+    for (int i = 0; i < n; i++) store(y, o[i], sums[i], bias, o[i], bf16);
+}
+
+static inline __attribute__((always_inline)) void int4_rows(const float *x, const uint8_t *qweight,
+                                                            const float *scales, const float *mins,
+                                                            const float *xsum, const float *bias, void *y,
+                                                            int64_t k_in, int bf16, RowRuns runs, int64_t j, int n) {
+    int64_t o[RUNS], groups = k_in / BLOCK;
+    const uint8_t *q[RUNS];
+    const float *s[RUNS], *m[RUNS];
+    float sums[RUNS];
+    row_indices(runs, j, n, o);
+    for (int i = 0; i < n; i++)
+        q[i] = qweight + o[i] * (k_in / 2), s[i] = scales + o[i] * groups, m[i] = mins + o[i] * groups;
+    INT4_GEMV4(x, q, s, m, xsum, k_in, n, sums);
+    for (int i = 0; i < n; i++) store(y, o[i], sums[i], bias, o[i], bf16);
+}
+#endif
+
 /* Many rows: csrc/quant_panels.c (dequantized panels, 4 x 4 tiles) from this many rows of x on, where it beats the
  * per-output-row loops (benchmarks/quant_kernels_bench.py's crossover table; int8's dequantize pass costs more a
  * weight than int4's, so it pays off later). A -DPANELS_OFF build (that benchmark's peer) never takes it. */
@@ -465,20 +532,21 @@ void duet_int8_linear(const void *x, int64_t ldx, const int8_t *qweight, const f
     int64_t ldf, groups = k_in / group;
     float *owned;
     const float *xf = activations_f32(x, ldx, rows, k_in, bf16, &ldf, &owned);
-    int64_t first = 0; /* output rows before this are done by the one-row path */
 #if defined(QUANT_GEMV4)
     if (rows == 1) {
-        first = n_out / 4 * 4;
-#pragma omp parallel for schedule(static) if (n_out * k_in >= PARALLEL_MIN_WEIGHTS)
-        for (int64_t o = 0; o < first; o += 4) {
-            float sums[4];
-            INT8_GEMV4(xf, qweight + o * k_in, scales + o * groups, group, k_in, sums);
-            for (int i = 0; i < 4; i++) store(y, o + i, sums[i], bias, o + i, bf16);
+#pragma omp parallel if (n_out * k_in >= PARALLEL_MIN_WEIGHTS)
+        {
+            RowRuns runs = thread_row_runs(n_out, 0);
+            for (int64_t j = 0; j < runs.run; j++) int8_rows(xf, qweight, scales, group, bias, y, k_in, bf16, runs, j, 4);
+            for (int64_t j = RUNS * runs.run; j < runs.hi - runs.lo; j++)
+                int8_rows(xf, qweight, scales, group, bias, y, k_in, bf16, runs, j, 1);
         }
+        free(owned);
+        return;
     }
 #endif
 #pragma omp parallel for schedule(static) if (n_out * k_in >= PARALLEL_MIN_WEIGHTS)
-    for (int64_t o = first; o < n_out; o++) {
+    for (int64_t o = 0; o < n_out; o++) {
         for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
             int rt = rows - r0 < ROW_TILE ? (int)(rows - r0) : ROW_TILE;
             float sums[ROW_TILE];
@@ -506,20 +574,23 @@ void duet_int4_linear(const void *x, int64_t ldx, const uint8_t *qweight, const 
             for (int j = 0; j < BLOCK; j++) sum += xf[r * ldf + g * BLOCK + j];
             xsum[r * groups + g] = sum;
         }
-    int64_t first = 0; /* output rows before this are done by the one-row path */
 #if defined(QUANT_GEMV4)
     if (rows == 1) {
-        first = n_out / 4 * 4;
-#pragma omp parallel for schedule(static) if (n_out * k_in >= PARALLEL_MIN_WEIGHTS)
-        for (int64_t o = 0; o < first; o += 4) {
-            float sums[4];
-            INT4_GEMV4(xf, qweight + o * (k_in / 2), scales + o * groups, mins + o * groups, xsum, k_in, sums);
-            for (int i = 0; i < 4; i++) store(y, o + i, sums[i], bias, o + i, bf16);
+#pragma omp parallel if (n_out * k_in >= PARALLEL_MIN_WEIGHTS)
+        {
+            RowRuns runs = thread_row_runs(n_out, 1);
+            for (int64_t j = 0; j < runs.run; j++)
+                int4_rows(xf, qweight, scales, mins, xsum, bias, y, k_in, bf16, runs, j, 4);
+            for (int64_t j = RUNS * runs.run; j < runs.hi - runs.lo; j++)
+                int4_rows(xf, qweight, scales, mins, xsum, bias, y, k_in, bf16, runs, j, 1);
         }
+        free(xsum);
+        free(owned);
+        return;
     }
 #endif
 #pragma omp parallel for schedule(static) if (n_out * k_in >= PARALLEL_MIN_WEIGHTS)
-    for (int64_t o = first; o < n_out; o++) {
+    for (int64_t o = 0; o < n_out; o++) {
         for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
             int rt = rows - r0 < ROW_TILE ? (int)(rows - r0) : ROW_TILE;
             float sums[ROW_TILE];

@@ -1,8 +1,9 @@
-"""Speculative decoding on the default model: with vs without, copy-heavy vs open chat, batch 1 and 8, and
-llama.cpp's prompt lookup decoding on the same file and prompts at batch 1 (issue 19's benchmark).
+"""Speculative decoding on the default model: with vs without, copy-heavy vs open chat, batch 1 and 8, against
+vLLM's n-gram speculation (float32 / bfloat16) and llama.cpp's prompt lookup decoding (batch 1) on the same model
+and prompts (issue 19's benchmark).
 
-    .venv/bin/python benchmarks/speculative_bench.py                       # llama.cpp from $DUET_LLAMA_VENV
-    .venv/bin/python benchmarks/speculative_bench.py --modes auto --batches 1 --repeats 3 --no-llama
+    .venv/bin/python benchmarks/speculative_bench.py       # vLLM from $DUET_VLLM_VENV, llama.cpp from $DUET_LLAMA_VENV
+    .venv/bin/python benchmarks/speculative_bench.py --modes auto --batches 1 --repeats 3 --no-llama --no-vllm
     .venv/bin/python benchmarks/speculative_bench.py --method draft_model --modes float32,bfloat16 --batches 1
 
 --method draft_model drafts with the same GGUF file held as --draft-quantization (default auto: its Q4_1 weights
@@ -14,7 +15,10 @@ Workloads (chat prompts, greedy, up to --max-tokens each):
            spelling of README passages (most of the answer is in the prompt)
     chat   open questions (nothing to copy: speculation should cost nothing here)
 A cell generates every prompt of a workload (batch 1: one after another; batch 8: as one batch, each prompt twice);
-figure: output tokens / seconds of the whole cell, prefill included. duet's speculation is
+figure: output tokens / seconds of the whole cell, prefill included. vLLM (vllm_spec_worker.py, its own venv:
+benchmarks/setup_vllm.sh) runs the dense copy of the same file (offline_throughput.dense_copy: the same numbers as
+duet's `none` modes) in the cell's dtype, one engine plain and one with n-gram speculation of duet's settings,
+prefix caching off. duet's speculation is
 `{"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 2, "prompt_lookup_max": 4}`; llama.cpp's is
 `LlamaPromptLookupDecoding(num_pred_tokens=K, max_ngram_size=4)` (llama_cpp_lookup_worker.py). Every engine's
 cells alternate, repeat by repeat, so a shared machine's drift hits all alike. Acceptance rate = accepted / drafted
@@ -92,6 +96,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--disable-by-batch-size", type=int, default=None, help="default: engine/speculative_config.py's")
     p.add_argument("--no-llama", action="store_true")
+    p.add_argument("--no-vllm", action="store_true")
+    p.add_argument("--vllm-venv", default=os.environ.get("DUET_VLLM_VENV", str(Path.home() / ".cache/duet/vllm-venv")))
     p.add_argument("--llama-venv", default=os.environ.get("DUET_LLAMA_VENV", "/work/llama-venv"))
     args = p.parse_args()
     modes, batches = args.modes.split(","), [int(b) for b in args.batches.split(",")]
@@ -101,7 +107,7 @@ def main() -> None:
     else:
         spec = {"method": "draft_model", "model": str(model), "num_speculative_tokens": args.k,
                 "quantization": args.draft_quantization}
-        args.no_llama = True
+        args.no_llama = args.no_vllm = True
     if args.disable_by_batch_size is not None:  # e.g. 64: speculate at every batch size, to see where it stops paying
         spec["disable_by_batch_size"] = args.disable_by_batch_size
     loads = workloads()
@@ -120,6 +126,7 @@ def main() -> None:
                              "--model", str(model), "--workloads", str(workload_file), "--max-tokens",
                              str(args.max_tokens), "--num-pred-tokens", str(args.k), "--threads", str(args.threads),
                              "--serve"], "LOOKUP_READY ", "LOOKUP_CELL ")
+    vllm = {} if args.no_vllm else vllm_sessions(args, [m for m in modes if MODES[m][0] == "none"], loads, batches)
     rates: dict[tuple, list[float]] = {}
     counts: dict[tuple, list[tuple[int, int, int]]] = {}
     try:
@@ -137,6 +144,15 @@ def main() -> None:
                                                            stats1.num_accepted_tokens - stats0.num_accepted_tokens))
                         print(f"repeat={repeat} {name} batch={batch} {mode} speculative={on}: "
                               f"{tokens / seconds:.1f} tok/s", flush=True)
+                    for (mode, on), session in vllm.items():
+                        reply = session.ask(batch, repeat, workload=name)
+                        key = (f"vLLM {mode}", name, batch, on)
+                        rates.setdefault(key, []).append(reply["tokens"] / reply["seconds"])
+                        if reply.get("drafts") is not None:
+                            counts.setdefault(key, []).append((reply["drafts"], reply["draft_tokens"],
+                                                               reply["accepted_tokens"]))
+                        print(f"repeat={repeat} {name} batch={batch} vLLM {mode} speculative={on}: "
+                              f"{reply['tokens'] / reply['seconds']:.1f} tok/s", flush=True)
                     if llama is not None and batch == 1:
                         for on in (False, True):
                             reply = llama.ask(1, repeat, workload=name, lookup=on)
@@ -146,6 +162,8 @@ def main() -> None:
     finally:
         if llama is not None:
             llama.close()
+        for session in vllm.values():
+            session.close()
     print(f"\n| engine | workload | batch | plain tok/s | {args.method} tok/s | {args.method} / plain "
           "(min / median / max) | acceptance | mean accepted length |")
     print("|---|---|---:|---|---|---|---:|---:|")
@@ -160,6 +178,31 @@ def main() -> None:
         length = f"{1 + accepted / drafts:.2f}" if drafts else "-"
         print(f"| {mode} | {name} | {batch} | {spread(values)} | {spread(with_spec)} | "
               f"{min(ratios):.2f} / {statistics.median(ratios):.2f} / {max(ratios):.2f} | {acceptance} | {length} |")
+
+
+def vllm_sessions(args, modes: list[str], loads: dict, batches: list[int]) -> dict:
+    """(mode, speculative) -> a vLLM worker (vllm_spec_worker.py) on the default model's dense copy in that dtype."""
+    from offline_throughput import dense_copy
+
+    model_dir = dense_copy(default_model_path())
+    workload_file = Path(tempfile.mkstemp(suffix=".json")[1])
+    workload_file.write_text(json.dumps(loads))
+    sessions = {}
+    try:
+        for mode in modes:
+            for on in (False, True):
+                sessions[(mode, on)] = PeerSession(
+                    [f"{args.vllm_venv}/bin/python", str(ROOT / "benchmarks/vllm_spec_worker.py"), "--model",
+                     str(model_dir), "--dtype", MODES[mode][1], "--workloads", str(workload_file), "--max-tokens",
+                     str(args.max_tokens), "--max-batch", str(max(batches)), "--ngram", str(args.k if on else 0),
+                     "--serve"], "VLLM_SPEC_READY ", "VLLM_SPEC_CELL ")
+                print(f"vLLM {mode} speculative={on}: ready in {sessions[(mode, on)].startup_s:.0f} s "
+                      f"({sessions[(mode, on)].env})", flush=True)
+    except BaseException:
+        for session in sessions.values():
+            session.close()
+        raise
+    return sessions
 
 
 if __name__ == "__main__":

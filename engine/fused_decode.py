@@ -122,7 +122,6 @@ class FusedDecode:
         return model.norm.add_and_norm(x, residual)[0]
 
 
-
 class _BoundLinear(NamedTuple):
     fields: tuple  # duet_qlinear's, in order
     max_rows: int  # the most rows the C call is given

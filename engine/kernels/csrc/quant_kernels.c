@@ -10,11 +10,12 @@
  *   y [R, N] contiguous in x's dtype, rounded once (after the bias) as the twin's final `.to(x.dtype)`.
  *
  * Work: OpenMP over output rows (each thread streams its own slice of W once); one row of x takes four output
- * rows a pass, one from each of four runs of the thread's slice (the one-row passes, `thread_row_runs`); a few rows go per output row, x's rows in tiles of up to ROW_TILE, so a weight
- * block is unpacked once per tile and reused from registers by every row of it; from PANEL_MIN_ROWS rows on,
- * csrc/quant_panels.c (dequantized panels in cache). One block is 32 inputs (an int4 group, or an int8 block
- * sharing one scale since G is K or a multiple of 32). With int8 activations (duet_quantized_linear_q8) the
- * same split, on integer dot products: csrc/quant_vnni.c where the CPU has AVX-512 VNNI.
+ * rows a pass (the one-row passes, `thread_row_runs`); a few rows go per output row, x's rows in tiles of up to
+ * ROW_TILE, so a weight block is unpacked once per tile and reused from registers by every row of it; from
+ * PANEL_MIN_ROWS rows on, csrc/quant_panels.c (dequantized panels in cache). One block is 32 inputs (an int4
+ * group, or an int8 block sharing one scale since G is K or a multiple of 32). With int8 activations
+ * (duet_quantized_linear_q8) the same split, on integer dot products: csrc/quant_vnni.c where the CPU has AVX-512
+ * VNNI.
  *
  * Paths, chosen at compile time by the build's -march: AVX-512F (16 lanes), AVX2 + FMA (8 lanes), or the plain C
  * loops (any CPU; the tests build it with -mno-avx2 -mno-fma). Each vector path computes the plain path's sums
@@ -166,8 +167,8 @@ static inline __attribute__((always_inline)) void int4_tile_avx2(const float *x,
     for (int r = 0; r < rt; r++) sums[r] = hsum256(acc[r]);
     add_min_terms(rt, m, xsum, k_in / BLOCK, sums);
 }
-/* One row of x (batch-1 decode) against n (1..4) output rows at once (rows of four runs: see `one_row_runs`): each
- * load of x serves n weight rows, and the rows' FMA chains are independent (one row's 18-block chain of dependent
+/* One row of x (batch-1 decode) against n (1..4) output rows at once (which rows: `thread_row_runs`): each load
+ * of x serves n weight rows, and the rows' FMA chains are independent (one row's 18-block chain of dependent
  * FMAs would otherwise bound the loop by FMA latency, not by its instructions). A row's sums are the same whatever
  * n. */
 static inline __m256 int4_block_avx2(const uint8_t *q, const __m256 xv[4]) { /* x . q over one group */
@@ -344,8 +345,8 @@ static inline __attribute__((always_inline)) void int8_gemv4_avx512(const float 
         const __m512 x1[2] = {_mm512_loadu_ps(x + k + 32), _mm512_loadu_ps(x + k + 48)};
         for (int i = 0; i < n; i++) {
             a0[i] = _mm512_fmadd_ps(_mm512_set1_ps(s[i][k / group]), int8_block_avx512(q[i] + k, x0), a0[i]);
-            a1[i] = _mm512_fmadd_ps(_mm512_set1_ps(s[i][(k + BLOCK) / group]), int8_block_avx512(q[i] + k + BLOCK, x1),
-                                    a1[i]);
+            a1[i] = _mm512_fmadd_ps(_mm512_set1_ps(s[i][(k + BLOCK) / group]),
+                                    int8_block_avx512(q[i] + k + BLOCK, x1), a1[i]);
         }
     }
     if (k < k32) { /* an odd number of blocks */
@@ -537,7 +538,8 @@ void duet_int8_linear(const void *x, int64_t ldx, const int8_t *qweight, const f
 #pragma omp parallel if (n_out * k_in >= PARALLEL_MIN_WEIGHTS)
         {
             RowRuns runs = thread_row_runs(n_out, 0);
-            for (int64_t j = 0; j < runs.run; j++) int8_rows(xf, qweight, scales, group, bias, y, k_in, bf16, runs, j, 4);
+            for (int64_t j = 0; j < runs.run; j++)
+                int8_rows(xf, qweight, scales, group, bias, y, k_in, bf16, runs, j, 4);
             for (int64_t j = RUNS * runs.run; j < runs.hi - runs.lo; j++)
                 int8_rows(xf, qweight, scales, group, bias, y, k_in, bf16, runs, j, 1);
         }

@@ -47,12 +47,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-tokens", type=int, default=192)
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--ngram", type=int, default=0, help="num_speculative_tokens of n-gram speculation (0: plain)")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--kv-cache-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE (each engine holds its own)")
     p.add_argument("--serve", action="store_true")
     args = p.parse_args(argv)
     # before vLLM is imported (its env module reads them once): on 2 cores the default reserves one core for the
     # engine-core process, which would leave the model a single thread
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.kv_cache_gib))
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     import vllm
     from vllm import LLM, SamplingParams
@@ -61,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     workloads = json.loads(open(args.workloads).read())
     spec = None if args.ngram == 0 else {"method": "ngram", "num_speculative_tokens": args.ngram,
                                          "prompt_lookup_min": 2, "prompt_lookup_max": 4}
-    llm = LLM(model=args.model, dtype=args.dtype, seed=0, max_model_len=4096, max_num_seqs=args.max_batch,
+    llm = LLM(model=args.model, dtype=args.dtype, seed=0, max_model_len=args.max_model_len, max_num_seqs=args.max_batch,
               enable_prefix_caching=False, speculative_config=spec, disable_log_stats=False)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
 

@@ -1,6 +1,6 @@
 """`FusedDecode`: a decode-only step's layers each in one C call (engine/kernels/csrc/decode_layer.c), a fast
 path of ModelRunner for CPU models whose linears all run C kernels: quantized ones, or dense fp32 / bf16 ones
-whose single rows take the C GEMVs (engine/linear_fast.py's `one_row`; such a model's steps of one row only).
+whose few rows take the C GEMVs (engine/linear_fast.py's `gemv`; such a model's steps of up to GEMV_ROWS rows).
 
 Why: at batch 1 a layer's kernels take ~0.3 ms and the Python around them (nine wrappers: tensor checks,
 allocations, ctypes conversions, module calls) about as much again (benchmarks/RESULTS.md, issue 18 part 2).
@@ -9,8 +9,8 @@ runs the same kernels on the same inputs in the same order as the plain forward 
 equal bit for bit, tests/test_fused_decode.py).
 
 Applies when: CPU, the C kernels built, no tensor parallelism, fp32 or bf16 activations, and every layer's four
-linears either `QuantizedLinear`s bound to a native kernel or `FastLinear`s with a one-row GEMV of the
-activations' dtype. The structs point into the model's tensors and the KV
+linears either `QuantizedLinear`s bound to a native kernel or `FastLinear`s with a C GEMV of the activations'
+dtype. The structs point into the model's tensors and the KV
 caches given at construction: valid while those live (a ModelRunner owns both for its life).
 """
 
@@ -23,7 +23,7 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.kernels import cpu_native
-from engine.linear_fast import FastLinear
+from engine.linear_fast import GEMV_ROWS, FastLinear
 from engine.model import LlamaForCausalLM
 from engine.quantized_linear import QuantizedLinear
 
@@ -138,10 +138,11 @@ def _bind_linear(m, dtype: torch.dtype) -> _BoundLinear | None:
     if isinstance(m, QuantizedLinear):
         kernel = m.native_kernel() if m.all_reduce is None else None
         return None if kernel is None else _BoundLinear(kernel.struct_fields(), m.native_max_rows(), kernel)
-    gemv = m.one_row if isinstance(m, FastLinear) else None
+    gemv = m.gemv if isinstance(m, FastLinear) else None
     if gemv is None or gemv.weight.dtype != dtype or not gemv.weight.is_contiguous():
         return None
     bias = 0 if gemv.bias is None else gemv.bias.data_ptr()
     kind = DENSE_BF16 if dtype == torch.bfloat16 else DENSE_F32
-    # one row a call: the plain forward's FastLinear gives oneDNN's GEMM more rows
-    return _BoundLinear((kind, 0, gemv.weight.data_ptr(), 0, 0, bias, 0, m.out_features, m.in_features), 1, gemv)
+    # as many rows as the plain forward's FastLinear gives the GEMV (more go to oneDNN's GEMM)
+    return _BoundLinear((kind, 0, gemv.weight.data_ptr(), 0, 0, bias, 0, m.out_features, m.in_features), GEMV_ROWS,
+                        gemv)

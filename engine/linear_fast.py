@@ -19,10 +19,12 @@ Two named tricks, each a few percent of code and each measured in benchmarks/RES
   of the weight (bf16 -> fp32 is lossless; products of bf16 values are exact in fp32, so this is a bf16
   GEMM with fp32 accumulation, like the emulated one, in another summation order); single rows, which
   are bandwidth-bound, keep reading the bf16 copy. Costs 3x the bf16 weight memory.
-- **C GEMVs for single rows** (`one_row`: `bf16_gemv` and `f32_gemv`, engine/kernels/cpu_native.py, where the
+- **C GEMVs for one or two rows** (`gemv`: `bf16_gemv` and `f32_gemv`, engine/kernels/cpu_native.py, where the
   C kernels build), for weights of MIN_GEMV_BYTES and up and for every bf16 weight on CPUs that emulate bf16:
   torch's one-row GEMMs stream a weight well below the read bandwidth (fp32 MKL ~7-9 GB/s on the AVX-512 VM,
-  unpacked bf16 ~5-7, oneDNN's packed bf16 ~10-18), the kernels at ~29-45 (RESULTS.md, issue 18).
+  unpacked bf16 ~5-7, oneDNN's packed bf16 ~10-18), the kernels at ~29-45 (RESULTS.md, issue 18). Two rows read
+  the weight once too (SmolLM2's shapes: 1.3-1.9x faster than oneDNN's packed GEMM); from 4 rows on oneDNN wins
+  (the C kernel takes up to 8, GEMV_ROWS says how many are sent).
 
 Both are a transformation of a loaded model, applied after any sharding, never part of loading:
 
@@ -57,9 +59,12 @@ PACK_BATCH_HINT = 8
 MIN_PACKED_BYTES = 1024**2
 # Up to this many fp32 rows MKL on the plain weight beats the packed GEMM (module docstring: one).
 PLAIN_MAX_ROWS = 1
-# One row takes the C GEMVs from this many weight bytes on: below, the call's fixed cost (~10 us) is a large share
-# of the read (the tiny test models' weights, 512 KiB at most, stay on F.linear).
+# One or two rows take the C GEMVs from this many weight bytes on: below, the call's fixed cost (~10 us) is a large
+# share of the read (the tiny test models' weights, 512 KiB at most, stay on F.linear).
 MIN_GEMV_BYTES = 640 * 1024
+# Up to this many rows take the C GEMVs (module docstring; 2026-11-27, Zen 4 guest: at 2 rows 1.3-1.9x oneDNN
+# packed, at 4 rows 0.7-1.1x)
+GEMV_ROWS = 2
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -89,7 +94,8 @@ def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tens
 @dataclass(frozen=True)
 class GemmWeight:
     """One copy of a linear's weight and how it is multiplied: `plain` ([out, in], F.linear), `packed`
-    (packed_linear), `bf16_gemv` or `f32_gemv` (a plain weight of that dtype, one row through the C kernel)."""
+    (packed_linear), `bf16_gemv` or `f32_gemv` (a plain weight of that dtype, up to GEMV_ROWS rows through the C
+    kernel)."""
 
     weight: torch.Tensor
     bias: torch.Tensor | None
@@ -124,25 +130,26 @@ class FastLinear(nn.Module):
     `pack`: the weight is packed for oneDNN; in fp32 up to PLAIN_MAX_ROWS rows still read the plain weight,
     which the module keeps (without copying it). `fp32_math` (bf16 weights only): inputs of more than one row
     are computed in fp32 on an fp32 copy, one row on the bf16 weight; the output is bf16 either way.
-    `one_row`: a single row is the C GEMV of the weight's dtype on the plain weight (the C kernels must be built).
+    `gemv`: up to GEMV_ROWS rows are the C GEMV of the weight's dtype on the plain weight (the C kernels must be
+    built).
     The module has no `weight` parameter to read back (a packed copy is opaque).
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, pack: bool, fp32_math: bool = False,
-                 one_row: bool = False):
+                 gemv: bool = False):
         super().__init__()
         if fp32_math and weight.dtype != torch.bfloat16:
             raise ValueError(f"fp32_math is for bfloat16 weights, not {weight.dtype}")
         if pack and not can_pack(weight):
             raise ValueError(f"weight {tuple(weight.shape)} {weight.dtype} on {weight.device} cannot be packed")
-        if one_row and native_library() is None:
-            raise ValueError("one_row needs the C kernels, which are not built here (see the cpu_kernels log line)")
+        if gemv and native_library() is None:
+            raise ValueError("gemv needs the C kernels, which are not built here (see the cpu_kernels log line)")
         self.out_features, self.in_features = weight.shape
         self.pack, self.fp32_math = pack, fp32_math
-        gemv = "bf16_gemv" if weight.dtype == torch.bfloat16 else "f32_gemv"
-        self.one_row = GemmWeight.make(weight, bias, gemv) if one_row else None
+        kind = "bf16_gemv" if weight.dtype == torch.bfloat16 else "f32_gemv"
+        self.gemv = GemmWeight.make(weight, bias, kind) if gemv else None
         self.few_rows_max = 1  # rows that take `few_rows`
-        if fp32_math and not one_row:  # one row keeps reading the bf16 weight
+        if fp32_math and not gemv:  # one row keeps reading the bf16 weight
             self.few_rows: GemmWeight | None = GemmWeight.make(weight, bias, "packed" if pack else "plain")
         elif pack and weight.dtype == torch.float32:
             self.few_rows = GemmWeight.make(weight, bias, "plain")  # MKL's GEMV: see the module docstring
@@ -155,8 +162,8 @@ class FastLinear(nn.Module):
         self.math_dtype = weight.dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.one_row is not None and x.numel() == x.shape[-1]:
-            return self.one_row(x)
+        if self.gemv is not None and 0 < x.numel() <= GEMV_ROWS * x.shape[-1]:
+            return self.gemv(x)
         if self.few_rows is not None and x.numel() <= self.few_rows_max * x.shape[-1]:
             return self.few_rows(x)
         if x.dtype != self.math_dtype:
@@ -166,7 +173,7 @@ class FastLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.rows.bias is not None}, pack={self.pack}, fp32_math={self.fp32_math}, "
-                f"one_row={self.one_row is not None}")
+                f"gemv={self.gemv is not None}")
 
 
 def fast_linear_for(weight: torch.Tensor, bias: torch.Tensor | None,
@@ -177,10 +184,10 @@ def fast_linear_for(weight: torch.Tensor, bias: torch.Tensor | None,
     fp32_math = weight.dtype == torch.bfloat16 and not has_bf16_arithmetic()
     weight_bytes = weight.numel() * weight.element_size()
     pack = can_pack(weight) and weight_bytes >= min_packed_bytes
-    one_row = native_library() is not None and (fp32_math or weight_bytes >= MIN_GEMV_BYTES)
-    if not (pack or fp32_math or one_row):
+    gemv = native_library() is not None and (fp32_math or weight_bytes >= MIN_GEMV_BYTES)
+    if not (pack or fp32_math or gemv):
         return None
-    return FastLinear(weight, bias, pack=pack, fp32_math=fp32_math, one_row=one_row)
+    return FastLinear(weight, bias, pack=pack, fp32_math=fp32_math, gemv=gemv)
 
 
 def fast_linears(model: nn.Module, min_packed_bytes: int = MIN_PACKED_BYTES) -> list[str]:

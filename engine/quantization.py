@@ -249,7 +249,7 @@ def weight_bytes_by_kind(model: nn.Module) -> dict[str, int]:
     for module in model.modules():
         if isinstance(module, QuantizedLinear):
             add(module.kind, (module.qweight, module.scales, module.mins))
-        for name in ("rows", "few_rows", "one_row"):  # a FastLinear's copies
+        for name in ("rows", "few_rows", "gemv"):  # a FastLinear's copies
             gemm = getattr(module, name, None)
             if gemm is not None and isinstance(getattr(gemm, "weight", None), torch.Tensor):
                 add(str(gemm.weight.dtype).removeprefix("torch."), [gemm.weight])

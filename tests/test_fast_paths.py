@@ -20,7 +20,9 @@ from engine import LLM, SamplingParams
 from engine.config import ModelConfig
 from engine.kernels import native_library
 from engine.linear_fast import (
+    GEMV_ROWS,
     FastLinear,
+    GemmWeight,
     can_pack,
     fast_linear_for,
     fast_linears,
@@ -116,29 +118,40 @@ def test_fp32_few_rows_read_the_plain_weight_without_a_copy():
     bf16 = FastLinear(w.bfloat16(), None, pack=False, fp32_math=True)
     assert bf16.few_rows.weight.dtype == torch.bfloat16 and bf16.few_rows_max == 1  # one row reads the bf16 weight
     if native_library() is not None:  # ... through the C GEMV, without a second copy for it
-        bf16 = FastLinear(w.bfloat16(), None, pack=False, fp32_math=True, one_row=True)
-        assert bf16.few_rows is None and bf16.one_row.weight.dtype == torch.bfloat16
+        bf16 = FastLinear(w.bfloat16(), None, pack=False, fp32_math=True, gemv=True)
+        assert bf16.few_rows is None and bf16.gemv.weight.dtype == torch.bfloat16
 
 
 @pytest.mark.skipif(native_library() is None, reason="the C kernels could not be built here")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("shape", [(1376, 512), (100, 37), (8, 4096), (33, 16)])
-def test_single_row_runs_the_gemv_kernel(shape, bias, dtype):
-    """One row is the C GEMV of the weight's dtype on the plain weight (no copy): within one bf16 ulp of F.linear
-    in bf16, float32 summation order in fp32 (odd sizes: the sixteen-output passes' and the inputs' tails)."""
+def test_one_or_two_rows_run_the_gemv_kernel(shape, bias, dtype):
+    """Up to GEMV_ROWS rows are the C GEMV of the weight's dtype on the plain weight (no copy): within one bf16 ulp
+    of F.linear in bf16, float32 summation order in fp32 (odd sizes: the runs' and the inputs' tails); more rows
+    take the other paths."""
     g = torch.Generator().manual_seed(shape[0])
     w = (torch.randn(shape, generator=g) * 0.05).to(dtype)
     b = torch.randn(shape[0], generator=g).to(dtype) if bias else None
-    fast = FastLinear(w, b, pack=False, fp32_math=dtype == torch.bfloat16, one_row=True)
-    assert fast.one_row.kind == ("bf16_gemv" if dtype == torch.bfloat16 else "f32_gemv")
-    assert fast.one_row.weight.data_ptr() == w.data_ptr()
-    for x in (torch.randn(1, shape[1], generator=g).to(dtype), torch.randn(1, 1, shape[1], generator=g).to(dtype)):
+    fast = FastLinear(w, b, pack=False, fp32_math=dtype == torch.bfloat16, gemv=True)
+    assert fast.gemv.kind == ("bf16_gemv" if dtype == torch.bfloat16 else "f32_gemv")
+    assert fast.gemv.weight.data_ptr() == w.data_ptr()
+    calls = []
+    fast.gemv = wrap_calls(fast.gemv, calls)
+    xs = (torch.randn(1, shape[1], generator=g), torch.randn(1, 1, shape[1], generator=g),
+          torch.randn(GEMV_ROWS, shape[1], generator=g), torch.randn(GEMV_ROWS + 1, shape[1], generator=g))
+    for x in (x.to(dtype) for x in xs):
         got = fast(x)
         assert got.shape == (*x.shape[:-1], shape[0]) and got.dtype == dtype
         assert relative_error(got, F.linear(x, w, b)) < (BF16_RTOL if dtype == torch.bfloat16 else FP32_RTOL)
-    two = torch.randn(2, shape[1], generator=g).to(dtype)  # more rows: the other paths
-    assert relative_error(fast(two), F.linear(two, w, b)) < (BF16_RTOL if dtype == torch.bfloat16 else FP32_RTOL)
+    assert calls == [1, 1, GEMV_ROWS]
+
+
+def wrap_calls(gemm: GemmWeight, calls: list[int]):
+    def call(x: torch.Tensor) -> torch.Tensor:
+        calls.append(x.numel() // x.shape[-1])
+        return gemm(x)
+    return call
 
 
 def test_fast_path_is_chosen_only_where_it_helps():
@@ -153,7 +166,7 @@ def test_fast_path_is_chosen_only_where_it_helps():
     medium = fast_linear_for(torch.empty(384, 512), None)  # 768 KiB: too small to pack, big enough for the GEMV
     assert (medium is None) == (native_library() is None)
     if medium is not None:
-        assert medium.one_row.kind == "f32_gemv" and not medium.pack
+        assert medium.gemv.kind == "f32_gemv" and not medium.pack
     model = nn.Sequential(nn.Linear(4, 4).half())
     assert fast_linears(model) == [] and type(model[0]) is nn.Linear
 

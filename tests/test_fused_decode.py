@@ -12,7 +12,7 @@ from engine.config import ModelConfig
 from engine.fused_decode import FusedDecode
 from engine.kernels import cpu_native
 from engine.kernels.quant_linear import NATIVE_MAX_ROWS
-from engine.linear_fast import FastLinear, fast_linears
+from engine.linear_fast import GEMV_ROWS, FastLinear, fast_linears
 from engine.model_runner import ModelRunner, allocate_kv_caches
 from engine.quantized_linear import use_int8_activations
 from engine.scheduler import ScheduledChunk
@@ -66,29 +66,34 @@ def test_a_decode_step_equals_the_plain_forward(tiny_dir, mode, activations, dty
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_dense_models_one_row_step_equals_the_plain_forward(tiny_dir, dtype, monkeypatch):
-    """Dense linears whose single rows take the C GEMVs (FastLinear's one_row: the tiny model's weights are under
-    MIN_GEMV_BYTES, so the threshold is lowered) run in the fused layer one row a call, bit for bit the plain
-    forward's (which calls the same GEMVs); steps of more rows stay on the plain forward (oneDNN's GEMM)."""
+def test_a_dense_models_few_row_step_equals_the_plain_forward(tiny_dir, dtype, monkeypatch):
+    """Dense linears whose few rows take the C GEMVs (FastLinear's gemv: the tiny model's weights are under
+    MIN_GEMV_BYTES, so the threshold is lowered) run in the fused layer, bit for bit the plain forward's (which
+    calls the same GEMVs), at one and at GEMV_ROWS rows; steps of more rows stay on the plain forward (oneDNN)."""
     monkeypatch.setattr("engine.linear_fast.MIN_GEMV_BYTES", 0)
     model = build_model(ModelConfig.from_dir(tiny_dir), tiny_dir, dtype, 256, quantization="none")
     fast_linears(model)
-    assert isinstance(model.layers[0].mlp.down_proj, FastLinear) and model.layers[0].mlp.down_proj.one_row
+    assert isinstance(model.layers[0].mlp.down_proj, FastLinear) and model.layers[0].mlp.down_proj.gemv
     caches = allocate_kv_caches(model, num_blocks=16, block_size=BLOCK, dtype=dtype)
     plain_caches = [(k.clone(), v.clone()) for k, v in caches]
     runner = ModelRunner(model, caches, BLOCK, sampler=None)
     fused = FusedDecode.for_model(model, caches)
-    assert fused is not None and fused.max_rows == 1
-    prompt, table = torch.randint(0, 512, (33,), generator=torch.Generator().manual_seed(2)).tolist(), [1, 2, 3, 4]
+    assert fused is not None and fused.max_rows == GEMV_ROWS == 2
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (33, 7, 20)]
+    tables = [[1, 2, 3, 4], [5], [6, 7]]
     with torch.inference_mode():
-        ids, pos, meta = runner.prepare_inputs([chunk(0, prompt, 0, table)])
+        ids, pos, meta = runner.prepare_inputs([chunk(i, p, 0, t) for i, (p, t) in enumerate(zip(prompts, tables))])
         for kv in (caches, plain_caches):
             model(ids, pos, kv, meta)
-        two = runner.prepare_inputs([chunk(0, [5], 33, table), chunk(1, [6], 0, [5])])[2]
-        assert not fused.applies_to(two, 2)
-        for step, token in enumerate([7, 300, 11]):
-            ids, pos, meta = runner.prepare_inputs([chunk(0, [token], 33 + step, table)])
-            assert fused.applies_to(meta, 1)
+        three = runner.prepare_inputs([chunk(i, [5], len(p), t) for i, (p, t) in enumerate(zip(prompts, tables))])[2]
+        assert not fused.applies_to(three, 3)
+        lengths = [len(p) for p in prompts]
+        for rows in (1, 2, 1, 2):
+            tokens = torch.randint(0, 512, (rows,), generator=gen).tolist()
+            ids, pos, meta = runner.prepare_inputs([chunk(i, [t], lengths[i], tables[i]) for i, t in enumerate(tokens)])
+            lengths[:rows] = [n + 1 for n in lengths[:rows]]
+            assert fused.applies_to(meta, rows)
             got, want = fused(ids, pos, meta), model(ids, pos, plain_caches, meta)
             assert got.dtype == dtype and torch.equal(got, want)
             for (k, v), (pk, pv) in zip(caches, plain_caches):

@@ -104,6 +104,6 @@ def test_runtime_sizes_the_cache_from_the_fraction(tiny_llama_dir):
 @pytest.mark.skipif(native_library() is None, reason="the C kernels could not be built here")
 def test_a_fast_linears_views_of_one_weight_count_once():
     weight = torch.randn(512, 512)  # 1 MiB: not packed, the one-row GEMV reads it in place
-    fast = FastLinear(weight, None, pack=False, one_row=True)
-    assert fast.one_row.weight.data_ptr() == fast.rows.weight.data_ptr() == weight.data_ptr()
+    fast = FastLinear(weight, None, pack=False, gemv=True)
+    assert fast.gemv.weight.data_ptr() == fast.rows.weight.data_ptr() == weight.data_ptr()
     assert weight_bytes_by_kind(torch.nn.Sequential(fast)) == {"float32": 512 * 512 * 4}

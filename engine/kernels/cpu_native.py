@@ -105,8 +105,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "duet_silu_and_mul": [p, i64, p, i64, i64, i32],
         "duet_rotary": [p, i64, i64, p, p, p, i64, i64, i64, i32],
         "duet_decode_attention": [p, i64, i64, p, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, f32, i32],
-        "duet_gemv_bf16": [p, p, p, p, i64, i64],
-        "duet_gemv_f32": [p, p, p, p, i64, i64],
+        "duet_gemv_bf16": [p, i64, p, p, p, i64, i64],
+        "duet_gemv_f32": [p, i64, p, p, p, i64, i64],
         "duet_rotary_store_kv": [p, i64, i64, p, p, p, p, i64, p, p, p, i64, i64, i64, i64, i64, i32],
         "duet_int8_linear": [p, i64, p, p, i64, p, p, i64, i64, i64, i32],
         "duet_int4_linear": [p, i64, p, p, p, p, p, i64, i64, i64, i32],
@@ -297,36 +297,35 @@ def decode_attention_native(
     return out
 
 
+GEMV_MAX_ROWS = 8  # rows of x the C GEMVs take (csrc/gemv.c)
+
+
 def gemv_bf16_native(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear for one bf16 row: x [1, in] (or [in]) and weight [out, in] bf16 -> [1, out] bf16, accumulated in
-    float32 and rounded once (after the bias)."""
-    lib = native_library()
-    n_out, k_in = weight.shape
-    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.numel() != k_in:
-        raise ValueError(f"gemv_bf16_native: x {tuple(x.shape)} {x.dtype} and weight {tuple(weight.shape)} "
-                         f"{weight.dtype} are invalid: must be one bf16 row of {k_in} and a bf16 weight")
-    if bias is not None and (bias.dtype != torch.bfloat16 or bias.numel() != n_out):
-        raise ValueError(f"gemv_bf16_native: bias {tuple(bias.shape)} {bias.dtype} is invalid: must be {n_out} bf16")
-    x, weight = x.contiguous(), weight.contiguous()
-    bias = None if bias is None else bias.contiguous()
-    y = torch.empty((1, n_out), dtype=torch.bfloat16)
-    lib.duet_gemv_bf16(x.data_ptr(), weight.data_ptr(), _ptr(bias), y.data_ptr(), n_out, k_in)
-    return y
+    """F.linear for 1..GEMV_MAX_ROWS bf16 rows: x [..., in] and weight [out, in] bf16 -> [rows, out] bf16, accumulated
+    in float32 and rounded once (after the bias); the weight is read once for all rows, and each row's result is the
+    one it has alone."""
+    return _gemv(x, weight, bias, torch.bfloat16, "duet_gemv_bf16")
 
 
 def gemv_f32_native(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear for one fp32 row: x [1, in] (or [in]) and weight [out, in] fp32 -> [1, out] fp32 (csrc/gemv.c;
-    equal to F.linear up to float32 summation order)."""
-    lib = native_library()
+    """`gemv_bf16_native` in fp32 (csrc/gemv.c; equal to F.linear up to float32 summation order)."""
+    return _gemv(x, weight, bias, torch.float32, "duet_gemv_f32")
+
+
+def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, fn: str
+          ) -> torch.Tensor:
+    name = fn.removeprefix("duet_") + "_native"
     n_out, k_in = weight.shape
-    if x.dtype != torch.float32 or weight.dtype != torch.float32 or x.numel() != k_in:
-        raise ValueError(f"gemv_f32_native: x {tuple(x.shape)} {x.dtype} and weight {tuple(weight.shape)} "
-                         f"{weight.dtype} are invalid: must be one fp32 row of {k_in} and an fp32 weight")
-    x, weight = _dense(x, torch.float32, k_in, "x"), _contiguous(weight)
-    if bias is not None:
-        bias = _dense(bias, torch.float32, n_out, "bias")
-    y = torch.empty((1, n_out), dtype=torch.float32)
-    lib.duet_gemv_f32(x.data_ptr(), weight.data_ptr(), _ptr(bias), y.data_ptr(), n_out, k_in)
+    rows = x.numel() // k_in if k_in else 0
+    if x.dtype != dtype or weight.dtype != dtype or x.shape[-1] != k_in or not 1 <= rows <= GEMV_MAX_ROWS:
+        raise ValueError(f"{name}: x {tuple(x.shape)} {x.dtype} and weight {tuple(weight.shape)} {weight.dtype} are "
+                         f"invalid: must be 1 to {GEMV_MAX_ROWS} {dtype} rows of {k_in} and a {dtype} weight")
+    if bias is not None and (bias.dtype != dtype or bias.numel() != n_out):
+        raise ValueError(f"{name}: bias {tuple(bias.shape)} {bias.dtype} is invalid: must be {n_out} {dtype}")
+    x, weight = x.reshape(rows, k_in).contiguous(), _contiguous(weight)
+    bias = None if bias is None else bias.contiguous()
+    y = torch.empty((rows, n_out), dtype=dtype)
+    getattr(native_library(), fn)(x.data_ptr(), rows, weight.data_ptr(), _ptr(bias), y.data_ptr(), n_out, k_in)
     return y
 
 

@@ -9,7 +9,7 @@
  *
  * Activations float32 or bfloat16 (`bf16`), rows contiguous; the linears are quantized (int4 / int8, float or
  * int8 activations, the layout of engine/quant_format.py) or dense weights of the activations' dtype through the
- * one-row GEMVs of gemv.c (engine/linear_fast.py's `one_row`: FusedDecode gives those one row a call). */
+ * few-row GEMVs of gemv.c (engine/linear_fast.py's `gemv`: up to GEMV_MAX_ROWS rows a call). */
 
 #include <stdint.h>
 #include <string.h>
@@ -30,9 +30,10 @@ void duet_int8_linear(const void *x, int64_t ldx, const int8_t *qweight, const f
                       const float *bias, void *y, int64_t rows, int64_t n_out, int64_t k_in, int bf16);
 void duet_int4_linear(const void *x, int64_t ldx, const uint8_t *qweight, const float *scales, const float *mins,
                       const float *bias, void *y, int64_t rows, int64_t n_out, int64_t k_in, int bf16);
-void duet_gemv_f32(const float *x, const float *w, const float *bias, float *y, int64_t n_out, int64_t k_in);
-void duet_gemv_bf16(const uint16_t *x_bf16, const uint16_t *w, const uint16_t *bias, uint16_t *y, int64_t n_out,
-                    int64_t k_in);
+int duet_gemv_f32(const float *x, int64_t rows, const float *w, const float *bias, float *y, int64_t n_out,
+                  int64_t k_in);
+int duet_gemv_bf16(const uint16_t *x_bf16, int64_t rows, const uint16_t *w, const uint16_t *bias, uint16_t *y,
+                   int64_t n_out, int64_t k_in);
 void duet_quantized_linear_q8(const void *x, int64_t ldx, int kind, const void *qweight, const float *scales,
                               const float *mins, int64_t group, const float *bias, void *y, int64_t rows,
                               int64_t n_out, int64_t k_in, int bf16);
@@ -60,17 +61,11 @@ typedef struct { /* the model's shape, the same for every layer */
 enum { DENSE_BF16 = 16, DENSE_F32 = 32 };
 
 static void qlinear(const duet_qlinear *l, const void *x, void *y, int64_t rows, int bf16) {
-    if (l->kind == DENSE_F32 || l->kind == DENSE_BF16) { /* a GEMV per row (FusedDecode sends one) */
-        int64_t esize = bf16 ? 2 : 4;
-        for (int64_t r = 0; r < rows; r++) {
-            const char *xr = (const char *)x + r * l->k_in * esize;
-            char *yr = (char *)y + r * l->n_out * esize;
-            if (l->kind == DENSE_F32)
-                duet_gemv_f32((const float *)xr, l->qweight, l->bias, (float *)yr, l->n_out, l->k_in);
-            else
-                duet_gemv_bf16((const uint16_t *)xr, l->qweight, l->bias, (uint16_t *)yr, l->n_out, l->k_in);
-        }
-    } else if (l->int8_activations)
+    if (l->kind == DENSE_F32) /* up to GEMV_MAX_ROWS rows: FusedDecode sends no more */
+        duet_gemv_f32(x, rows, l->qweight, l->bias, y, l->n_out, l->k_in);
+    else if (l->kind == DENSE_BF16)
+        duet_gemv_bf16(x, rows, l->qweight, l->bias, y, l->n_out, l->k_in);
+    else if (l->int8_activations)
         duet_quantized_linear_q8(x, l->k_in, l->kind, l->qweight, l->scales, l->mins, l->group, l->bias, y, rows,
                                  l->n_out, l->k_in, bf16);
     else if (l->kind == 4)

@@ -202,7 +202,8 @@ class EngineCore:
                 self.drafter.propose(scheduled.chunks)
             on_layer_done = self.hooks.before_execute(scheduled.chunks)
             sampled = self.runner.execute(scheduled.chunks, on_layer_done)
-            if self.drafter is not None:  # the draft's KV of the prompt chunks (a prefill worker: of every chunk)
+            if self.drafter is not None and (self.drafter.shadows or not self._speculation_off()):
+                # the draft's KV of the prompt chunks (a prefill worker: of every chunk, which it ships)
                 num_layers = len(self.runner.kv_caches)
                 self.drafter.shadow(scheduled.chunks, None if on_layer_done is None else
                                     lambda layer: on_layer_done(num_layers + layer))
@@ -228,6 +229,12 @@ class EngineCore:
                 logprobs = logprobs[: len(update.token_ids)]  # those of tokens past a stop were dropped too
             results.append(NewTokens(update.request_id, update.token_ids, logprobs, update.status))
         return results + failed
+
+    def _speculation_off(self) -> bool:
+        """Whether the measured back-off has speculation off at the running batch's size (then a draft model skips
+        the prompt chunks too: engine/speculation_payoff.py)."""
+        speculator = self.scheduler.speculator
+        return speculator is not None and speculator.payoff.is_off(len(self.scheduler.running))
 
     def _observe_speculation(self, chunks: list[ScheduledChunk], sampled: dict[str, SampledTokens],
                              seconds: float, drafted: bool) -> None:

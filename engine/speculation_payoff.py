@@ -11,8 +11,11 @@ verified no guess) and `speculative` (steps that did). Before each step the sche
                                          each time it happens again; afterwards it is measured afresh
     otherwise                         -> speculate
 
-Steps with a prefill chunk are not measured (their time is the prefill's). Pure Python: the engine core times
-the steps and reports them (`observe`).
+Steps with a prefill chunk are not measured (their time is the prefill's). While a batch size is off (`is_off`),
+a draft model does not compute the prompt KV of its requests either (engine/engine_core.py): that work is
+speculation's too (~30 % of a batch-1 bf16 cell of copy prompts, RESULTS.md), and a request that meets
+speculation back on catches its draft up in bounded chunks. Pure Python: the engine core times the steps and
+reports them (`observe`).
 """
 
 from __future__ import annotations
@@ -60,6 +63,11 @@ class PayoffTracker:
             r.next_off_steps = FIRST_OFF_STEPS  # it pays: a later lapse gets the short pause again
         r.steps_since_probe += 1
         return True
+
+    def is_off(self, batch_size: int) -> bool:
+        """Whether speculation is switched off at `batch_size` now (asking changes nothing)."""
+        r = self._rates.get(batch_size)
+        return r is not None and r.off_steps > 0
 
     def observe(self, batch_size: int, speculated: bool, num_tokens: int, seconds: float) -> None:
         """A decode-only step of `batch_size` chunks gained `num_tokens` in `seconds`."""

@@ -34,6 +34,21 @@ def other_draft_dir(tmp_path_factory, tiny_llama_dir):
                            kv_heads=2, vocab=512, seed=11)
 
 
+def test_while_speculation_is_switched_off_the_draft_skips_prompts_too(tiny_llama_dir, monkeypatch):
+    """The measured back-off (engine/speculation_payoff.py) off at the running batch's size: a prompt is not fed to
+    the draft (that work is speculation's too); on, it is, right after the target computes it."""
+    from engine.speculation_payoff import PayoffTracker
+
+    prompt, params = list(range(3, 40)), greedy(1)
+    for off in (False, True):
+        monkeypatch.setattr(PayoffTracker, "is_off", lambda self, batch_size, off=off: off)
+        spec = LLM(tiny_llama_dir, max_model_len=256, speculative_config=draft_config(tiny_llama_dir))
+        spec.engine.add_request(prompt, params, request_id="0")
+        spec.engine.step()  # the prefill: the request's first (and only) token
+        assert spec.engine.core.drafter.num_fed_tokens == (0 if off else len(prompt))
+        assert not spec.engine.has_unfinished_requests()
+
+
 @pytest.mark.parametrize("engine_args", [
     {},
     {"max_num_batched_tokens": 16},  # chunked prefill next to decodes with guesses

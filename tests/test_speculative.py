@@ -200,7 +200,9 @@ def test_speculation_that_measures_slower_than_plain_decoding_is_switched_off_fo
     for _ in range(20):  # the draft turns slow: 1.2 tokens in 15 ms = 80 tok/s < 0.97 x 100
         tracker.observe(1, True, 1.2, 0.015)
     assert not tracker.speculate(1) and tracker.num_off_switches == 1
+    assert tracker.is_off(1) and not tracker.is_off(8) and tracker.is_off(1)  # asking changes nothing
     assert [tracker.speculate(1) for _ in range(FIRST_OFF_STEPS)] == [False] * FIRST_OFF_STEPS
+    assert not tracker.is_off(1)
     assert tracker.speculate(1)  # back on, measured afresh
     tracker.observe(1, True, 1.2, 0.015)
     assert not tracker.speculate(1) and tracker.num_off_switches == 2

@@ -128,8 +128,9 @@ class FastLinear(nn.Module):
     """Drop-in for an inference-only `nn.Linear` (input [rows, in_features]): same result up to rounding.
 
     `pack`: the weight is packed for oneDNN; in fp32 up to PLAIN_MAX_ROWS rows still read the plain weight,
-    which the module keeps (without copying it). `fp32_math` (bf16 weights only): inputs of more than one row
-    are computed in fp32 on an fp32 copy, one row on the bf16 weight; the output is bf16 either way.
+    which the module keeps (without copying it). `fp32_math` (bf16 weights only): inputs of more rows than the
+    bf16 weight's own path takes (one, or GEMV_ROWS with `gemv`) are computed in fp32 on an fp32 copy; the output
+    is bf16 either way.
     `gemv`: up to GEMV_ROWS rows are the C GEMV of the weight's dtype on the plain weight (the C kernels must be
     built).
     The module has no `weight` parameter to read back (a packed copy is opaque).
@@ -149,7 +150,7 @@ class FastLinear(nn.Module):
         kind = "bf16_gemv" if weight.dtype == torch.bfloat16 else "f32_gemv"
         self.gemv = GemmWeight.make(weight, bias, kind) if gemv else None
         self.few_rows_max = 1  # rows that take `few_rows`
-        if fp32_math and not gemv:  # one row keeps reading the bf16 weight
+        if fp32_math and not gemv:  # one row keeps reading the bf16 weight (with `gemv`: up to GEMV_ROWS)
             self.few_rows: GemmWeight | None = GemmWeight.make(weight, bias, "packed" if pack else "plain")
         elif pack and weight.dtype == torch.float32:
             self.few_rows = GemmWeight.make(weight, bias, "plain")  # MKL's GEMV: see the module docstring

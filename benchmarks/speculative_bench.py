@@ -33,10 +33,10 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_prompts import chat_cell  # noqa: E402
 from vllm_session import PeerSession  # noqa: E402
 
 from engine.default_model import default_model_path  # noqa: E402
@@ -69,15 +69,7 @@ def workloads() -> dict[str, list[list[dict]]]:
 
 
 def duet_cell(llm: LLM, conversations: list, batch: int, max_tokens: int) -> tuple[int, float]:
-    params = SamplingParams(max_tokens=max_tokens, temperature=0)
-    start, tokens = time.perf_counter(), 0
-    if batch == 1:
-        for conversation in conversations:
-            tokens += len(llm.chat([conversation], params, use_tqdm=False)[0].outputs[0].token_ids)
-    else:
-        outs = llm.chat((conversations * batch)[:batch], params, use_tqdm=False)
-        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    return tokens, time.perf_counter() - start
+    return chat_cell(llm, conversations, batch, SamplingParams(max_tokens=max_tokens, temperature=0))
 
 
 def spread(values: list[float]) -> str:

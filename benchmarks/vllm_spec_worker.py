@@ -7,7 +7,7 @@
 the default model (offline_throughput.dense_copy), one engine per worker: plain, or with
 `speculative_config={"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 2,
 "prompt_lookup_max": 4}` (duet's settings). Prefix caching is off, so every cell prefills as duet's cells do.
-stdlib + vllm only: nothing from duet.
+stdlib + vllm only (and bench_prompts.py, stdlib only): nothing from duet.
 
 Protocol (`vllm_session.PeerSession`): one READY_PREFIX line once loaded and warmed up, then per stdin line
 `{"batch": B, "repeat": R, "workload": NAME}` one CELL_PREFIX line echoing them with `tokens` (generated: batch 1
@@ -23,6 +23,10 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_prompts import chat_cell  # noqa: E402
 
 READY_PREFIX = "VLLM_SPEC_READY "
 CELL_PREFIX = "VLLM_SPEC_CELL "
@@ -67,17 +71,7 @@ def main(argv: list[str] | None = None) -> None:
               enable_prefix_caching=False, speculative_config=spec, disable_log_stats=False)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
 
-    def run(conversations: list, batch: int) -> tuple[int, float]:
-        start, tokens = time.perf_counter(), 0
-        if batch == 1:
-            for conversation in conversations:
-                tokens += len(llm.chat([conversation], params, use_tqdm=False)[0].outputs[0].token_ids)
-        else:
-            outs = llm.chat((conversations * batch)[:batch], params, use_tqdm=False)
-            tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-        return tokens, time.perf_counter() - start
-
-    run(next(iter(workloads.values()))[:1], 1)  # warm-up (vLLM compiles on first use)
+    chat_cell(llm, next(iter(workloads.values()))[:1], 1, params)  # warm-up (vLLM compiles on first use)
     print(READY_PREFIX + json.dumps({"startup_s": time.perf_counter() - t0, "check_token_ids": [],
                                      "env": {"vllm": vllm.__version__, "speculative_config": spec}}), flush=True)
     if not args.serve:
@@ -85,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
     for line in sys.stdin:
         cell = json.loads(line)
         before = spec_counters(llm)
-        tokens, seconds = run(workloads[cell["workload"]], int(cell["batch"]))
+        tokens, seconds = chat_cell(llm, workloads[cell["workload"]], int(cell["batch"]), params)
         after = spec_counters(llm)
         counts = {k: (None if after[k] is None or before[k] is None else after[k] - before[k]) for k in COUNTERS}
         print(CELL_PREFIX + json.dumps({**cell, "tokens": tokens, "seconds": seconds, **counts}), flush=True)

@@ -1,6 +1,6 @@
 """`FusedDecode`: a decode-only step's layers each in one C call (engine/kernels/csrc/decode_layer.c), a fast
 path of ModelRunner for CPU models whose linears all run C kernels: quantized ones, or dense fp32 / bf16 ones
-whose few rows take the C GEMVs (engine/linear_fast.py's `gemv`; such a model's steps of up to GEMV_ROWS rows).
+whose few rows take the C GEMVs (engine/linear_fast.py's `gemv`; such a model's steps of up to DENSE_ROWS rows).
 
 Why: at batch 1 a layer's kernels take ~0.3 ms and the Python around them (nine wrappers: tensor checks,
 allocations, ctypes conversions, module calls) about as much again (benchmarks/RESULTS.md, issue 18 part 2).
@@ -23,13 +23,18 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.kernels import cpu_native
-from engine.linear_fast import GEMV_ROWS, FastLinear
+from engine.linear_fast import FastLinear
 from engine.model import LlamaForCausalLM
 from engine.quantized_linear import QuantizedLinear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 p, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
 DENSE_BF16, DENSE_F32 = 16, 32  # csrc/decode_layer.c's duet_qlinear kinds for plain weights
+# A dense model's fused steps take up to this many rows, all the C GEMV takes, though from GEMV_ROWS on a plain call
+# would give them to oneDNN: the fused layer saves the per-layer Python besides (SmolLM2 bf16 decode, 2026-11-28: at
+# batch 12 1.21x, 16 1.18x, 32 1.05x the plain forward; fp32 at 32 equal). Its results equal a plain forward whose
+# linears send as many rows to the C GEMV (tests/test_fused_decode.py).
+DENSE_ROWS = cpu_native.GEMV_MAX_ROWS
 
 
 class _QLinear(ctypes.Structure):
@@ -143,6 +148,5 @@ def _bind_linear(m, dtype: torch.dtype) -> _BoundLinear | None:
         return None
     bias = 0 if gemv.bias is None else gemv.bias.data_ptr()
     kind = DENSE_BF16 if dtype == torch.bfloat16 else DENSE_F32
-    # as many rows as the plain forward's FastLinear gives the GEMV (more go to oneDNN's GEMM)
-    return _BoundLinear((kind, 0, gemv.weight.data_ptr(), 0, 0, bias, 0, m.out_features, m.in_features), GEMV_ROWS,
+    return _BoundLinear((kind, 0, gemv.weight.data_ptr(), 0, 0, bias, 0, m.out_features, m.in_features), DENSE_ROWS,
                         gemv)

@@ -19,12 +19,14 @@ Two named tricks, each a few percent of code and each measured in benchmarks/RES
   of the weight (bf16 -> fp32 is lossless; products of bf16 values are exact in fp32, so this is a bf16
   GEMM with fp32 accumulation, like the emulated one, in another summation order); single rows, which
   are bandwidth-bound, keep reading the bf16 copy. Costs 3x the bf16 weight memory.
-- **C GEMVs for one or two rows** (`gemv`: `bf16_gemv` and `f32_gemv`, engine/kernels/cpu_native.py, where the
+- **C GEMVs for up to GEMV_ROWS rows** (`gemv`: `bf16_gemv` and `f32_gemv`, engine/kernels/cpu_native.py, where the
   C kernels build), for weights of MIN_GEMV_BYTES and up and for every bf16 weight on CPUs that emulate bf16:
   torch's one-row GEMMs stream a weight well below the read bandwidth (fp32 MKL ~7-9 GB/s on the AVX-512 VM,
-  unpacked bf16 ~5-7, oneDNN's packed bf16 ~10-18), the kernels at ~29-45 (RESULTS.md, issue 18). Two rows read
-  the weight once too (SmolLM2's shapes: 1.3-1.9x faster than oneDNN's packed GEMM); from 4 rows on oneDNN wins
-  (the C kernel takes up to 8, GEMV_ROWS says how many are sent).
+  unpacked bf16 ~5-7, oneDNN's packed bf16 ~10-18), the kernels at ~29-45 (RESULTS.md, issue 18). A few rows read
+  the weight once in register tiles (csrc/gemv.c); on SmolLM2's shapes they beat oneDNN's packed GEMM up to about
+  8 rows (bf16: 1.4-1.7x at 1-3 rows, 1.1x at 6-8, 0.9x at 12; 2026-11-28, Zen 4 guest). The C kernel takes up to
+  GEMV_MAX_ROWS: the fused decode layer (engine/fused_decode.py) gives it more than GEMV_ROWS, where saving the
+  per-layer Python outweighs the GEMM.
 
 Both are a transformation of a loaded model, applied after any sharding, never part of loading:
 
@@ -62,9 +64,9 @@ PLAIN_MAX_ROWS = 1
 # One or two rows take the C GEMVs from this many weight bytes on: below, the call's fixed cost (~10 us) is a large
 # share of the read (the tiny test models' weights, 512 KiB at most, stay on F.linear).
 MIN_GEMV_BYTES = 640 * 1024
-# Up to this many rows take the C GEMVs (module docstring; 2026-11-27, Zen 4 guest: at 2 rows 1.3-1.9x oneDNN
-# packed, at 4 rows 0.7-1.1x)
-GEMV_ROWS = 2
+# Up to this many rows take the C GEMVs (module docstring; 2026-11-28, Zen 4 guest, all of SmolLM2's linears: bf16
+# 1.07x oneDNN packed at 8 rows, 0.93x at 12; fp32 0.98x at 8, 1.01x at 6)
+GEMV_ROWS = 8
 
 
 def can_pack(weight: torch.Tensor) -> bool:

@@ -239,9 +239,9 @@ def test_the_override_keeps_the_twins():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.usefixtures("kernels")
 def test_a_gemv_rows_sums_do_not_depend_on_which_run_or_thread_reads_it(dtype):
-    """One row of x: the GEMVs read each thread's rows as four runs side by side, the slice's last rows one at a
-    time; up to GEMV_MAX_ROWS rows of x: one weight row at a time against all of them. Every (x row, weight row)
-    result is bit for bit that of the two multiplied alone (one run, one thread, one row of x)."""
+    """The GEMVs read each thread's rows as four runs side by side (the slice's last rows one at a time) against
+    tiles of up to six rows of x, as even as they go (7 rows: 4 + 3; 13: 5 + 4 + 4). Every (x row, weight row) result
+    is bit for bit that of the two multiplied alone (one run, one thread, one row of x)."""
     g = torch.Generator().manual_seed(3)
     # 203 rows on two threads: runs and tails; 330 inputs: k tails
     w = (torch.randn(203, 330, generator=g) * 0.05).to(dtype)
@@ -274,5 +274,5 @@ def test_bf16_gemv_matches_f_linear(shape, bias):
     assert got.shape == (1, shape[0]) and got.dtype == torch.bfloat16
     # float32 sums in another order, each rounded once to bf16: one bf16 ulp of the output's scale
     assert scaled_error(got, F.linear(x.float(), w.float(), None if b is None else b.float())) < BF16_ULP
-    with pytest.raises(ValueError, match="must be 1 to 8 torch.bfloat16 rows"):
+    with pytest.raises(ValueError, match=f"must be 1 to {cpu_native.GEMV_MAX_ROWS} torch.bfloat16 rows"):
         cpu_native.gemv_bf16_native(x.float(), w, b)

@@ -9,7 +9,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.config import ModelConfig
-from engine.fused_decode import FusedDecode
+from engine.fused_decode import DENSE_ROWS, FusedDecode
 from engine.kernels import cpu_native
 from engine.kernels.quant_linear import NATIVE_MAX_ROWS
 from engine.linear_fast import GEMV_ROWS, FastLinear, fast_linears
@@ -69,8 +69,12 @@ def test_a_decode_step_equals_the_plain_forward(tiny_dir, mode, activations, dty
 def test_a_dense_models_few_row_step_equals_the_plain_forward(tiny_dir, dtype, monkeypatch):
     """Dense linears whose few rows take the C GEMVs (FastLinear's gemv: the tiny model's weights are under
     MIN_GEMV_BYTES, so the threshold is lowered) run in the fused layer, bit for bit the plain forward's (which
-    calls the same GEMVs), at one and at GEMV_ROWS rows; steps of more rows stay on the plain forward (oneDNN)."""
+    calls the same GEMVs), for steps of one row up to DENSE_ROWS: decodes of several sequences and speculation's
+    verification rows (a sequence's proposed tokens after its own); steps of more rows stay on the plain forward.
+    The fused layer gives the C GEMV more rows than a plain call does (GEMV_ROWS), so the reference sends it as
+    many."""
     monkeypatch.setattr("engine.linear_fast.MIN_GEMV_BYTES", 0)
+    monkeypatch.setattr("engine.linear_fast.GEMV_ROWS", DENSE_ROWS)
     model = build_model(ModelConfig.from_dir(tiny_dir), tiny_dir, dtype, 256, quantization="none")
     fast_linears(model)
     assert isinstance(model.layers[0].mlp.down_proj, FastLinear) and model.layers[0].mlp.down_proj.gemv
@@ -78,22 +82,30 @@ def test_a_dense_models_few_row_step_equals_the_plain_forward(tiny_dir, dtype, m
     plain_caches = [(k.clone(), v.clone()) for k, v in caches]
     runner = ModelRunner(model, caches, BLOCK, sampler=None)
     fused = FusedDecode.for_model(model, caches)
-    assert fused is not None and fused.max_rows == GEMV_ROWS == 2
+    assert fused is not None and fused.max_rows == DENSE_ROWS == cpu_native.GEMV_MAX_ROWS > GEMV_ROWS
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (33, 7, 20)]
     tables = [[1, 2, 3, 4], [5], [6, 7]]
+    lengths = [len(p) for p in prompts]
+
+    def step(rows_per_sequence: dict[int, int]):
+        chunks = []
+        for i, rows in rows_per_sequence.items():
+            tokens = torch.randint(0, 512, (rows,), generator=gen).tolist()
+            chunks.append(ScheduledChunk(f"r{i}", tokens[:1], lengths[i], tables[i], True, SamplingParams(), [], [],
+                                         proposed_token_ids=tokens[1:]))
+        return runner.prepare_inputs(chunks)
+
     with torch.inference_mode():
         ids, pos, meta = runner.prepare_inputs([chunk(i, p, 0, t) for i, (p, t) in enumerate(zip(prompts, tables))])
         for kv in (caches, plain_caches):
             model(ids, pos, kv, meta)
-        three = runner.prepare_inputs([chunk(i, [5], len(p), t) for i, (p, t) in enumerate(zip(prompts, tables))])[2]
-        assert not fused.applies_to(three, 3)
-        lengths = [len(p) for p in prompts]
-        for rows in (1, 2, 1, 2):
-            tokens = torch.randint(0, 512, (rows,), generator=gen).tolist()
-            ids, pos, meta = runner.prepare_inputs([chunk(i, [t], lengths[i], tables[i]) for i, t in enumerate(tokens)])
-            lengths[:rows] = [n + 1 for n in lengths[:rows]]
-            assert fused.applies_to(meta, rows)
+        assert not fused.applies_to(step({0: 20, 1: 9, 2: 4})[2], DENSE_ROWS + 1)
+        for rows_per_sequence in ({0: 1}, {0: 1, 1: 1}, {0: 6, 1: 2}, {2: 3, 0: 1}, {0: 6, 1: 3, 2: 4}):
+            ids, pos, meta = step(rows_per_sequence)
+            for i, rows in rows_per_sequence.items():
+                lengths[i] += rows
+            assert fused.applies_to(meta, len(ids))
             got, want = fused(ids, pos, meta), model(ids, pos, plain_caches, meta)
             assert got.dtype == dtype and torch.equal(got, want)
             for (k, v), (pk, pv) in zip(caches, plain_caches):

@@ -297,7 +297,7 @@ def decode_attention_native(
     return out
 
 
-GEMV_MAX_ROWS = 8  # rows of x the C GEMVs take (csrc/gemv.c)
+GEMV_MAX_ROWS = 32  # rows of x the C GEMVs take (csrc/gemv.c)
 
 
 def gemv_bf16_native(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

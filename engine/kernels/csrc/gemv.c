@@ -23,8 +23,9 @@
 #endif
 
 #define PARALLEL_MIN_WEIGHTS 65536 /* as quant_kernels.c */
-#define STREAMS 4                  /* runs of rows a thread reads side by side (one row of x) */
-#define GEMV_MAX_ROWS 8            /* rows of x a call takes (engine/linear_fast.py: GEMV_MAX_ROWS) */
+#define RUNS 4                     /* runs of rows a thread reads side by side: the weight rows of one tile */
+#define X_TILE 6                   /* the most rows of x a tile multiplies by them: 6 x 4 accumulators + 4 + 1 */
+#define GEMV_MAX_ROWS 32           /* rows of x a call takes (engine/kernels/cpu_native.py: GEMV_MAX_ROWS) */
 
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
@@ -38,6 +39,7 @@ static inline v16 load16_bf16(const uint16_t *p) { /* 16 bf16 values as float32:
     return v;
 }
 
+/* the sum of v's lanes in reduce16's tree (vec16.h): lane i + lane i + 8, then i + 4, i + 2, i + 1 */
 static inline float hsum16(v16 v) {
     v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
     v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
@@ -46,187 +48,173 @@ static inline float hsum16(v16 v) {
     return v[0];
 }
 
-/* w_rows[r] . x over k_in inputs for `n` (1..STREAMS) rows, float32 x; the rows float32 or bf16 (`bf16_w`,
- * constant per caller). Each row's arithmetic is the same whatever `n`. */
-static inline __attribute__((always_inline)) void rows_dot(const float *x, const void *const *w_rows, int n,
-                                                           int bf16_w, int64_t k_in, float *out) {
-    v16 a0[STREAMS] = {{0}}, a1[STREAMS] = {{0}};
+/* sums[i] = the lanes of acc[i] summed, for i < n: sixteen at a time through reduce16 (one tree for all sixteen,
+ * ~3 instructions a sum where hsum16 takes 8), the rest one by one; the same tree either way */
+static inline __attribute__((always_inline)) void hsums(const v16 *acc, int n, float *sums) {
+    int i = 0;
+    for (; i + 16 <= n; i += 16) {
+        v16 s = reduce16(acc + i);
+        memcpy(sums + i, &s, sizeof s);
+    }
+    if (n - i >= 8) {
+        v16 padded[16] = {{0}};
+        for (int j = 0; j < n - i; j++) padded[j] = acc[i + j];
+        v16 s = reduce16(padded);
+        for (int j = 0; j < n - i; j++) sums[i + j] = s[j];
+    } else {
+        for (int j = i; j < n; j++) sums[j] = hsum16(acc[j]);
+    }
+}
+
+/* x's vector loaded once for its wr multiplications: left alone, GCC folds the load into each FMA (one load an FMA
+ * where there are wr + 1 loads per wr FMAs: fp32 tiles ran load-bound at half the FMA rate) */
+#if defined(__AVX512F__)
+#define IN_REGISTER(v) __asm__("" : "+v"(v))
+#else
+#define IN_REGISTER(v) (void)(v)
+#endif
+
+/* The tiles: sums[r * wr + c] = x row r . weight row c for r < xr, c < wr (both compile-time in every caller, so
+ * the loops unroll into xr * wr accumulators), x rows contiguous [xr, k_in]. Each pair has one accumulator over k,
+ * reduced in one tree, then the tail in scalars: the same arithmetic whatever tile, run, thread or row count
+ * computes it. */
+static inline __attribute__((always_inline)) void tile_dot(const float *x, int xr, const void *const *w_rows, int wr,
+                                                           int bf16_w, int64_t k_in, float *sums) {
+    v16 acc[X_TILE * RUNS];
+    for (int i = 0; i < xr * wr; i++) acc[i] = (v16){0};
     int64_t k = 0;
-    for (; k + 32 <= k_in; k += 32) {
-        v16 x0 = load16(x + k), x1 = load16(x + k + 16);
-        for (int r = 0; r < n; r++) {
-            const float *w32 = w_rows[r];
-            const uint16_t *w16 = w_rows[r];
-            a0[r] += (bf16_w ? load16_bf16(w16 + k) : load16(w32 + k)) * x0;
-            a1[r] += (bf16_w ? load16_bf16(w16 + k + 16) : load16(w32 + k + 16)) * x1;
+    for (; k + 16 <= k_in; k += 16) {
+        v16 w[RUNS];
+        for (int c = 0; c < wr; c++)
+            w[c] = bf16_w ? load16_bf16((const uint16_t *)w_rows[c] + k) : load16((const float *)w_rows[c] + k);
+        for (int r = 0; r < xr; r++) {
+            v16 xv = load16(x + r * k_in + k);
+            IN_REGISTER(xv);
+            for (int c = 0; c < wr; c++) acc[r * wr + c] += w[c] * xv;
         }
     }
-    for (int r = 0; r < n; r++) {
-        const float *w32 = w_rows[r];
-        const uint16_t *w16 = w_rows[r];
-        float sum = hsum16(a0[r] + a1[r]);
-        for (int64_t j = k; j < k_in; j++) sum += (bf16_w ? duet_bf16_to_f32(w16[j]) : w32[j]) * x[j];
-        out[r] = sum;
-    }
+    hsums(acc, xr * wr, sums);
+    for (int r = 0; r < xr; r++)
+        for (int c = 0; c < wr; c++) {
+            const float *w32 = w_rows[c];
+            const uint16_t *w16 = w_rows[c];
+            for (int64_t j = k; j < k_in; j++)
+                sums[r * wr + c] += (bf16_w ? duet_bf16_to_f32(w16[j]) : w32[j]) * x[r * k_in + j];
+        }
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 /* bf16 x and w with the CPU's bf16 dot products (vdpbf16ps: 32 products a 64-byte load, summed pairwise into
  * float32): 1 instruction per 32 weights where widening them costs 4; float32 sums as above, in another order */
-static inline __attribute__((always_inline)) void rows_dot_bf16(const uint16_t *x, const uint16_t *const *w_rows,
-                                                                int n, int64_t k_in, float *out) {
-    __m512 a0[STREAMS], a1[STREAMS];
-    for (int r = 0; r < n; r++) a0[r] = a1[r] = _mm512_setzero_ps();
+static inline __attribute__((always_inline)) void tile_dot_bf16(const uint16_t *x, int xr,
+                                                                const void *const *w_rows, int wr, int64_t k_in,
+                                                                float *sums) {
+    __m512 acc[X_TILE * RUNS];
+    for (int i = 0; i < xr * wr; i++) acc[i] = _mm512_setzero_ps();
     int64_t k = 0;
-    for (; k + 64 <= k_in; k += 64) {
-        __m512bh x0 = (__m512bh)_mm512_loadu_si512((const void *)(x + k));
-        __m512bh x1 = (__m512bh)_mm512_loadu_si512((const void *)(x + k + 32));
-        for (int r = 0; r < n; r++) {
-            a0[r] = _mm512_dpbf16_ps(a0[r], (__m512bh)_mm512_loadu_si512((const void *)(w_rows[r] + k)), x0);
-            a1[r] = _mm512_dpbf16_ps(a1[r], (__m512bh)_mm512_loadu_si512((const void *)(w_rows[r] + k + 32)), x1);
+    for (; k + 32 <= k_in; k += 32) {
+        __m512bh w[RUNS];
+        for (int c = 0; c < wr; c++)
+            w[c] = (__m512bh)_mm512_loadu_si512((const void *)((const uint16_t *)w_rows[c] + k));
+        for (int r = 0; r < xr; r++) {
+            __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(x + r * k_in + k));
+            for (int c = 0; c < wr; c++) acc[r * wr + c] = _mm512_dpbf16_ps(acc[r * wr + c], w[c], xv);
         }
     }
-    for (int r = 0; r < n; r++) {
-        float sum = _mm512_reduce_add_ps(_mm512_add_ps(a0[r], a1[r]));
-        for (int64_t j = k; j < k_in; j++) sum += duet_bf16_to_f32(w_rows[r][j]) * duet_bf16_to_f32(x[j]);
-        out[r] = sum;
-    }
+    hsums((const v16 *)acc, xr * wr, sums);
+    for (int r = 0; r < xr; r++)
+        for (int c = 0; c < wr; c++) {
+            const uint16_t *w16 = w_rows[c];
+            for (int64_t j = k; j < k_in; j++)
+                sums[r * wr + c] += duet_bf16_to_f32(w16[j]) * duet_bf16_to_f32(x[r * k_in + j]);
+        }
 }
 #define GEMV_BF16_DOT 1
 #endif
 
-/* One weight row against R rows of x (x [R, k_in] contiguous), each (x row, weight row) pair summed exactly as
- * rows_dot / rows_dot_bf16 sum it: a few rows read the weight once, and every result is the one-row result. */
-static inline __attribute__((always_inline)) void x_rows_dot(const float *x, int R, const void *w_row, int bf16_w,
-                                                             int64_t k_in, float *out) {
-    const float *w32 = w_row;
-    const uint16_t *w16 = w_row;
-    v16 a0[GEMV_MAX_ROWS] = {{0}}, a1[GEMV_MAX_ROWS] = {{0}};
-    int64_t k = 0;
-    for (; k + 32 <= k_in; k += 32) {
-        v16 w0 = bf16_w ? load16_bf16(w16 + k) : load16(w32 + k);
-        v16 w1 = bf16_w ? load16_bf16(w16 + k + 16) : load16(w32 + k + 16);
-#pragma GCC unroll 8
-        for (int r = 0; r < R; r++) {
-            a0[r] += w0 * load16(x + r * k_in + k);
-            a1[r] += w1 * load16(x + r * k_in + k + 16);
-        }
-    }
-    for (int r = 0; r < R; r++) {
-        float sum = hsum16(a0[r] + a1[r]);
-        for (int64_t j = k; j < k_in; j++) sum += (bf16_w ? duet_bf16_to_f32(w16[j]) : w32[j]) * x[r * k_in + j];
-        out[r] = sum;
-    }
-}
-
-#if defined(GEMV_BF16_DOT)
-static inline __attribute__((always_inline)) void x_rows_dot_bf16(const uint16_t *x, int R, const uint16_t *w_row,
-                                                                  int64_t k_in, float *out) {
-    __m512 a0[GEMV_MAX_ROWS], a1[GEMV_MAX_ROWS];
-    for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm512_setzero_ps();
-    int64_t k = 0;
-    for (; k + 64 <= k_in; k += 64) {
-        __m512bh w0 = (__m512bh)_mm512_loadu_si512((const void *)(w_row + k));
-        __m512bh w1 = (__m512bh)_mm512_loadu_si512((const void *)(w_row + k + 32));
-#pragma GCC unroll 8
-        for (int r = 0; r < R; r++) {
-            a0[r] = _mm512_dpbf16_ps(a0[r], w0, (__m512bh)_mm512_loadu_si512((const void *)(x + r * k_in + k)));
-            a1[r] = _mm512_dpbf16_ps(a1[r], w1, (__m512bh)_mm512_loadu_si512((const void *)(x + r * k_in + k + 32)));
-        }
-    }
-    for (int r = 0; r < R; r++) {
-        float sum = _mm512_reduce_add_ps(_mm512_add_ps(a0[r], a1[r]));
-        for (int64_t j = k; j < k_in; j++) sum += duet_bf16_to_f32(w_row[j]) * duet_bf16_to_f32(x[r * k_in + j]);
-        out[r] = sum;
-    }
-}
-#endif
-
 enum { GEMV_F32, GEMV_BF16_WIDEN, GEMV_BF16_DOT_PRODUCTS };
 
-/* `n` rows of y from the rows at `o` (the kinds above; x float32 for F32 and WIDEN, bf16 for DOT_PRODUCTS) */
-static inline __attribute__((always_inline)) void gemv_rows(int kind, const void *x, const void *w,
-                                                            const void *bias, void *y, const int64_t *o, int n,
-                                                            int64_t k_in) {
-    const void *w_rows[STREAMS];
-    float sums[STREAMS];
+/* one tile of compile-time shape (xr rows of x from x_row on, the wr weight rows at `o`) into y */
+static inline __attribute__((always_inline)) void tile(int kind, const void *x, int64_t x_row, int xr,
+                                                       const void *w, const void *bias, void *y, const int64_t *o,
+                                                       int wr, int64_t n_out, int64_t k_in) {
+    const void *w_rows[RUNS];
+    float sums[X_TILE * RUNS];
     int bf16 = kind != GEMV_F32;
-    for (int r = 0; r < n; r++) w_rows[r] = (const char *)w + o[r] * k_in * (bf16 ? 2 : 4);
+    for (int c = 0; c < wr; c++) w_rows[c] = (const char *)w + o[c] * k_in * (bf16 ? 2 : 4);
 #if defined(GEMV_BF16_DOT)
     if (kind == GEMV_BF16_DOT_PRODUCTS)
-        rows_dot_bf16(x, (const uint16_t *const *)w_rows, n, k_in, sums);
+        tile_dot_bf16((const uint16_t *)x + x_row * k_in, xr, w_rows, wr, k_in, sums);
     else
 #endif
-        rows_dot(x, w_rows, n, bf16, k_in, sums);
-    for (int r = 0; r < n; r++) {
-        if (bf16)
-            ((uint16_t *)y)[o[r]] =
-                duet_f32_to_bf16(sums[r] + (bias ? duet_bf16_to_f32(((const uint16_t *)bias)[o[r]]) : 0.0f));
-        else
-            ((float *)y)[o[r]] = sums[r] + (bias ? ((const float *)bias)[o[r]] : 0.0f);
-    }
-}
-
-/* y[r] of `rows` rows of x against weight row o (x, y contiguous; rows <= GEMV_MAX_ROWS) */
-static inline __attribute__((always_inline)) void gemv_x_rows(int kind, const void *x, int R, const void *w,
-                                                              const void *bias, void *y, int64_t o, int64_t n_out,
-                                                              int64_t k_in) {
-    float sums[GEMV_MAX_ROWS];
-    int bf16 = kind != GEMV_F32;
-    const void *w_row = (const char *)w + o * k_in * (bf16 ? 2 : 4);
-#if defined(GEMV_BF16_DOT)
-    if (kind == GEMV_BF16_DOT_PRODUCTS)
-        x_rows_dot_bf16(x, R, w_row, k_in, sums);
-    else
-#endif
-        x_rows_dot(x, R, w_row, bf16, k_in, sums);
-    for (int r = 0; r < R; r++) {
-        if (bf16)
-            ((uint16_t *)y)[r * n_out + o] =
-                duet_f32_to_bf16(sums[r] + (bias ? duet_bf16_to_f32(((const uint16_t *)bias)[o]) : 0.0f));
-        else
-            ((float *)y)[r * n_out + o] = sums[r] + (bias ? ((const float *)bias)[o] : 0.0f);
-    }
-}
-
-#define GEMV_X_ROWS_CASE(R) \
-    case R: \
-        for (int64_t o = lo; o < hi; o++) gemv_x_rows(kind, x, R, w, bias, y, o, n_out, k_in); \
-        break;
-
-static void gemv(int kind, const void *x, int64_t rows, const void *w, const void *bias, void *y, int64_t n_out,
-                 int64_t k_in) {
-#pragma omp parallel if (n_out * k_in >= PARALLEL_MIN_WEIGHTS)
-    {
-        int64_t t = 0, threads = 1;
-#if defined(_OPENMP)
-        t = omp_get_thread_num(), threads = omp_get_num_threads();
-#endif
-        int64_t lo = n_out * t / threads, hi = n_out * (t + 1) / threads, run = (hi - lo) / STREAMS;
-        switch (rows) {
-        case 1:
-            for (int64_t j = 0; j < run; j++) {
-                int64_t o[STREAMS];
-                for (int s = 0; s < STREAMS; s++) o[s] = lo + s * run + j;
-                gemv_rows(kind, x, w, bias, y, o, STREAMS, k_in);
-            }
-            for (int64_t o = lo + STREAMS * run; o < hi; o++) gemv_rows(kind, x, w, bias, y, &o, 1, k_in);
-            break;
-        GEMV_X_ROWS_CASE(2) GEMV_X_ROWS_CASE(3) GEMV_X_ROWS_CASE(4) GEMV_X_ROWS_CASE(5)
-        GEMV_X_ROWS_CASE(6) GEMV_X_ROWS_CASE(7) GEMV_X_ROWS_CASE(8)
-        default:
-            break;
+        tile_dot((const float *)x + x_row * k_in, xr, w_rows, wr, bf16, k_in, sums);
+    for (int r = 0; r < xr; r++)
+        for (int c = 0; c < wr; c++) {
+            int64_t at = (x_row + r) * n_out + o[c];
+            if (bf16)
+                ((uint16_t *)y)[at] = duet_f32_to_bf16(
+                    sums[r * wr + c] + (bias ? duet_bf16_to_f32(((const uint16_t *)bias)[o[c]]) : 0.0f));
+            else
+                ((float *)y)[at] = sums[r * wr + c] + (bias ? ((const float *)bias)[o[c]] : 0.0f);
         }
+}
+
+#define TILE_CASE(XR) \
+    case XR: tile(kind, x, r, XR, w, bias, y, o, wr, n_out, k_in); break;
+
+/* all rows of x against the wr weight rows at `o`, in tiles of at most X_TILE rows as even as they go */
+static inline __attribute__((always_inline)) void tiles(int kind, const void *x, int64_t rows, const void *w,
+                                                        const void *bias, void *y, const int64_t *o, int wr,
+                                                        int64_t n_out, int64_t k_in) {
+    int64_t n_tiles = (rows + X_TILE - 1) / X_TILE;
+    for (int64_t t = 0, r = 0; t < n_tiles; t++) {
+        int64_t xr = rows * (t + 1) / n_tiles - r;
+        switch (xr) {
+            TILE_CASE(1) TILE_CASE(2) TILE_CASE(3) TILE_CASE(4) TILE_CASE(5) TILE_CASE(6)
+        default: break;
+        }
+        r += xr;
     }
 }
+
+/* this thread's share of the weight rows (contiguous), read as RUNS runs side by side */
+static inline __attribute__((always_inline)) void thread_rows(int kind, const void *x, int64_t rows, const void *w,
+                                                              const void *bias, void *y, int64_t n_out,
+                                                              int64_t k_in) {
+    int64_t t = 0, threads = 1;
+#if defined(_OPENMP)
+    t = omp_get_thread_num(), threads = omp_get_num_threads();
+#endif
+    int64_t lo = n_out * t / threads, hi = n_out * (t + 1) / threads, run = (hi - lo) / RUNS;
+    for (int64_t j = 0; j < run; j++) {
+        int64_t o[RUNS];
+        for (int c = 0; c < RUNS; c++) o[c] = lo + c * run + j;
+        tiles(kind, x, rows, w, bias, y, o, RUNS, n_out, k_in);
+    }
+    for (int64_t o = lo + RUNS * run; o < hi; o++) tiles(kind, x, rows, w, bias, y, &o, 1, n_out, k_in);
+}
+
+/* one parallel function per kind, so that each thread's loops are compiled for that kind alone */
+#define GEMV_KIND(name, KIND) \
+    static void name(const void *x, int64_t rows, const void *w, const void *bias, void *y, int64_t n_out, \
+                     int64_t k_in) { \
+        _Pragma("omp parallel if (n_out * k_in >= PARALLEL_MIN_WEIGHTS)") \
+        thread_rows(KIND, x, rows, w, bias, y, n_out, k_in); \
+    }
+GEMV_KIND(gemv_f32, GEMV_F32)
+#if defined(GEMV_BF16_DOT)
+GEMV_KIND(gemv_bf16_dot, GEMV_BF16_DOT_PRODUCTS)
+#else
+GEMV_KIND(gemv_bf16_widen, GEMV_BF16_WIDEN)
+#endif
 
 /* y [rows, n_out] = x [rows, k_in] · w [n_out, k_in]ᵀ + bias (float32 or NULL), all float32; rows 1..GEMV_MAX_ROWS
  * (0 otherwise: nothing written), x and y contiguous */
 int duet_gemv_f32(const float *x, int64_t rows, const float *w, const float *bias, float *y, int64_t n_out,
                   int64_t k_in) {
     if (rows < 1 || rows > GEMV_MAX_ROWS) return 0;
-    gemv(GEMV_F32, x, rows, w, bias, y, n_out, k_in);
+    gemv_f32(x, rows, w, bias, y, n_out, k_in);
     return 1;
 }
 
@@ -235,11 +223,11 @@ int duet_gemv_bf16(const uint16_t *x_bf16, int64_t rows, const uint16_t *w, cons
                    int64_t n_out, int64_t k_in) {
     if (rows < 1 || rows > GEMV_MAX_ROWS) return 0;
 #if defined(GEMV_BF16_DOT)
-    gemv(GEMV_BF16_DOT_PRODUCTS, x_bf16, rows, w, bias, y, n_out, k_in);
+    gemv_bf16_dot(x_bf16, rows, w, bias, y, n_out, k_in);
 #else
     float *x = malloc(sizeof(float) * (size_t)(rows * k_in > 0 ? rows * k_in : 1));
     for (int64_t k = 0; k < rows * k_in; k++) x[k] = duet_bf16_to_f32(x_bf16[k]);
-    gemv(GEMV_BF16_WIDEN, x, rows, w, bias, y, n_out, k_in);
+    gemv_bf16_widen(x, rows, w, bias, y, n_out, k_in);
     free(x);
 #endif
     return 1;

@@ -68,8 +68,10 @@ class Runtime:
 
     @property
     def draft_ships_kv(self) -> bool:
-        """A draft model whose KV has the target's shape: in a cluster it travels with the target's."""
-        return self.drafter is not None and self.drafter.kv_has_shape_of(self.kv_caches)
+        """A draft model whose KV has the target's shape: in a cluster it travels with the target's. Only at tp_size 1:
+        at more, the draft runs whole on rank 0 (`build_runtime`) beside rank 0's shard of the target, and is fed its
+        prompt on the decode worker."""
+        return self.drafter is not None and self.tp_size == 1 and self.drafter.kv_has_shape_of(self.kv_caches)
 
     @property
     def transfer_caches(self) -> list[KVCache]:
@@ -150,9 +152,6 @@ def build_runtime(model_dir: str | Path, config: EngineConfig, follower_module: 
         layer_config.head_dim * element_bytes  # this rank's shard of one block
     speculative = SpeculativeConfig.parse(config.speculative_config)
     draft = speculative if speculative is not None and speculative.method == "draft_model" else None
-    if draft is not None and config.tp_size > 1:
-        raise ModelLoadError(f"speculative_config method 'draft_model' with tp_size={config.tp_size} is not supported "
-                             "yet: a draft model runs at tp_size 1 (n-gram speculation works at any tp_size)")
     pool_block_bytes = block_bytes + (draft_kv_bytes_per_block(draft, dtype, config.block_size) if draft else 0)
     num_blocks = config.num_kv_blocks or max(
         1, min(kv_cache_bytes(config, model_config, model_dir, dtype, device, draft) // pool_block_bytes,
@@ -196,7 +195,10 @@ def build_runtime(model_dir: str | Path, config: EngineConfig, follower_module: 
     runner = ModelRunner(model, kv_caches, config.block_size, Sampler(config.seed), graph_replayer=replayer,
                          step_broadcaster=tp_driver)
     drafter = None
-    if draft is not None:  # its KV blocks mirror the target's, scratch blocks included
+    # A draft model runs whole (unsharded) in this process at any tp_size, as vLLM's draft_tensor_parallel_size=1:
+    # rank 0 schedules and samples, so the guesses are made where they are verified, with no all-reduce a draft
+    # layer. Its KV blocks mirror the target's, scratch blocks included.
+    if draft is not None:
         drafter = build_drafter(draft, model_config, tokenizer, dtype, device, max_positions,
                                 num_blocks + SCRATCH_BLOCKS, config.block_size, config.seed, config.fast_linears)
     if device.type == "cpu":

@@ -1,16 +1,18 @@
-/* A few rows times a dense weight, F.linear at decode of an fp32 or bf16 model (engine/linear_fast.py's `gemv`,
- * up to its GEMV_ROWS rows; this file takes up to GEMV_MAX_ROWS). Why: torch's one-row GEMMs stream a weight well
- * below the read bandwidth on the 2-core VM (fp32 MKL ~7-9 GB/s, unpacked bf16 ~5-7). One row: each thread takes a
- * contiguous slice of W's rows and reads it as STREAMS long runs side by side (rows lo + j, lo + run + j,
- * lo + 2 run + j, ... for j = 0, 1, ...): each run is a sequential stream the hardware prefetcher follows, and
- * several of them keep more reads in flight than one (a plain C read of 256 MiB: 27-28 GB/s as one stream a
- * thread, 31-33 as four; SmolLM2's bf16 shapes 26-30 -> 30-33 GB/s, Zen 4 guest, 2026-11-27). Sixteen adjacent
- * rows a pass sharing each load of x measured slower (21 vs 29 GB/s on SmolLM2's bf16 lm_head): sixteen short
- * interleaved streams. Several rows of x: one weight row at a time against all of them, so the weight is read
- * once. x stays in L1; two accumulators a (x row, weight row) pair, whose sum is the same whichever run, thread
- * or row count computes it. bf16 weights are widened in registers, or multiplied by the CPU's bf16 dot products
- * (vdpbf16ps) where it has them; products of bf16 values are exact in float32. Float32 sums: equal to F.linear up
- * to summation order (bf16: y rounded once, after the bias). */
+/* A few rows times a dense weight, F.linear at decode of an fp32 or bf16 model (engine/linear_fast.py's `gemv`, up
+ * to its GEMV_ROWS rows; the fused decode layer up to GEMV_MAX_ROWS). Why: torch's one-row GEMMs stream a weight well
+ * below the read bandwidth on the 2-core VM (fp32 MKL ~7-9 GB/s, unpacked bf16 ~5-7), and oneDNN's few-row GEMMs
+ * pay a fixed cost a call. Each thread takes a contiguous slice of W's rows and reads it as RUNS long runs side by
+ * side (rows lo + j, lo + run + j, lo + 2 run + j, ... for j = 0, 1, ...): each run is a sequential stream the
+ * hardware prefetcher follows, and several keep more reads in flight than one (a plain C read of 256 MiB: 27-28 GB/s
+ * as one stream a thread, 31-33 as four, Zen 4 guest, 2026-11-27). Those RUNS weight rows meet the rows of x in
+ * register tiles of up to X_TILE rows (4 x 6 accumulators, the weight read from memory once for all tiles): at
+ * 6 rows the bf16 tiles run ~100 GMAC/s on two cores, which is the vdpbf16ps rate of the Zen 4 guest (one every
+ * other cycle), so from ~6 rows the step is compute- rather than bandwidth-bound. Each (x row, weight row) pair
+ * has one accumulator, summed in the same tree whatever tile, run or thread holds it: its result does not depend
+ * on the row count (speculation's verification rows equal the one-row decode's). bf16 weights are widened in
+ * registers, or multiplied by the CPU's bf16 dot products (vdpbf16ps) where it has them; products of bf16 values
+ * are exact in float32. Float32 sums: equal to F.linear up to summation order (bf16: y rounded once, after the
+ * bias). */
 
 #include <stdint.h>
 #include <stdlib.h>

@@ -110,7 +110,8 @@ Session = ChatSession | CompletionSession
 
 
 def system_prompt(num_words: int, seed: int) -> str:
-    """The shared system prompt: an instruction, then filler to about `num_words` words (~ tokens) in all."""
+    """The shared system prompt: a one-sentence instruction (12 words), then filler words to `num_words` in all
+    (about as many tokens in a BPE vocabulary; never shorter than the instruction)."""
     opening = "You are a helpful assistant. Answer the question in a few sentences."
     filler = max(num_words - len(opening.split()), 0)
     return f"{opening} {_filler(random.Random(f'duet-bench-serve/system/{seed}'), filler)}".rstrip()
@@ -143,7 +144,14 @@ def multiturn_sessions(num_conversations: int, turns: int, system_prompt_words: 
 
 class TraceBlocks:
     """Each trace block id -> its own fixed `block_tokens` token ids, drawn from [FIRST_TRACE_TOKEN_ID, vocab_size)
-    by a generator seeded with (seed, block id): equal ids give equal tokens, in any run with the same seed."""
+    by a generator seeded with (seed, block id): equal ids give equal tokens.
+
+    Prompts sharing their first k block ids share exactly those k blocks' tokens and not one token more: block ids
+    are chained (an id stands for its whole prefix), so blocks that follow the same prefix are siblings, and a new
+    block's first token is redrawn until it differs from every sibling's seen so far. That holds while a prefix has
+    fewer continuations than there are token ids to draw from; past that, siblings may share a first token. A block's
+    tokens depend only on the seed, except a redrawn first token, which also depends on the siblings met before it
+    (the same trace and arguments always give the same prompts)."""
 
     def __init__(self, block_tokens: int, vocab_size: int, seed: int):
         if not 1 <= block_tokens <= TRACE_BLOCK_TOKENS:
@@ -152,12 +160,18 @@ class TraceBlocks:
             raise ValueError(f"vocab_size={vocab_size} is invalid: must be > {FIRST_TRACE_TOKEN_ID}")
         self.block_tokens, self.vocab_size, self.seed = block_tokens, vocab_size, seed
         self._blocks: dict[int, list[int]] = {}
+        self._first_tokens: dict[int | None, set[int]] = {}  # parent block id (None: the start) -> children's
 
-    def block(self, hash_id: int) -> list[int]:
+    def block(self, hash_id: int, parent: int | None) -> list[int]:
+        """The tokens of block `hash_id`, which follows block `parent` (None: it opens the prompt)."""
         tokens = self._blocks.get(hash_id)
         if tokens is None:
             rng = random.Random(f"duet-bench-serve/trace/{self.seed}/{hash_id}")
             tokens = [rng.randrange(FIRST_TRACE_TOKEN_ID, self.vocab_size) for _ in range(self.block_tokens)]
+            siblings = self._first_tokens.setdefault(parent, set())
+            while tokens[0] in siblings and len(siblings) < self.vocab_size - FIRST_TRACE_TOKEN_ID:
+                tokens[0] = rng.randrange(FIRST_TRACE_TOKEN_ID, self.vocab_size)
+            siblings.add(tokens[0])
             self._blocks[hash_id] = tokens
         return tokens
 
@@ -171,9 +185,10 @@ class TraceBlocks:
         """The request's blocks in order, the last one cut to `last_block_tokens`. At `block_tokens` = the trace's
         own block size the prompt has exactly input_length tokens; smaller blocks scale it down."""
         ids: list[int] = []
-        for hash_id in request.hash_ids[:-1]:
-            ids += self.block(hash_id)
-        return ids + self.block(request.hash_ids[-1])[: self.last_block_tokens(request)]
+        for parent, hash_id in zip((None, *request.hash_ids[:-1]), request.hash_ids[:-1]):
+            ids += self.block(hash_id, parent)
+        parent = request.hash_ids[-2] if len(request.hash_ids) > 1 else None
+        return ids + self.block(request.hash_ids[-1], parent)[: self.last_block_tokens(request)]
 
 
 def trace_sessions(requests: Sequence[TraceRequest], blocks: TraceBlocks, max_tokens_cap: int | None

@@ -239,7 +239,8 @@ def format_table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Stand-alone entry (`python -m duet.cli_bench bench route TRACE`), same as `duet bench route TRACE`."""
+    """Stand-alone entry (`python -m duet.cli_bench bench route TRACE`), same as `duet bench route TRACE` (and
+    `bench serve`): an error is one line, status 2 for a bad value, 1 for a server that cannot be reached."""
     parser = argparse.ArgumentParser(prog="duet")
     add_bench_commands(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
@@ -248,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

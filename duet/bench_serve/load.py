@@ -1,0 +1,168 @@
+"""The load generator: sessions sent to an OpenAI-compatible server, every request streamed and timed.
+
+One asyncio loop and one httpx.AsyncClient with no connection limit (a pool limit would queue requests inside
+the client and count the wait as server latency). Two load modes:
+
+    open loop    each session starts at its arrival time (Poisson or the trace's), whatever is in flight
+    closed loop  `concurrency` sessions in flight at all times: one starts as soon as another ends
+
+A session's turns go one after another. A failed turn ends its session: its later turns (which would need the
+missing answer) are recorded as failed, never sent, so every run accounts for every planned request.
+A failed request (a refusal such as 429 or 5xx, a broken stream, a timeout) is recorded, never raised.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import httpx
+
+from duet.bench_serve.request_record import RequestRecord
+from duet.bench_serve.stream_timer import StreamTimer
+from duet.bench_serve.workloads import RequestSpec, Session
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    base_url: str  # http(s)://host:port, without /v1
+    api_key: str | None = None
+    timeout_s: float = 300.0  # to connect, and between two reads of a response
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """The body fields every request shares."""
+
+    model: str
+    temperature: float = 0.0
+    ignore_eos: bool = True  # vLLM's and duet's extension: exactly max_tokens tokens
+
+    def body(self, spec: RequestSpec) -> dict:
+        body = {"model": self.model, **spec.payload, "max_tokens": spec.max_tokens, "temperature": self.temperature,
+                "stream": True, "stream_options": {"include_usage": True}}
+        if self.ignore_eos:
+            body["ignore_eos"] = True
+        return body
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """Exactly one of: open loop at the sessions' `arrival_s`, or closed loop with `concurrency` in flight."""
+
+    concurrency: int | None = None
+
+    @property
+    def open_loop(self) -> bool:
+        return self.concurrency is None
+
+
+def new_client(endpoint: Endpoint) -> httpx.AsyncClient:
+    return httpx.AsyncClient(base_url=endpoint.base_url, headers=endpoint.headers(),
+                             timeout=httpx.Timeout(endpoint.timeout_s),
+                             limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
+
+
+async def served_model(endpoint: Endpoint) -> str:
+    """The first model GET /v1/models lists. Raises OSError naming the URL when it cannot be had."""
+    url = f"{endpoint.base_url}/v1/models"
+    try:
+        async with new_client(endpoint) as client:
+            response = await client.get("/v1/models")
+    except httpx.HTTPError as e:
+        raise OSError(f"cannot list the served models at {url}: {type(e).__name__}: {e}") from None
+    if response.status_code != 200:
+        raise OSError(f"cannot list the served models at {url}: HTTP {response.status_code}: {response.text[:200]}")
+    try:
+        return response.json()["data"][0]["id"]
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise OSError(f"{url} lists no model: {response.text[:200]}; give --model") from None
+
+
+async def send_request(client: httpx.AsyncClient, spec: RequestSpec, sampling: Sampling, record: RequestRecord,
+                       run_start_s: float, keep_text: bool) -> str:
+    """Send one streaming request and fill `record`; returns the answer's text (only with keep_text)."""
+    start_s = time.perf_counter()
+    record.start_s = round(start_s - run_start_s, 6)
+    timer = StreamTimer(spec.chat, start_s, keep_text)
+    try:
+        async with client.stream("POST", spec.path, json=sampling.body(spec)) as response:
+            record.http_status = response.status_code
+            if response.status_code != 200:
+                timer.fail(f"HTTP {response.status_code}: {_error_text(await response.aread())}")
+            else:
+                async for line in response.aiter_lines():
+                    timer.feed(line, time.perf_counter())
+    except httpx.HTTPError as e:
+        timer.fail(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
+    timer.fill(record, time.perf_counter())
+    return timer.text
+
+
+def _error_text(body: bytes) -> str:
+    """An error response's message: OpenAI's {"error": {"message": ...}} when it has that shape, else its text."""
+    text = body.decode(errors="replace").strip()
+    try:
+        text = str(json.loads(text)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        pass
+    return " ".join(text.split())[:200] or "(empty body)"
+
+
+async def run_load(endpoint: Endpoint, sessions: Sequence[Session], sampling: Sampling, plan: LoadPlan,
+                   on_record: Callable[[RequestRecord], None] = lambda record: None) -> list[RequestRecord]:
+    """Run every session; one record per planned request, in request_index order. `on_record` is called as each
+    request ends (the progress bar). Open loop needs every session's arrival_s."""
+    first_index, total = [], 0
+    for session in sessions:
+        first_index.append(total)
+        total += session.num_turns
+    records: list[RequestRecord | None] = [None] * total
+
+    async with new_client(endpoint) as client:
+        run_start_s = time.perf_counter()
+
+        async def run_session(position: int) -> None:
+            session = sessions[position]
+            ok, failed_turn = True, -1
+            for turn in range(session.num_turns):
+                spec = session.request(turn) if ok else None
+                record = RequestRecord(first_index[position] + turn, session.session_index, turn,
+                                       spec.max_tokens if spec else session.max_tokens)
+                if turn == 0 and plan.open_loop:
+                    record.scheduled_s = session.arrival_s
+                if spec is None:
+                    record.error = f"not sent: turn {failed_turn} of its session failed"
+                else:
+                    answer = await send_request(client, spec, sampling, record, run_start_s, session.needs_answers)
+                    if record.ok:
+                        session.add_answer(answer)
+                    else:
+                        ok, failed_turn = False, turn
+                records[record.request_index] = record
+                on_record(record)
+
+        if plan.open_loop:
+            async def at_arrival(position: int) -> None:
+                arrival_s = sessions[position].arrival_s
+                assert arrival_s is not None, "open loop needs every session's arrival_s"
+                await asyncio.sleep(max(0.0, run_start_s + arrival_s - time.perf_counter()))
+                await run_session(position)
+
+            await asyncio.gather(*(at_arrival(p) for p in range(len(sessions))))
+        else:
+            queue = iter(range(len(sessions)))
+
+            async def worker() -> None:
+                for position in queue:  # a shared iterator: each session goes to exactly one worker
+                    await run_session(position)
+
+            await asyncio.gather(*(worker() for _ in range(min(plan.concurrency, len(sessions)))))
+    assert all(r is not None for r in records)
+    return records  # type: ignore[return-value]

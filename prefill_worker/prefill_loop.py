@@ -87,6 +87,7 @@ class _Job:
     kv_bytes: int = 0
     error: BaseException | None = None
     cached_tokens_at_arrival: int = 0  # prefix-cache hit it would get now: not work to queue behind
+    num_kv_tokens: int = 0  # tokens whose KV it computes and ships: the prompt, a migrated request's output
 
 
 SendFn = Callable[[str, int, int, int, int, list[int]], Future]  # KVSender.send
@@ -149,6 +150,7 @@ class PrefillLoop(StepHooks):
     def _add(self, job: _Job) -> None:
         self.core.add_request(job.request)
         self._jobs[job.request.request_id] = job
+        job.num_kv_tokens = job.request.num_tokens  # before it samples its token
         job.cached_tokens_at_arrival = self.rt.kv_cache.get_computed_blocks(job.request)[1]
         self._count_waiting_tokens()
 
@@ -242,7 +244,7 @@ class PrefillLoop(StepHooks):
                     prefill_s=now - job.started_s,
                     transfers=job.transfers,
                     kv_bytes=job.kv_bytes,
-                    kv_transferred_tokens=(request.num_tokens - job.target.num_cached_blocks * self.rt.block_size
+                    kv_transferred_tokens=(job.num_kv_tokens - job.target.num_cached_blocks * self.rt.block_size
                                            if job.target is not None else 0),
                 )
             )

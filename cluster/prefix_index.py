@@ -1,4 +1,4 @@
-"""The prefix index in Redis: how many leading blocks of a prompt each prefill worker holds.
+"""The prefix index in Redis: how many leading blocks of a prompt each worker (prefill and decode) holds.
 
 Workers' KV events (engine/kv_events.py) keep it current; the router asks it once per request, in one
 round trip (one EVALSHA of cluster/lua/prefix_index_lookup.lua); every write is one call of

@@ -1,6 +1,7 @@
 """The decode worker's engine loop: reservations for arriving KV, then continuous batching.
 
-    Reserve   ─▶ blocks allocated for the prompt's KV, held by a reservation (admission control: refused
+    Reserve   ─▶ the prompt's leading blocks found in this worker's own prefix cache are held (touched), and
+                 blocks allocated for the rest of its KV, held by a reservation (admission control: refused
                  when they would not fit next to the running requests); the request (prompt, sampling,
                  salt) waits with it, so it is sent to this worker once
     (KV arrives through kvtransfer into those blocks; the reservation completes)
@@ -8,6 +9,19 @@
                  joins the running batch with the prefill worker's first token as output token 0, one token
                  left to compute
     Release / expiry ─▶ the blocks go back to the pool
+
+Decode-side prefix cache (multi-turn): a finished request's full blocks stay cached in the pool (LRU, evicted
+only when an allocation needs the space) and its KV events reach the router's index like a prefill worker's.
+A reservation's block table is therefore two parts:
+
+    request's block table   [ h_0 .. h_{k-1} | r_0 .. r_{m-1} ]
+                              cached here       the reservation's blocks: the KV transfer writes these only,
+                              (touched at         reservation block i = request block k + i
+                              Reserve)
+
+`k` (`CachedReservation.num_cached_blocks`) goes back to the router, which tells the prefill worker to send
+blocks from k on. The hits are this worker's real cache at Reserve time, not the index's guess, so a stale
+index costs only transfer volume, never a wrong token.
 
 Everything here runs on the engine thread (see worker.engine_thread); gRPC handlers post calls and read
 each request's events from its own queue. Each step is one `EngineCore.step()`: KV arriving is
@@ -70,6 +84,14 @@ class ReservedRequest:
         )
 
 
+@dataclass(frozen=True)
+class CachedReservation:
+    """Reserve's answer: the reservation for the blocks to transfer, after the leading blocks already cached here."""
+
+    reservation: Reservation
+    num_cached_blocks: int  # leading blocks of the request's KV held from this worker's prefix cache
+
+
 class DecodeLoop:
     def __init__(self, runtime: Runtime, reservations: ReservationTable,
                  on_token_gap: Callable[[float], None] | None = None,
@@ -82,7 +104,8 @@ class DecodeLoop:
         self.reservations = reservations
         self._followers = DecodeFollowers(runtime)
         self._live: dict[str, tuple[Request, queue.SimpleQueue]] = {}
-        self._reserved: dict[int, list[int]] = {}  # reservation id -> its blocks (engine thread's view)
+        self._reserved: dict[int, list[int]] = {}  # reservation id -> the request's block table: cached hits,
+        # then the reservation's blocks (engine thread's view)
         self._reserved_requests: dict[int, ReservedRequest] = {}  # reservation id -> the request it waits for
         self.thread = EngineThread(
             "decode-engine", self.core.has_unfinished_requests, self._step, tick=self._expire
@@ -96,26 +119,40 @@ class DecodeLoop:
 
     # -- engine thread: reservations -------------------------------------------------------------
 
-    def reserve(self, request: ReservedRequest, ttl_s: float) -> Reservation | None:
-        """Blocks for the request's prompt KV, or None when admitting it would crowd out running requests.
-        The request waits with the reservation until `start_request` (or release / expiry drops it)."""
+    def reserve(self, request: ReservedRequest, ttl_s: float) -> CachedReservation | None:
+        """Blocks for the request's prompt KV that this worker's prefix cache lacks (the cached leading ones are
+        held too), or None when admitting it would crowd out running requests. The request waits with the
+        reservation until `start_request` (or release / expiry drops it)."""
         request_id, num_tokens = request.request_id, request.num_tokens
-        core, pool = self.core, self.rt.block_pool
-        num_blocks = cdiv(num_tokens, self.rt.block_size)
+        core, pool, block_size = self.core, self.rt.block_pool, self.rt.block_size
         if core.num_requests + len(self.reservations) >= core.max_num_seqs:
             return None
+        hit_block_ids = self._cached_prefix_blocks(request)
+        num_new_blocks = cdiv(num_tokens, block_size) - len(hit_block_ids)  # >= 1: a hit leaves a token over
+        # a hit block sitting unreferenced in the free queue stops being allocatable once held
+        num_hit_free = sum(1 for b in hit_block_ids if pool.blocks[b].ref_count == 0)
         # keep one free block per running request so the batch can grow without preempting at once
-        if pool.num_free_blocks - num_blocks < core.num_running + 1:
+        if pool.num_free_blocks - num_hit_free - num_new_blocks < core.num_running + 1:
             return None
-        block_ids = pool.allocate(num_blocks)
-        reservation = self.reservations.add(request_id, block_ids, num_tokens, ttl_s)
-        self._reserved[reservation.reservation_id] = block_ids
+        pool.touch(hit_block_ids)  # before allocating: allocation must not evict them
+        block_ids = pool.allocate(num_new_blocks)
+        num_new_tokens = num_tokens - len(hit_block_ids) * block_size
+        reservation = self.reservations.add(request_id, block_ids, num_new_tokens, ttl_s)
+        self._reserved[reservation.reservation_id] = [*hit_block_ids, *block_ids]
         self._reserved_requests[reservation.reservation_id] = request
-        mirrored = self._followers.reserve(reservation.reservation_id, request_id, block_ids, num_tokens, ttl_s)
+        mirrored = self._followers.reserve(reservation.reservation_id, request_id, block_ids, num_new_tokens, ttl_s)
         if not mirrored:  # a follower rank refused: undo everywhere
             self.release(reservation.reservation_id)
             raise RuntimeError(f"reservation {reservation.reservation_id}: a tensor-parallel rank refused it")
-        return reservation
+        return CachedReservation(reservation, len(hit_block_ids))
+
+    def _cached_prefix_blocks(self, request: ReservedRequest) -> list[int]:
+        """The request's leading blocks (prompt, then a migrated request's output) cached here. None with a
+        draft model: its KV of those tokens is not kept with the target's, and it must arrive with them."""
+        if self.rt.drafter is not None:
+            return []
+        token_ids = [*request.prompt_token_ids, *request.output_token_ids]
+        return self.rt.kv_cache.cached_prefix_blocks(token_ids, request.cache_salt)
 
     def release(self, reservation_id: int) -> bool:
         reservation = self.reservations.pop(reservation_id)
@@ -132,9 +169,9 @@ class DecodeLoop:
     def _free(self, reservation: Reservation) -> None:
         # followers first: once they popped it no write lands there, then the blocks may be reused
         self._followers.release(reservation.reservation_id)
-        del self._reserved[reservation.reservation_id]
+        block_table = self._reserved.pop(reservation.reservation_id)
         del self._reserved_requests[reservation.reservation_id]
-        self.rt.block_pool.free(reversed(reservation.block_ids))
+        self.rt.block_pool.free(reversed(block_table))  # tail first, as a finished request's
         self._check_idle()
 
     def _expire(self) -> None:
@@ -161,7 +198,7 @@ class DecodeLoop:
             raise ReservationExpired(f"reservation {reservation_id}: the KV shard of a tensor-parallel rank is "
                                      "incomplete or failed")
         try:
-            self.core.add_transferred(request, reservation.block_ids)
+            self.core.add_transferred(request, self._reserved[reservation_id])
         except ValueError:
             self._free(reservation)
             raise

@@ -108,17 +108,19 @@ class DecodeWorker(WorkerProcess, wpb_grpc.DecodeWorkerServicer):
                        f"{n} tokens need {num_blocks} KV blocks: decode worker {self.worker_id} holds "
                        f"at most {self.rt.block_pool.num_blocks - 1} for one request, even when idle")
         reserved = ReservedRequest(request.request_id, prompt, params, request.cache_salt, history)
-        reservation = self.loop.thread.call(self.loop.reserve, reserved, ttl_s)
-        if reservation is not None and not context.is_active():  # the caller gave up: nobody will use it
-            self.loop.thread.post(self.loop.release, reservation.reservation_id)
+        cached = self.loop.thread.call(self.loop.reserve, reserved, ttl_s)
+        if cached is not None and not context.is_active():  # the caller gave up: nobody will use it
+            self.loop.thread.post(self.loop.release, cached.reservation.reservation_id)
             abort_with(context, grpc.StatusCode.CANCELLED, f"reserve for {request.request_id}: the caller left")
-        if reservation is None:
+        if cached is None:
             context.set_trailing_metadata((("grpc-retry-pushback-ms", str(RETRY_PUSHBACK_MS)),))
             abort_with(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
                        f"decode worker {self.worker_id} has no room for {n} prompt tokens now; retry later")
+        reservation = cached.reservation
         return wpb.ReserveResponse(reservation_id=reservation.reservation_id, kv_address=self.kv_address(),
                                    num_blocks=len(reservation.block_ids),
-                                   kv_addresses=[self.kv_address(), *self.rank_kv_addresses])
+                                   kv_addresses=[self.kv_address(), *self.rank_kv_addresses],
+                                   num_cached_blocks=cached.num_cached_blocks)
 
     def Release(self, request: wpb.ReleaseRequest, context: grpc.ServicerContext) -> wpb.ReleaseResponse:
         if request.reservation_id:

@@ -98,6 +98,8 @@ def stream_to_record(stream: Iterable[pb.GenerateResponse], on_text: Callable[[s
             record["stop_reason"] = getattr(msg, kind) if kind else None
             record["prompt_tokens"] = msg.usage.prompt_tokens
             record["cached_tokens"] = msg.usage.cached_tokens
+            record["kv_transferred_tokens"] = msg.usage.kv_transferred_tokens
+            record["decode_cached_tokens"] = msg.usage.decode_cached_tokens
             record["timing"] = {f.name: getattr(msg.timing, f.name) for f in pb.Timing.DESCRIPTOR.fields}
     if len(record["token_ids"]) > 1 and record["ttft_s"] is not None:
         record["tpot_s"] = (last_s - first_s) / (len(record["token_ids"]) - 1)

@@ -64,6 +64,23 @@ class KVCacheManager:
             hits.append(block_id)
         return hits, len(hits) * self.block_size
 
+    def cached_prefix_blocks(self, token_ids: Sequence[int], cache_salt: str) -> list[int]:
+        """Block ids of the longest cached prefix of `token_ids` (a request not yet in this manager), leaving at
+        least one token uncovered, as `get_computed_blocks`. A pure lookup: nothing is touched or remembered,
+        so the ids stay valid only until the pool next allocates (the caller touches them at once)."""
+        if not self.pool.enable_caching:
+            return []
+        max_hit_blocks = (len(token_ids) - 1) // self.block_size
+        hashes = hash_blocks(token_ids[: max_hit_blocks * self.block_size], self.block_size,
+                             root_hash(self.model_id, cache_salt))
+        hits = []
+        for block_hash in hashes:
+            block_id = self.pool.get_cached_block(block_hash)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
     def num_blocks_needed(self, request: Request, num_new_tokens: int, num_hit_blocks: int = 0) -> int:
         num_tokens = request.num_computed_tokens + num_hit_blocks * self.block_size + num_new_tokens
         num_held = len(self._block_ids.get(request.request_id, ()))

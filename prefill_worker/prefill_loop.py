@@ -10,6 +10,9 @@ group g for the blocks that became final this step:
     its last chunk                                 [sent, ceil(prompt / block_size)) incl. the partial tail
     first chunk after a prefix hit                 sent = 0: the cached prefix blocks go with it
 
+except that blocks the decode worker already holds (its own prefix cache, `KVTarget.num_cached_blocks` = k)
+are never sent: `sent` starts at k, and request block i lands in reservation block i - k.
+
 So each block is sent once, messages grow with layer groups and chunks (never with blocks), and the
 network works while later layers compute. The sender copies the blocks out synchronously, so the pool may
 free or reuse them as soon as the step ends.
@@ -51,6 +54,11 @@ class KVTarget:
     endpoint: str  # the decode worker's kvtransfer receiver (its TP rank 0)
     reservation_id: int
     endpoints: tuple[str, ...] = ()  # every TP rank's receiver, in rank order (needed at TP > 1)
+    num_cached_blocks: int = 0  # the request's leading blocks the decode worker holds already: not sent
+
+    def __post_init__(self) -> None:
+        if self.num_cached_blocks < 0:
+            raise ValueError(f"num_cached_blocks={self.num_cached_blocks} is invalid: must be >= 0")
 
 
 @dataclass
@@ -64,6 +72,7 @@ class PrefillResult:
     prefill_s: float
     transfers: list[Future]  # each resolves once the decode worker has written that message
     kv_bytes: int
+    kv_transferred_tokens: int  # tokens whose KV went to the target: all but its num_cached_blocks' (0: none)
 
 
 @dataclass
@@ -78,6 +87,7 @@ class _Job:
     kv_bytes: int = 0
     error: BaseException | None = None
     cached_tokens_at_arrival: int = 0  # prefix-cache hit it would get now: not work to queue behind
+    num_kv_tokens: int = 0  # tokens whose KV it computes and ships: the prompt, a migrated request's output
 
 
 SendFn = Callable[[str, int, int, int, int, list[int]], Future]  # KVSender.send
@@ -88,7 +98,7 @@ class _Send:
     """One request's blocks to ship in this step: every layer group of them, as the forward writes it."""
 
     job: _Job
-    first_block: int  # index of block_ids[0] in the request's block table
+    first_block: int  # index of block_ids[0] in the reservation: its request block index less num_cached_blocks
     block_ids: list[int]
     last: bool  # the prompt's last blocks: the request's transfer is complete after these
 
@@ -140,6 +150,7 @@ class PrefillLoop(StepHooks):
     def _add(self, job: _Job) -> None:
         self.core.add_request(job.request)
         self._jobs[job.request.request_id] = job
+        job.num_kv_tokens = job.request.num_tokens  # before it samples its token
         job.cached_tokens_at_arrival = self.rt.kv_cache.get_computed_blocks(job.request)[1]
         self._count_waiting_tokens()
 
@@ -176,9 +187,10 @@ class PrefillLoop(StepHooks):
             end = chunk.start_position + len(chunk.token_ids)
             # KV for every token it computes: the prompt, and a migrated request's earlier output
             end_blocks = cdiv(request.num_tokens, bs) if end >= request.num_tokens else end // bs
-            if end_blocks > job.num_sent_blocks:
+            sent = max(job.num_sent_blocks, job.target.num_cached_blocks)  # the decode worker's cached ones stay
+            if end_blocks > sent:
                 last = end >= request.num_tokens
-                sends.append(_Send(job, job.num_sent_blocks, chunk.block_ids[job.num_sent_blocks : end_blocks], last))
+                sends.append(_Send(job, sent - job.target.num_cached_blocks, chunk.block_ids[sent:end_blocks], last))
                 job.num_sent_blocks = end_blocks
         self._execute_start_s = time.monotonic()
         if not sends:
@@ -232,6 +244,8 @@ class PrefillLoop(StepHooks):
                     prefill_s=now - job.started_s,
                     transfers=job.transfers,
                     kv_bytes=job.kv_bytes,
+                    kv_transferred_tokens=(job.num_kv_tokens - job.target.num_cached_blocks * self.rt.block_size
+                                           if job.target is not None else 0),
                 )
             )
         for job in [j for j in self._jobs.values() if j.error is not None]:

@@ -132,7 +132,11 @@ class PrefillWorker(WorkerProcess, wpb_grpc.PrefillWorkerServicer):
         target = None
         if request.HasField("target"):
             endpoints = tuple(request.target.kv_addresses) or (request.target.kv_address,)
-            target = KVTarget(endpoints[0], request.target.reservation_id, endpoints)
+            try:
+                target = KVTarget(endpoints[0], request.target.reservation_id, endpoints,
+                                  request.target.num_cached_blocks)
+            except ValueError as e:
+                abort_with(context, grpc.StatusCode.INVALID_ARGUMENT, f"target: {e}")
             if len(endpoints) != self.tp_size:
                 abort_with(context, grpc.StatusCode.FAILED_PRECONDITION,
                            f"TP sizes differ: this prefill worker runs tp_size={self.tp_size}, the decode worker "
@@ -188,6 +192,7 @@ class PrefillWorker(WorkerProcess, wpb_grpc.PrefillWorkerServicer):
             prefill_s=result.prefill_s,
             transfer_s=time.monotonic() - computed_s,
             kv_bytes=result.kv_bytes,
+            kv_transferred_tokens=result.kv_transferred_tokens,
         )
         if result.stop_token_id is not None:
             reply.stop_token_id = result.stop_token_id

@@ -152,4 +152,10 @@ def usage_json(choices: list[Choice], n: int) -> dict:
     prompt_tokens = sum(u.prompt_tokens for u in firsts)
     completion = sum(c.num_tokens for c in choices)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(u.cached_tokens for u in firsts)}}
+            "prompt_tokens_details": {"cached_tokens": sum(cached_prompt_tokens(u) for u in firsts)}}
+
+
+def cached_prompt_tokens(usage: pb.Usage) -> int:
+    """Prompt tokens served from a cache, either the prefill worker's or the decode worker's: both caches hold
+    prefixes of the same prompt, so their union is the longer one (a sum would count the overlap twice)."""
+    return max(usage.cached_tokens, usage.decode_cached_tokens)

@@ -1,11 +1,14 @@
 """One request's hand-off across the cluster, as four named stages:
 
-    reserve  pick decode worker D by load; D.Reserve(request) holds blocks for the prompt's KV and keeps
-             the request (prompt, sampling, salt): the ticket is the reservation id
-    plan     the prefill workers whose KV layout D takes; pick prefill worker P (one index round trip; the
+    lookup   one index round trip: the leading prompt blocks each prefill and each decode worker holds
+    reserve  rank decode workers by cached overlap and load (router/decode_policy.py); D.Reserve(request)
+             holds the prompt's leading blocks D has cached (multi-turn: an earlier turn's prompt and answer)
+             and reserves blocks for the rest, and keeps the request (prompt, sampling, salt): the ticket is
+             the reservation id, `num_cached_blocks` what D holds already
+    plan     the prefill workers whose KV layout D takes; pick prefill worker P (same lookup; the
              speculative index entry is queued off the request's path) -> a `HandOffPlan`
-    prefill  P.Prefill(request, target = D's reservation): P computes the prompt, streams its KV into D's
-             blocks and samples the first token, which goes to the client at once
+    prefill  P.Prefill(request, target = D's reservation): P computes the prompt, streams the KV of the blocks
+             D lacks into D's reserved blocks and samples the first token, which goes to the client at once
     decode   D.Decode(ticket, first token): the reserved request joins D's batch; its tokens stream to the
              client (detokenized and stop strings cut here, router/request_stream.py)
     migrate  D is lost mid-stream: reserve on another decode worker for the prompt plus every token sent but
@@ -46,9 +49,11 @@ from duet.internal.v1 import workers_pb2_grpc as wpb_grpc
 from duet.v1 import generation_pb2 as pb
 from engine.detokenizer import IncrementalDetokenizer
 from engine.tokenizer import Tokenizer
-from router.load_policy import rank_decode, without
+from router.decode_policy import DecodeState
+from router.decode_policy import rank_decode as rank_decode_by_cache
+from router.load_policy import without
 from router.metrics import RouterMetrics
-from router.prefill_chooser import PrefillChoice, PrefillChooser
+from router.prefill_chooser import PrefillChoice, PrefillChooser, PrefixLookup
 from router.request_builder import BuiltRequest
 from router.request_stream import ClientStream, Failed, Live, downstream_code
 from router.worker_view import NoWorkers, WorkerView
@@ -102,10 +107,15 @@ class Reservation:
     decode: WorkerInfo
     ticket: int  # the decode worker's reservation id
     kv_addresses: tuple[str, ...]  # its kvtransfer receivers, one per TP rank, in rank order
+    num_cached_blocks: int = 0  # the request's leading blocks the decode worker holds from its prefix cache
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return self.num_cached_blocks * self.decode.block_size
 
     def kv_target(self) -> wpb.KVTarget:
         return wpb.KVTarget(kv_address=self.kv_addresses[0], reservation_id=self.ticket,
-                            kv_addresses=self.kv_addresses)
+                            kv_addresses=self.kv_addresses, num_cached_blocks=self.num_cached_blocks)
 
 
 @dataclass(frozen=True)
@@ -136,12 +146,13 @@ class FirstToken:
     queue_s: float
     prefill_s: float
     transfer_s: float
+    kv_transferred_tokens: int  # tokens whose KV the prefill worker sent to the decode worker
 
     @classmethod
     def from_reply(cls, reply: wpb.PrefillResponse) -> FirstToken:
         return cls(reply.first_token_id, reply.logprob if reply.HasField("logprob") else None,
                    reply.finish_reason, reply.stop_token_id if reply.HasField("stop_token_id") else None,
-                   reply.cached_tokens, reply.queue_s, reply.prefill_s, reply.transfer_s)
+                   reply.cached_tokens, reply.queue_s, reply.prefill_s, reply.transfer_s, reply.kv_transferred_tokens)
 
 
 @dataclass(frozen=True)
@@ -205,6 +216,8 @@ class RequestOrchestrator:
             client.timing.queue_s, client.timing.prefill_s = first.queue_s, first.prefill_s
             client.timing.transfer_s = first.transfer_s
             client.usage.cached_tokens = first.cached_tokens
+            client.usage.kv_transferred_tokens = first.kv_transferred_tokens
+            client.usage.decode_cached_tokens = min(plan.reservation.num_cached_tokens, len(request.prompt_token_ids))
             message, done = client.tokens([first.token_id], [first.logprob] if first.logprob is not None else [],
                                           first.finish_reason, first.stop_token_id)
             message.prefill_worker, message.decode_worker = plan.prefill.worker_id, plan.decode.worker_id
@@ -241,12 +254,14 @@ class RequestOrchestrator:
         raise AssertionError("unreachable: the loop returns or raises")
 
     def reserve(self, request: RoutedRequest, decodes: list[LiveWorker], live: Live,
-                history: Sequence[int] = ()) -> Reservation:
-        """A reservation on the least loaded decode worker that admits the request (the request goes with it).
+                history: Sequence[int] = (), lookup: PrefixLookup | None = None) -> Reservation:
+        """A reservation on the decode worker that admits the request and holds the most of it for the least
+        load (`lookup`: what each holds, from the index; none: load only), the request going with it.
         RESOURCE_EXHAUSTED with a retry hint when every reachable one is full now; FAILED_PRECONDITION (no
         hint: retrying cannot help) when none of them could ever hold the prompt; WorkerLost when none
         answered (the caller waits for one to serve again)."""
-        ranked = without(rank_decode(self.view.candidates(decodes)), self.view.active_suspects())
+        ranked = without(self.rank_decodes(len(request.prompt_token_ids) + len(history), decodes, lookup),
+                         self.view.active_suspects())
         by_id = {w.worker_id: w.info for w in decodes}
         num_prompt_tokens = len(request.prompt_token_ids)
         message = wpb.ReserveRequest(
@@ -260,7 +275,8 @@ class RequestOrchestrator:
             stub = wpb_grpc.DecodeWorkerStub(self.view.channel(info.address))
             try:
                 reply = stub.Reserve(message, timeout=min(RESERVE_TIMEOUT_S, live.remaining_s()))
-                return Reservation(info, reply.reservation_id, tuple(reply.kv_addresses) or (reply.kv_address,))
+                return Reservation(info, reply.reservation_id, tuple(reply.kv_addresses) or (reply.kv_address,),
+                                   reply.num_cached_blocks)
             except grpc.RpcError as e:
                 code = e.code()
                 if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -292,12 +308,20 @@ class RequestOrchestrator:
                          f"no decode worker can ever hold {num_prompt_tokens} prompt tokens: {too_small[0]}")
         raise WorkerLost(DECODE_LOST, f"no decode worker for model {self.model_id} answered")
 
+    def rank_decodes(self, num_tokens: int, decodes: list[LiveWorker], lookup: PrefixLookup | None) -> list[str]:
+        """Decode worker ids, best first, by cached overlap and load (router/decode_policy.py)."""
+        states = [DecodeState(c.worker_id, lookup.cached_tokens(c.worker_id) if lookup is not None else 0,
+                              c.num_running + c.num_waiting + c.inflight, c.num_free_blocks)
+                  for c in self.view.candidates(decodes)]
+        return rank_decode_by_cache(num_tokens, states)
+
     def plan(self, request: RoutedRequest, prefills: list[LiveWorker], reservation: Reservation,
-             reserve_s: float, history: Sequence[int] = ()) -> HandOffPlan:
+             reserve_s: float, history: Sequence[int] = (), lookup: PrefixLookup | None = None) -> HandOffPlan:
         """The prefill worker for a reserved request: one whose KV layout the decode worker takes, chosen
         by cached prefix (of the prompt, and a migrating request's output so far) and queued work."""
         token_ids = [*request.prompt_token_ids, *history]
-        choice = self.choose_prefill(token_ids, request.cache_salt, self.compatible(prefills, reservation.decode))
+        choice = self.choose_prefill(token_ids, request.cache_salt, self.compatible(prefills, reservation.decode),
+                                     lookup=lookup)
         predicted = choice.predicted_cached_tokens
         return HandOffPlan(request.request_id, reservation, choice.worker, predicted, len(token_ids) - predicted,
                            reserve_s)
@@ -357,7 +381,8 @@ class RequestOrchestrator:
         the last, have a prefill worker compute it (its sampled token is dropped: the last one sent stands), and
         return the plan and the token Decode starts from."""
         *history, last = client.output_token_ids
-        plan, _ = self.reserve_and_prefill(request, live, helds, after_loss=True, history=history)
+        plan, first = self.reserve_and_prefill(request, live, helds, after_loss=True, history=history)
+        client.usage.kv_transferred_tokens += first.kv_transferred_tokens  # that KV crossed the wire again
         return plan, last
 
     def reserve_and_prefill(self, request: RoutedRequest, live: Live, helds: list[_HeldReservation],
@@ -366,11 +391,12 @@ class RequestOrchestrator:
         tokens sent but the last). On WorkerLost its reservation is released: the next attempt reserves afresh."""
         prefills, decodes = self.workers(live, after_loss=after_loss)
         reserve_start_s = time.monotonic()
-        reservation = self.reserve(request, decodes, live, history)
+        lookup = self.chooser.lookup([*request.prompt_token_ids, *history], request.cache_salt, [*prefills, *decodes])
+        reservation = self.reserve(request, decodes, live, history, lookup)
         held = _HeldReservation(self, reservation)
         helds.append(held)
         try:
-            plan = self.plan(request, prefills, reservation, time.monotonic() - reserve_start_s, history)
+            plan = self.plan(request, prefills, reservation, time.monotonic() - reserve_start_s, history, lookup)
             return plan, self.prefill(plan, request, live, history)
         except WorkerLost:
             held.release()
@@ -488,9 +514,9 @@ class RequestOrchestrator:
         return fits
 
     def choose_prefill(self, prompt_token_ids: list[int], cache_salt: str, prefills: list[LiveWorker],
-                       speculate: bool = True) -> PrefillChoice:
+                       speculate: bool = True, lookup: PrefixLookup | None = None) -> PrefillChoice:
         return self.chooser.choose(prompt_token_ids, cache_salt, self.view.healthy(prefills),
-                                   self.view.inflight_tokens(), speculate=speculate)
+                                   self.view.inflight_tokens(), speculate=speculate, lookup=lookup)
 
     def preview(self, built: BuiltRequest, cache_salt: str) -> RoutePreview:
         """Where `built` would go now (no reservation, no speculative entry)."""
@@ -498,5 +524,6 @@ class RequestOrchestrator:
             prefills, decodes = self.view.workers()
         except NoWorkers as e:
             raise Failed(grpc.StatusCode.UNAVAILABLE, str(e)) from None
-        choice = self.choose_prefill(built.prompt_token_ids, cache_salt, prefills, speculate=False)
-        return RoutePreview(choice, rank_decode(self.view.candidates(decodes))[0], prefills)
+        lookup = self.chooser.lookup(built.prompt_token_ids, cache_salt, [*prefills, *decodes])
+        choice = self.choose_prefill(built.prompt_token_ids, cache_salt, prefills, speculate=False, lookup=lookup)
+        return RoutePreview(choice, self.rank_decodes(len(built.prompt_token_ids), decodes, lookup)[0], prefills)

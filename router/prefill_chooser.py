@@ -1,7 +1,8 @@
 """Choosing the prefill worker for a prompt: hash it, ask the prefix index once, apply the policy.
 
     prompt ─▶ block hashes (engine.hashing, the workers' block size, root from model id + cache salt)
-           ─▶ PrefixIndex.lookup: leading blocks each prefill worker holds (ONE Redis round trip)
+           ─▶ PrefixIndex.lookup: leading blocks each prefill (and decode) worker holds (ONE Redis round
+              trip, `lookup`; the orchestrator ranks decode workers with the same answer)
            ─▶ prefix_policy.choose_prefill(cached tokens, queued work, measured speed)
            ─▶ speculative entry for the chosen worker (the next request with this prefix sees it at once),
               queued to router/speculative_writer.py: written off the request's path, so the decision itself
@@ -35,6 +36,20 @@ log = logging.getLogger("duet.router")
 
 
 @dataclass(frozen=True)
+class PrefixLookup:
+    """One index round trip's answer for a prompt: its block hashes and the leading blocks each asked worker
+    (prefill and decode alike) holds; `held` is None when Redis could not be reached (load-only routing)."""
+
+    block_hashes: list[int]
+    block_size: int
+    held: dict[str, int] | None  # worker id -> leading blocks held (absent: none)
+    lookup_s: float
+
+    def cached_tokens(self, worker_id: str) -> int:
+        return self.held.get(worker_id, 0) * self.block_size if self.held is not None else 0
+
+
+@dataclass(frozen=True)
 class PrefillChoice:
     worker: WorkerInfo
     decision: RouteDecision
@@ -61,6 +76,15 @@ class PrefillChooser:
         self.policy = policy or PolicyConfig()
         self._index_down = False
 
+    def lookup(self, prompt_token_ids: Sequence[int], cache_salt: str,
+               workers: Sequence[LiveWorker]) -> PrefixLookup:
+        """What each of `workers` (non-empty; one block size) holds of the prompt: ONE index round trip, shared
+        by the decode choice and the prefill choice (`choose(..., lookup=)`)."""
+        block_size = workers[0].info.block_size
+        hashes = hash_blocks(prompt_token_ids, block_size, root_hash(self.model_id, cache_salt))
+        held, lookup_s = self._lookup(hashes, [w.worker_id for w in workers])
+        return PrefixLookup(hashes, block_size, held, lookup_s)
+
     def choose(
         self,
         prompt_token_ids: Sequence[int],
@@ -68,18 +92,20 @@ class PrefillChooser:
         prefills: Sequence[LiveWorker],
         inflight_tokens: Mapping[str, int],
         speculate: bool = True,
+        lookup: PrefixLookup | None = None,
     ) -> PrefillChoice:
-        """The prefill worker for this prompt (one index round trip). With `speculate`, the chosen worker is
-        also queued to hold the prompt's blocks speculatively (written in the background, see the module
-        docstring); ExplainRoute passes False, since it sends nothing."""
+        """The prefill worker for this prompt (one index round trip, or none when given the `lookup` already
+        made for it). With `speculate`, the chosen worker is also queued to hold the prompt's blocks
+        speculatively (written in the background, see the module docstring); ExplainRoute passes False,
+        since it sends nothing."""
         start_s = time.perf_counter()
-        block_size = prefills[0].info.block_size
-        hashes = hash_blocks(prompt_token_ids, block_size, root_hash(self.model_id, cache_salt))
-        held, lookup_s = self._lookup(hashes, [w.worker_id for w in prefills])
+        if lookup is None:
+            lookup = self.lookup(prompt_token_ids, cache_salt, prefills)
+        hashes, held, lookup_s, block_size = lookup.block_hashes, lookup.held, lookup.lookup_s, lookup.block_size
         states = [
             WorkerState(
                 worker_id=w.worker_id,
-                cached_tokens=held.get(w.worker_id, 0) * w.info.block_size if held is not None else 0,
+                cached_tokens=lookup.cached_tokens(w.worker_id),
                 queued_tokens=w.load.num_waiting_tokens + inflight_tokens.get(w.worker_id, 0),
                 tokens_per_s=w.load.prefill_tokens_per_s or None,
             )

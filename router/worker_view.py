@@ -120,11 +120,12 @@ class WorkerView:
                 self._id_at[w.info.address] = w.worker_id
 
     def _maintain_index(self, workers: list[LiveWorker], now: float) -> None:
-        """Forget index entries of prefill workers that stopped heartbeating; refresh the index size gauge."""
+        """Forget index entries of workers (prefill and decode) that stopped heartbeating; refresh the index
+        size gauge."""
         if now - self._last_purge_s < PURGE_EVERY_S:
             return
         self._last_purge_s = now
-        purged = self.index.purge_missing([w.worker_id for w in workers if w.info.role == "prefill"])
+        purged = self.index.purge_missing([w.worker_id for w in workers])
         for worker_id in purged:
             log.info("router event=index_purge worker=%s", worker_id)
         if now - self._last_size_s >= INDEX_SIZE_EVERY_S:

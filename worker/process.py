@@ -127,12 +127,10 @@ class WorkerProcess:
         self.registry = WorkerRegistry.from_url(config.redis_url, ttl_s=config.heartbeat_ttl_s,
                                                 cluster_secret=self.cluster_secret)
         self.redis = self.registry.client
-        index = snapshot = None
-        if config.role == "prefill":  # the router routes prefills by prefix; decode caches are not indexed
-            index = PrefixIndex(self.redis, self.rt.model_id)
-            snapshot = self.pool_snapshot
-        self.publisher = KVEventPublisher(self.redis, self.rt.model_id, self.worker_id, index=index,
-                                          snapshot=snapshot)
+        # both kinds are indexed: the router routes prefills by prefix, and decodes by the prefix they hold from
+        # earlier turns (decode_worker/decode_loop.py)
+        self.publisher = KVEventPublisher(self.redis, self.rt.model_id, self.worker_id,
+                                          index=PrefixIndex(self.redis, self.rt.model_id), snapshot=self.pool_snapshot)
         self.rt.block_pool.subscribe(self.publisher.on_event)
         self.server = grpc_plumbing.make_server(
             config.max_concurrent_rpcs, grpc_plumbing.INTERNAL_MAX_MESSAGE_BYTES,

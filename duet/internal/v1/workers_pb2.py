@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from duet.v1 import generation_pb2 as duet_dot_v1_dot_generation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x64uet/internal/v1/workers.proto\x12\x10\x64uet.internal.v1\x1a\x18\x64uet/v1/generation.proto\"\'\n\x0cStatsRequest\x12\x17\n\x0f\x63heck_integrity\x18\x01 \x01(\x08\"\x82\x03\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x15\n\rnum_kv_blocks\x18\x03 \x01(\x03\x12\x17\n\x0fnum_free_blocks\x18\x04 \x01(\x03\x12\x13\n\x0bnum_running\x18\x05 \x01(\x03\x12\x13\n\x0bnum_waiting\x18\x06 \x01(\x03\x12\x1a\n\x12num_waiting_tokens\x18\x07 \x01(\x03\x12\x18\n\x10num_reservations\x18\x08 \x01(\x03\x12\x17\n\x0fintegrity_error\x18\t \x01(\t\x12\x1b\n\x13prefix_query_tokens\x18\n \x01(\x03\x12\x19\n\x11prefix_hit_tokens\x18\x0b \x01(\x03\x12\x1f\n\x17num_kv_events_published\x18\x0c \x01(\x03\x12\x1d\n\x15num_kv_events_dropped\x18\r \x01(\x03\x12\x19\n\x11num_index_resyncs\x18\x0e \x01(\x03\x12\x16\n\x0ekv_event_lag_s\x18\x0f \x01(\x01\"L\n\x08KVTarget\x12\x12\n\nkv_address\x18\x01 \x01(\t\x12\x16\n\x0ereservation_id\x18\x02 \x01(\x03\x12\x14\n\x0ckv_addresses\x18\x03 \x03(\t\"\xc3\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x03\x12)\n\x08sampling\x18\x03 \x01(\x0b\x32\x17.duet.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12*\n\x06target\x18\x05 \x01(\x0b\x32\x1a.duet.internal.v1.KVTarget\x12\x18\n\x10output_token_ids\x18\x06 \x03(\x03\"\xf7\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x03\x12&\n\x07logprob\x18\x02 \x01(\x0b\x32\x15.duet.v1.TokenLogprob\x12\x15\n\rcached_tokens\x18\x03 \x01(\x03\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x1a\n\rstop_token_id\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x0f\n\x07queue_s\x18\x06 \x01(\x01\x12\x11\n\tprefill_s\x18\x07 \x01(\x01\x12\x12\n\ntransfer_s\x18\x08 \x01(\x01\x12\x10\n\x08kv_bytes\x18\t \x01(\x03\x42\x10\n\x0e_stop_token_id\"\xac\x01\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05ttl_s\x18\x03 \x01(\x01\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x03\x12)\n\x08sampling\x18\x05 \x01(\x0b\x32\x17.duet.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x18\n\x10output_token_ids\x18\x07 \x03(\x03J\x04\x08\x02\x10\x03\"g\n\x0fReserveResponse\x12\x16\n\x0ereservation_id\x18\x01 \x01(\x03\x12\x12\n\nkv_address\x18\x02 \x01(\t\x12\x12\n\nnum_blocks\x18\x03 \x01(\x03\x12\x14\n\x0ckv_addresses\x18\x04 \x03(\t\"<\n\x0eReleaseRequest\x12\x16\n\x0ereservation_id\x18\x01 \x01(\x03\x12\x12\n\nrequest_id\x18\x02 \x01(\t\" \n\x0fReleaseResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"W\n\rDecodeRequest\x12\x16\n\x0ereservation_id\x18\x02 \x01(\x03\x12\x16\n\x0e\x66irst_token_id\x18\x04 \x01(\x03J\x04\x08\x01\x10\x02J\x04\x08\x03\x10\x04J\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07\"\x91\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\'\n\x08logprobs\x18\x02 \x03(\x0b\x32\x15.duet.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x1a\n\rstop_token_id\x18\x04 \x01(\x03H\x00\x88\x01\x01\x42\x10\n\x0e_stop_token_id2\xa7\x01\n\rPrefillWorker\x12N\n\x07Prefill\x12 .duet.internal.v1.PrefillRequest\x1a!.duet.internal.v1.PrefillResponse\x12\x46\n\x05Stats\x12\x1e.duet.internal.v1.StatsRequest\x1a\x1d.duet.internal.v1.WorkerStats2\xc5\x02\n\x0c\x44\x65\x63odeWorker\x12N\n\x07Reserve\x12 .duet.internal.v1.ReserveRequest\x1a!.duet.internal.v1.ReserveResponse\x12N\n\x07Release\x12 .duet.internal.v1.ReleaseRequest\x1a!.duet.internal.v1.ReleaseResponse\x12M\n\x06\x44\x65\x63ode\x12\x1f.duet.internal.v1.DecodeRequest\x1a .duet.internal.v1.DecodeResponse0\x01\x12\x46\n\x05Stats\x12\x1e.duet.internal.v1.StatsRequest\x1a\x1d.duet.internal.v1.WorkerStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x64uet/internal/v1/workers.proto\x12\x10\x64uet.internal.v1\x1a\x18\x64uet/v1/generation.proto\"\'\n\x0cStatsRequest\x12\x17\n\x0f\x63heck_integrity\x18\x01 \x01(\x08\"\x82\x03\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x15\n\rnum_kv_blocks\x18\x03 \x01(\x03\x12\x17\n\x0fnum_free_blocks\x18\x04 \x01(\x03\x12\x13\n\x0bnum_running\x18\x05 \x01(\x03\x12\x13\n\x0bnum_waiting\x18\x06 \x01(\x03\x12\x1a\n\x12num_waiting_tokens\x18\x07 \x01(\x03\x12\x18\n\x10num_reservations\x18\x08 \x01(\x03\x12\x17\n\x0fintegrity_error\x18\t \x01(\t\x12\x1b\n\x13prefix_query_tokens\x18\n \x01(\x03\x12\x19\n\x11prefix_hit_tokens\x18\x0b \x01(\x03\x12\x1f\n\x17num_kv_events_published\x18\x0c \x01(\x03\x12\x1d\n\x15num_kv_events_dropped\x18\r \x01(\x03\x12\x19\n\x11num_index_resyncs\x18\x0e \x01(\x03\x12\x16\n\x0ekv_event_lag_s\x18\x0f \x01(\x01\"g\n\x08KVTarget\x12\x12\n\nkv_address\x18\x01 \x01(\t\x12\x16\n\x0ereservation_id\x18\x02 \x01(\x03\x12\x14\n\x0ckv_addresses\x18\x03 \x03(\t\x12\x19\n\x11num_cached_blocks\x18\x04 \x01(\x03\"\xc3\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x03\x12)\n\x08sampling\x18\x03 \x01(\x0b\x32\x17.duet.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12*\n\x06target\x18\x05 \x01(\x0b\x32\x1a.duet.internal.v1.KVTarget\x12\x18\n\x10output_token_ids\x18\x06 \x03(\x03\"\x96\x02\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x03\x12&\n\x07logprob\x18\x02 \x01(\x0b\x32\x15.duet.v1.TokenLogprob\x12\x15\n\rcached_tokens\x18\x03 \x01(\x03\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x1a\n\rstop_token_id\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x0f\n\x07queue_s\x18\x06 \x01(\x01\x12\x11\n\tprefill_s\x18\x07 \x01(\x01\x12\x12\n\ntransfer_s\x18\x08 \x01(\x01\x12\x10\n\x08kv_bytes\x18\t \x01(\x03\x12\x1d\n\x15kv_transferred_tokens\x18\n \x01(\x03\x42\x10\n\x0e_stop_token_id\"\xac\x01\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05ttl_s\x18\x03 \x01(\x01\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x03\x12)\n\x08sampling\x18\x05 \x01(\x0b\x32\x17.duet.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x18\n\x10output_token_ids\x18\x07 \x03(\x03J\x04\x08\x02\x10\x03\"\x82\x01\n\x0fReserveResponse\x12\x16\n\x0ereservation_id\x18\x01 \x01(\x03\x12\x12\n\nkv_address\x18\x02 \x01(\t\x12\x12\n\nnum_blocks\x18\x03 \x01(\x03\x12\x14\n\x0ckv_addresses\x18\x04 \x03(\t\x12\x19\n\x11num_cached_blocks\x18\x05 \x01(\x03\"<\n\x0eReleaseRequest\x12\x16\n\x0ereservation_id\x18\x01 \x01(\x03\x12\x12\n\nrequest_id\x18\x02 \x01(\t\" \n\x0fReleaseResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"W\n\rDecodeRequest\x12\x16\n\x0ereservation_id\x18\x02 \x01(\x03\x12\x16\n\x0e\x66irst_token_id\x18\x04 \x01(\x03J\x04\x08\x01\x10\x02J\x04\x08\x03\x10\x04J\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07\"\x91\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\'\n\x08logprobs\x18\x02 \x03(\x0b\x32\x15.duet.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x1a\n\rstop_token_id\x18\x04 \x01(\x03H\x00\x88\x01\x01\x42\x10\n\x0e_stop_token_id2\xa7\x01\n\rPrefillWorker\x12N\n\x07Prefill\x12 .duet.internal.v1.PrefillRequest\x1a!.duet.internal.v1.PrefillResponse\x12\x46\n\x05Stats\x12\x1e.duet.internal.v1.StatsRequest\x1a\x1d.duet.internal.v1.WorkerStats2\xc5\x02\n\x0c\x44\x65\x63odeWorker\x12N\n\x07Reserve\x12 .duet.internal.v1.ReserveRequest\x1a!.duet.internal.v1.ReserveResponse\x12N\n\x07Release\x12 .duet.internal.v1.ReleaseRequest\x1a!.duet.internal.v1.ReleaseResponse\x12M\n\x06\x44\x65\x63ode\x12\x1f.duet.internal.v1.DecodeRequest\x1a .duet.internal.v1.DecodeResponse0\x01\x12\x46\n\x05Stats\x12\x1e.duet.internal.v1.StatsRequest\x1a\x1d.duet.internal.v1.WorkerStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,25 +37,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WORKERSTATS']._serialized_start=120
   _globals['_WORKERSTATS']._serialized_end=506
   _globals['_KVTARGET']._serialized_start=508
-  _globals['_KVTARGET']._serialized_end=584
-  _globals['_PREFILLREQUEST']._serialized_start=587
-  _globals['_PREFILLREQUEST']._serialized_end=782
-  _globals['_PREFILLRESPONSE']._serialized_start=785
-  _globals['_PREFILLRESPONSE']._serialized_end=1032
-  _globals['_RESERVEREQUEST']._serialized_start=1035
-  _globals['_RESERVEREQUEST']._serialized_end=1207
-  _globals['_RESERVERESPONSE']._serialized_start=1209
-  _globals['_RESERVERESPONSE']._serialized_end=1312
-  _globals['_RELEASEREQUEST']._serialized_start=1314
-  _globals['_RELEASEREQUEST']._serialized_end=1374
-  _globals['_RELEASERESPONSE']._serialized_start=1376
-  _globals['_RELEASERESPONSE']._serialized_end=1408
-  _globals['_DECODEREQUEST']._serialized_start=1410
-  _globals['_DECODEREQUEST']._serialized_end=1497
-  _globals['_DECODERESPONSE']._serialized_start=1500
-  _globals['_DECODERESPONSE']._serialized_end=1645
-  _globals['_PREFILLWORKER']._serialized_start=1648
-  _globals['_PREFILLWORKER']._serialized_end=1815
-  _globals['_DECODEWORKER']._serialized_start=1818
-  _globals['_DECODEWORKER']._serialized_end=2143
+  _globals['_KVTARGET']._serialized_end=611
+  _globals['_PREFILLREQUEST']._serialized_start=614
+  _globals['_PREFILLREQUEST']._serialized_end=809
+  _globals['_PREFILLRESPONSE']._serialized_start=812
+  _globals['_PREFILLRESPONSE']._serialized_end=1090
+  _globals['_RESERVEREQUEST']._serialized_start=1093
+  _globals['_RESERVEREQUEST']._serialized_end=1265
+  _globals['_RESERVERESPONSE']._serialized_start=1268
+  _globals['_RESERVERESPONSE']._serialized_end=1398
+  _globals['_RELEASEREQUEST']._serialized_start=1400
+  _globals['_RELEASEREQUEST']._serialized_end=1460
+  _globals['_RELEASERESPONSE']._serialized_start=1462
+  _globals['_RELEASERESPONSE']._serialized_end=1494
+  _globals['_DECODEREQUEST']._serialized_start=1496
+  _globals['_DECODEREQUEST']._serialized_end=1583
+  _globals['_DECODERESPONSE']._serialized_start=1586
+  _globals['_DECODERESPONSE']._serialized_end=1731
+  _globals['_PREFILLWORKER']._serialized_start=1734
+  _globals['_PREFILLWORKER']._serialized_end=1901
+  _globals['_DECODEWORKER']._serialized_start=1904
+  _globals['_DECODEWORKER']._serialized_end=2229
 # @@protoc_insertion_point(module_scope)

@@ -48,14 +48,16 @@ class WorkerStats(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_kv_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_waiting_tokens: _Optional[int] = ..., num_reservations: _Optional[int] = ..., integrity_error: _Optional[str] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., num_kv_events_published: _Optional[int] = ..., num_kv_events_dropped: _Optional[int] = ..., num_index_resyncs: _Optional[int] = ..., kv_event_lag_s: _Optional[float] = ...) -> None: ...
 
 class KVTarget(_message.Message):
-    __slots__ = ("kv_address", "reservation_id", "kv_addresses")
+    __slots__ = ("kv_address", "reservation_id", "kv_addresses", "num_cached_blocks")
     KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     KV_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     kv_address: str
     reservation_id: int
     kv_addresses: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, kv_address: _Optional[str] = ..., reservation_id: _Optional[int] = ..., kv_addresses: _Optional[_Iterable[str]] = ...) -> None: ...
+    num_cached_blocks: int
+    def __init__(self, kv_address: _Optional[str] = ..., reservation_id: _Optional[int] = ..., kv_addresses: _Optional[_Iterable[str]] = ..., num_cached_blocks: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "target", "output_token_ids")
@@ -74,7 +76,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., target: _Optional[_Union[KVTarget, _Mapping]] = ..., output_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_id", "logprob", "cached_tokens", "finish_reason", "stop_token_id", "queue_s", "prefill_s", "transfer_s", "kv_bytes")
+    __slots__ = ("first_token_id", "logprob", "cached_tokens", "finish_reason", "stop_token_id", "queue_s", "prefill_s", "transfer_s", "kv_bytes", "kv_transferred_tokens")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +86,7 @@ class PrefillResponse(_message.Message):
     PREFILL_S_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFERRED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     logprob: _generation_pb2.TokenLogprob
     cached_tokens: int
@@ -93,7 +96,8 @@ class PrefillResponse(_message.Message):
     prefill_s: float
     transfer_s: float
     kv_bytes: int
-    def __init__(self, first_token_id: _Optional[int] = ..., logprob: _Optional[_Union[_generation_pb2.TokenLogprob, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., finish_reason: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., kv_bytes: _Optional[int] = ...) -> None: ...
+    kv_transferred_tokens: int
+    def __init__(self, first_token_id: _Optional[int] = ..., logprob: _Optional[_Union[_generation_pb2.TokenLogprob, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., finish_reason: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., kv_transferred_tokens: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("request_id", "ttl_s", "prompt_token_ids", "sampling", "cache_salt", "output_token_ids")
@@ -112,16 +116,18 @@ class ReserveRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., ttl_s: _Optional[float] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., output_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("reservation_id", "kv_address", "num_blocks", "kv_addresses")
+    __slots__ = ("reservation_id", "kv_address", "num_blocks", "kv_addresses", "num_cached_blocks")
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     KV_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     reservation_id: int
     kv_address: str
     num_blocks: int
     kv_addresses: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, reservation_id: _Optional[int] = ..., kv_address: _Optional[str] = ..., num_blocks: _Optional[int] = ..., kv_addresses: _Optional[_Iterable[str]] = ...) -> None: ...
+    num_cached_blocks: int
+    def __init__(self, reservation_id: _Optional[int] = ..., kv_address: _Optional[str] = ..., num_blocks: _Optional[int] = ..., kv_addresses: _Optional[_Iterable[str]] = ..., num_cached_blocks: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("reservation_id", "request_id")

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from offline_throughput import ensure_checkpoint  # noqa: E402
 
 from cluster import grpc_plumbing  # noqa: E402
-from cluster.cluster_secret import ENV_VAR  # noqa: E402
+from cluster.cluster_secret import ENV_VAR, generate_cluster_secret, load_cluster_secret  # noqa: E402
 from cluster.proto_convert import sampling_to_proto  # noqa: E402
 from cluster.registry import WorkerRegistry  # noqa: E402
 from deploy.local_cluster import ClusterConfig, LocalCluster  # noqa: E402
@@ -59,8 +59,9 @@ def main(argv: list[str] | None = None) -> None:
     rng = random.Random(args.seed)
     engine_args = ["--num-kv-blocks", "256", "--max-num-batched-tokens", "512", "--threads", str(args.threads)]
     config = ClusterConfig(model_dir=str(model_dir), num_prefill=1, num_decode=1, worker_args=engine_args)
+    os.environ.setdefault(ENV_VAR, generate_cluster_secret())  # the cluster's, and this script's for its calls
+    secret = load_cluster_secret()
     with LocalCluster(config).start() as cluster:
-        secret = os.environ.get(ENV_VAR) or cluster.cluster_secret
         registry = WorkerRegistry.from_url(cluster.redis_url, cluster_secret=secret)
         model_id = next(iter(registry.list_models()))
         [prefill] = registry.list_workers(model_id, "prefill")

@@ -47,8 +47,9 @@ SERVICE_NAME = "duet.v1.Generation"
 GENERATE_METHOD = f"/{SERVICE_NAME}/Generate"
 HEALTH_POLL_S = 0.5  # how often the router checks that a worker of each role is up (its health follows)
 SHUTDOWN_GRACE_S = 5.0  # on stop, requests in flight get this long to finish, then are cut (--shutdown-grace)
-# Conditional disaggregation's threshold (--local-prefill-tokens): 0, off, until it is measured on the deployment's
-# hardware (benchmarks/local_prefill_threshold.py; benchmarks/RESULTS.md has the CPU figure).
+# Conditional disaggregation's threshold (--local-prefill-tokens). Off (0): on the 2-core CPU box the two paths'
+# TTFT were within noise from 16 to 512 uncached tokens (benchmarks/RESULTS.md, 2026-11-28), so no crossover was
+# measured; a local prefill also delays the decode worker's running requests. Set it where it was measured.
 DEFAULT_LOCAL_PREFILL_TOKENS = 0
 STOP_MARGIN_S = 3.0  # past the grace: the HTTP cut, closing, flushing; `duet router` has exited by grace + this
 

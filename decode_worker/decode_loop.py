@@ -10,6 +10,12 @@
                  left to compute
     Release / expiry ─▶ the blocks go back to the pool
 
+Conditional disaggregation (the router's --local-prefill-tokens): for a short uncached suffix the router sends
+Decode(reservation, prefill_locally) instead of a prefill worker: `start_local` releases the reservation and
+adds its request as a plain prompt; the scheduler finds the cached leading blocks in the pool again (freed
+just now, on this thread, they are still cached) and computes the suffix in the running batch, chunked like
+any prompt. The reservation did the admission control; no KV arrives.
+
 Decode-side prefix cache (multi-turn): a finished request's full blocks stay cached in the pool (LRU, evicted
 only when an allocation needs the space) and its KV events reach the router's index like a prefill worker's.
 A reservation's block table is therefore two parts:
@@ -82,6 +88,14 @@ class ReservedRequest:
             sampling_params=self.sampling_params, eos_token_ids=eos_token_ids, cache_salt=self.cache_salt,
             output_token_ids=[*self.output_token_ids, first_token_id], num_computed_tokens=self.num_tokens,
         )
+
+    def to_prefill(self, eos_token_ids: frozenset[int]) -> Request:
+        """The engine request as a plain prompt, nothing computed: prefilled here (conditional disaggregation)."""
+        if self.output_token_ids:
+            raise ValueError(f"request {self.request_id} carries {len(self.output_token_ids)} output tokens (a "
+                             "migration): only a request without any is prefilled locally")
+        return Request(request_id=self.request_id, prompt_token_ids=self.prompt_token_ids,
+                       sampling_params=self.sampling_params, eos_token_ids=eos_token_ids, cache_salt=self.cache_salt)
 
 
 @dataclass(frozen=True)
@@ -204,6 +218,22 @@ class DecodeLoop:
             raise
         del self._reserved[reservation.reservation_id]  # the request's block table holds them now
         del self._reserved_requests[reservation.reservation_id]
+        self._live[request.request_id] = (request, sink)
+        self._last_token_s[request.request_id] = time.monotonic()
+        return request
+
+    def start_local(self, reservation_id: int, sink: queue.SimpleQueue) -> Request:
+        """The reserved request prefilled here instead of by a prefill worker: its reservation is released and
+        the request queued as a plain prompt (this worker's prefix cache supplies the leading blocks it holds);
+        returns it (its events, from output token 0 on, go to `sink`). ReservationExpired if the reservation is
+        gone; ValueError (the reservation released) if the request cannot be prefilled here."""
+        reserved = self._reserved_requests.get(reservation_id)
+        reservation = self.reservations.pop(reservation_id)
+        if reservation is None or reserved is None:
+            raise ReservationExpired(f"reservation {reservation_id} is unknown, released or expired")
+        self._free(reservation)  # its hit blocks stay cached in the pool: the scheduler finds them again
+        request = reserved.to_prefill(self.rt.tokenizer.eos_token_ids)
+        self.core.add_request(request)
         self._live[request.request_id] = (request, sink)
         self._last_token_s[request.request_id] = time.monotonic()
         return request

@@ -1,6 +1,7 @@
 """The decode worker's gRPC service: Reserve takes a request and blocks for its prompt's KV (Release gives
 them back), then Decode attaches to that reservation with the first token and streams the rest of the
-answer from the running batch. The request (prompt, sampling, salt) comes once, in Reserve; it was
+answer from the running batch (or, `prefill_locally`, computes the uncached prompt here and streams from the
+first token on: conditional disaggregation). The request (prompt, sampling, salt) comes once, in Reserve; it was
 validated by the router, and is only guarded here against this worker's own limits (workers.proto: Trust).
 
 Status codes: RESOURCE_EXHAUSTED with `grpc-retry-pushback-ms` (no room to reserve), INVALID_ARGUMENT,
@@ -128,6 +129,10 @@ class DecodeWorker(WorkerProcess, wpb_grpc.DecodeWorkerServicer):
         return wpb.ReleaseResponse(found=self.loop.thread.call(self.loop.release_request, request.request_id))
 
     def Decode(self, request: wpb.DecodeRequest, context: grpc.ServicerContext):
+        if request.prefill_locally:
+            sink: queue.SimpleQueue = queue.SimpleQueue()
+            yield from self._stream(self._start_local(request.reservation_id, sink, context), sink, context)
+            return
         reservation_id = request.reservation_id
         try:
             check_token_ids("first_token_id", [request.first_token_id], self.rt.model_config.vocab_size)
@@ -154,6 +159,20 @@ class DecodeWorker(WorkerProcess, wpb_grpc.DecodeWorkerServicer):
         except ValueError as e:
             self.loop.thread.post(self.loop.release, reservation_id)
             abort_with(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        yield from self._stream(request_id, sink, context)
+
+    def _start_local(self, reservation_id: int, sink: queue.SimpleQueue, context: grpc.ServicerContext) -> str:
+        """Conditional disaggregation: the reserved request is prefilled here (DecodeRequest.prefill_locally);
+        returns its id, its events going to `sink`."""
+        try:
+            return self.loop.thread.call(self.loop.start_local, reservation_id, sink).request_id
+        except ReservationExpired as e:
+            abort_with(context, grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except ValueError as e:  # the reservation is released already
+            abort_with(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+    def _stream(self, request_id: str, sink: queue.SimpleQueue, context: grpc.ServicerContext):
+        """The request's tokens as DecodeResponses, coalescing what is ready; a cancelled call aborts it."""
         started_s = time.monotonic()  # its decode phase: the KV and the first token are here
         if not context.add_callback(lambda: self.loop.thread.post(self.loop.abort, request_id)):
             self.loop.thread.post(self.loop.abort, request_id)  # cancelled before we got here

@@ -72,6 +72,10 @@ def add_router_args(p: argparse.ArgumentParser, *, up: bool) -> None:
                             "port")
     g.add_argument("--worker-wait-s", type=float, default=20.0,
                    help="how long a request waits (within its deadline) for a restarting worker before UNAVAILABLE")
+    g.add_argument("--local-prefill-tokens", type=int, default=None,
+                   help="conditional disaggregation: a prompt whose part not cached on the chosen decode worker is "
+                        "shorter than this many tokens is prefilled by that decode worker itself, with no prefill "
+                        "worker or KV transfer (0: never; default: the router's measured default)")
     g.add_argument("--shutdown-grace", type=float, default=None,
                    help="seconds requests in flight get after SIGTERM/SIGINT before they are cut (default 5); the "
                         "router has exited 3 s after it at the latest")
@@ -104,12 +108,13 @@ def cmd_router(args: argparse.Namespace) -> int:
     from router.server import STOP_MARGIN_S, RouterConfig, RouterServer
 
     grace = {} if args.shutdown_grace is None else {"shutdown_grace_s": args.shutdown_grace}
+    local = {} if args.local_prefill_tokens is None else {"local_prefill_tokens": args.local_prefill_tokens}
     server = RouterServer(RouterConfig(
         redis_url=args.redis_url, model_dir=args.model, model_id=args.model_id, host=args.host, port=args.port,
         max_model_len=args.max_model_len, auth_token=auth_token(args), tls_cert=args.tls_cert, tls_key=args.tls_key,
         metrics_port=args.metrics_port, http_port=args.http_port, cluster_secret_file=args.cluster_secret_file,
         internal_tls_dir=args.internal_tls_dir,
-        worker_wait_s=args.worker_wait_s, **grace,
+        worker_wait_s=args.worker_wait_s, **grace, **local,
     ))
     with StopSignals() as stop:
         server.start()
@@ -180,6 +185,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     router_args += ["--worker-wait-s", f"{args.worker_wait_s:g}"]
     if args.shutdown_grace is not None:
         router_args += ["--shutdown-grace", f"{args.shutdown_grace:g}"]
+    if args.local_prefill_tokens is not None:
+        router_args += ["--local-prefill-tokens", str(args.local_prefill_tokens)]
     role_args = {role: shlex.split(getattr(args, f"{role}_args")) for role in ("prefill", "decode")}
     role_args["decode"] = speculative + role_args["decode"]
     if engine.speculative_config and SpeculativeConfig.parse(engine.speculative_config).method == "draft_model":

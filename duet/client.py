@@ -90,7 +90,7 @@ def stream_to_record(stream: Iterable[pb.GenerateResponse], on_text: Callable[[s
             {"token_id": lp.token_id, "logprob": lp.logprob, "rank": lp.rank,
              "top": [[t.token_id, t.logprob] for t in lp.top]} for lp in msg.logprobs
         )
-        if msg.prefill_worker:
+        if msg.prefill_worker or msg.decode_worker:  # the first message ("" prefill worker: prefilled locally)
             record["prefill_worker"], record["decode_worker"] = msg.prefill_worker, msg.decode_worker
         if msg.finish_reason:
             record["finish_reason"] = msg.finish_reason

@@ -7,7 +7,8 @@ and its load) and gets the workers ranked, best first; Reserve tries them in tha
     cost on worker w  =  (prompt_tokens - cached_tokens(w)) / kv_tokens_per_s     KV it must be sent
                       +  num_requests(w) * request_s                              requests already there
 
-A worker's cached tokens are KV that needs no transfer (and, with conditional disaggregation, no prefill);
+A worker's cached tokens are KV that needs no transfer (and, with conditional disaggregation, no prefill:
+`prefills_locally` below);
 each request already there slows every decode step a little. Equal costs go to the worker with more free
 blocks, then at random: never by list order. With no cache anywhere this is exactly load_policy.rank_decode's
 order (fewest requests, then most free blocks). The two constants are estimates, not measurements: a cached
@@ -55,3 +56,10 @@ def rank_decode(prompt_tokens: int, workers: Sequence[DecodeState], config: Deco
     keyed = [((decode_cost_s(prompt_tokens, w, config), -w.num_free_blocks), rng.random(), w.worker_id)
              for w in workers]
     return [worker_id for *_, worker_id in sorted(keyed)]
+
+
+def prefills_locally(prompt_tokens: int, cached_tokens: int, local_prefill_tokens: int) -> bool:
+    """Conditional disaggregation: whether the decode worker that holds `cached_tokens` of the prompt computes the
+    rest itself (fewer than `local_prefill_tokens` uncached: the prefill worker's round trip and KV transfer would
+    cost more than the suffix's forward pass in the decode batch) instead of a prefill worker. 0 disables it."""
+    return prompt_tokens - min(cached_tokens, prompt_tokens) < local_prefill_tokens

@@ -11,6 +11,10 @@
              D lacks into D's reserved blocks and samples the first token, which goes to the client at once
     decode   D.Decode(ticket, first token): the reserved request joins D's batch; its tokens stream to the
              client (detokenized and stop strings cut here, router/request_stream.py)
+    local    conditional disaggregation: when D's reservation leaves fewer than `local_prefill_tokens` of the
+             prompt uncached (Reserve's real count, router/decode_policy.prefills_locally), plan and prefill are
+             skipped: D.Decode(ticket, prefill_locally) computes the suffix in D's own batch and streams from
+             token 0 on; no prefill worker, no KV transfer (Usage.kv_transferred_tokens 0)
     migrate  D is lost mid-stream: reserve on another decode worker for the prompt plus every token sent but
              the last, have a prefill worker compute that KV (sampling state continued: the seeded step and
              penalties see the tokens), and Decode there with the last token sent: the client's stream goes on
@@ -18,8 +22,9 @@
              the same when D restarted and no longer knows the reservation, or its KV arrived unusable
 
 Before the first token nothing reached the client, so a hand-off that breaks there (P lost, D lost while
-P sends it the KV) simply starts again elsewhere. Each of these is a `WorkerLost` whose reason labels
-duet_router_migrations_total.
+P sends it the KV, D lost while it prefills locally) simply starts again elsewhere. A locally prefilled
+request lost after its first token migrates like any other (a migration never prefills locally). Each of
+these is a `WorkerLost` whose reason labels duet_router_migrations_total.
 
 A request keeps one id, `request_id` (the client's, or one the router makes), on the router, on both
 workers and in every log line. Every downstream call gets the client's remaining deadline; a client
@@ -49,7 +54,7 @@ from duet.internal.v1 import workers_pb2_grpc as wpb_grpc
 from duet.v1 import generation_pb2 as pb
 from engine.detokenizer import IncrementalDetokenizer
 from engine.tokenizer import Tokenizer
-from router.decode_policy import DecodeState
+from router.decode_policy import DecodeState, prefills_locally
 from router.decode_policy import rank_decode as rank_decode_by_cache
 from router.load_policy import without
 from router.metrics import RouterMetrics
@@ -124,9 +129,9 @@ class HandOffPlan:
 
     request_id: str
     reservation: Reservation
-    prefill: WorkerInfo
-    predicted_cached_tokens: int  # what the index said `prefill` holds of the prompt
-    routed_tokens: int  # prefill work sent to `prefill`: the prompt less its predicted cached part
+    prefill: WorkerInfo | None  # None: prefilled on the decode worker itself (conditional disaggregation)
+    predicted_cached_tokens: int  # what the index said `prefill` holds of the prompt (local: what D holds)
+    routed_tokens: int  # prefill work sent to `prefill`: the prompt less its predicted cached part (local: 0)
     reserve_s: float
 
     @property
@@ -181,11 +186,13 @@ class _HeldReservation:
 
 class RequestOrchestrator:
     def __init__(self, view: WorkerView, chooser: PrefillChooser, metrics: RouterMetrics, tokenizer: Tokenizer,
-                 model_id: str, reservation_ttl_s: float, worker_wait_s: float):
+                 model_id: str, reservation_ttl_s: float, worker_wait_s: float, local_prefill_tokens: int = 0):
         self.view, self.chooser, self.metrics, self.tokenizer = view, chooser, metrics, tokenizer
         self.model_id = model_id
         self.reservation_ttl_s = reservation_ttl_s
         self.worker_wait_s = worker_wait_s  # the longest a request waits for a worker to serve again
+        # an uncached suffix shorter than this is prefilled on the decode worker (0: never)
+        self.local_prefill_tokens = local_prefill_tokens
 
     def run(self, request: RoutedRequest, live: Live) -> Iterator[pb.GenerateResponse]:
         """The client's messages, first token to last. Raises `Failed` with the status to end the call;
@@ -206,30 +213,11 @@ class RequestOrchestrator:
         helds: list[_HeldReservation] = []  # one per reservation this request makes (retries add theirs)
         try:
             plan, first = self.hand_off(request, live, helds)
-            held = helds[-1]
             detok = IncrementalDetokenizer.for_request(self.tokenizer, request.prompt_token_ids,
                                                        request.built.params)
             client = ClientStream(request.request_id, detok, len(request.prompt_token_ids), request.received_s)
             client.timing.reserve_s = plan.reserve_s
-            self.metrics.request_prefilled(len(request.prompt_token_ids), plan.predicted_cached_tokens,
-                                           first.cached_tokens)
-            client.timing.queue_s, client.timing.prefill_s = first.queue_s, first.prefill_s
-            client.timing.transfer_s = first.transfer_s
-            client.usage.cached_tokens = first.cached_tokens
-            client.usage.kv_transferred_tokens = first.kv_transferred_tokens
-            client.usage.decode_cached_tokens = min(plan.reservation.num_cached_tokens, len(request.prompt_token_ids))
-            message, done = client.tokens([first.token_id], [first.logprob] if first.logprob is not None else [],
-                                          first.finish_reason, first.stop_token_id)
-            message.prefill_worker, message.decode_worker = plan.prefill.worker_id, plan.decode.worker_id
-            first_sent_s = time.monotonic()
-            client.timing.ttft_s = first_sent_s - request.received_s
-            self.metrics.first_token_sent(client.timing.ttft_s)
-            if done:
-                held.release()
-                yield self._finish(client, message)
-                return
-            yield message
-            yield from self.decode_migrating(request, plan, first.token_id, live, client, helds, first_sent_s)
+            yield from self.decode_migrating(request, plan, first, live, client, helds)
         finally:
             for h in helds:
                 h.release()
@@ -237,14 +225,15 @@ class RequestOrchestrator:
     # -- the stages ------------------------------------------------------------------------------
 
     def hand_off(self, request: RoutedRequest, live: Live,
-                 helds: list[_HeldReservation]) -> tuple[HandOffPlan, FirstToken]:
-        """reserve, plan and prefill; when a worker is lost before the first token (the prefill worker, the
+                 helds: list[_HeldReservation]) -> tuple[HandOffPlan, FirstToken | None]:
+        """reserve, plan and prefill (FirstToken None: the decode worker is to prefill locally); when a worker is
+        lost before the first token (the prefill worker, the
         decode worker its KV goes to, or every decode worker asked to reserve), release the reservation and
         start again elsewhere, after waiting for a worker that has not just failed if none is left (`workers`),
         MAX_MIGRATIONS times at most. Nothing reached the client yet: a retry costs it only the time."""
         for retries in range(MAX_MIGRATIONS + 1):
             try:
-                return self.reserve_and_prefill(request, live, helds, after_loss=retries > 0)
+                return self.reserve_and_prefill(request, live, helds, after_loss=retries > 0, may_prefill_locally=True)
             except WorkerLost as lost:
                 if retries == MAX_MIGRATIONS or not live.is_active():
                     raise Failed(grpc.StatusCode.UNAVAILABLE, f"{lost}; {retries} retries already") from None
@@ -357,15 +346,33 @@ class RequestOrchestrator:
             self.view.track_requests(prefill.worker_id, -1)
             self.view.track_tokens(prefill.worker_id, -plan.routed_tokens)
 
-    def decode_migrating(self, request: RoutedRequest, plan: HandOffPlan, first_token_id: int, live: Live,
-                         client: ClientStream, helds: list[_HeldReservation],
-                         first_sent_s: float) -> Iterator[pb.GenerateResponse]:
-        """`decode`, and when its worker is lost, `migrate` and decode again there (MAX_MIGRATIONS at most)."""
+    def decode_migrating(self, request: RoutedRequest, plan: HandOffPlan, first: FirstToken | None, live: Live,
+                         client: ClientStream, helds: list[_HeldReservation]) -> Iterator[pb.GenerateResponse]:
+        """The prefill worker's first token (`first`; None: the decode worker prefills locally and streams it),
+        `decode`, and when its worker is lost, `migrate` and decode again there (MAX_MIGRATIONS at most)."""
         for migrations in range(MAX_MIGRATIONS + 1):
             try:
-                if migrations:
-                    plan, first_token_id = self.migrate(request, client, live, helds)
-                yield from self.decode(plan, first_token_id, live, client, helds[-1], first_sent_s)
+                decode_from: int | None = None  # Decode's first token (None: prefill locally)
+                if migrations and client.output_token_ids:
+                    plan, decode_from = self.migrate(request, client, live, helds)
+                elif migrations:  # a local prefill lost before its first token: nothing was sent, start again
+                    plan, first = self.reserve_and_prefill(request, live, helds, after_loss=True,
+                                                           may_prefill_locally=True)
+                if decode_from is None:  # nothing sent yet: this hand-off's reservation is the request's
+                    client.usage.decode_cached_tokens = min(plan.reservation.num_cached_tokens,
+                                                            len(request.prompt_token_ids))
+                if decode_from is None and first is not None:
+                    message, done = self.first_token(request, plan, first, client)
+                    if done:
+                        helds[-1].release()
+                        yield self._finish(client, message)
+                        return
+                    yield message
+                    decode_from = first.token_id
+                elif decode_from is None:
+                    self.metrics.request_prefilled(len(request.prompt_token_ids), plan.predicted_cached_tokens,
+                                                   client.usage.decode_cached_tokens)
+                yield from self.decode(plan, decode_from, live, client, helds[-1])
                 return
             except WorkerLost as lost:
                 if migrations == MAX_MIGRATIONS or not live.is_active():
@@ -375,6 +382,21 @@ class RequestOrchestrator:
                             lost)
                 self.metrics.request_migrated(lost.reason)
 
+    def first_token(self, request: RoutedRequest, plan: HandOffPlan, first: FirstToken,
+                    client: ClientStream) -> tuple[pb.GenerateResponse, bool]:
+        """The client message of the prefill worker's token 0 (done: it ends the request); usage and timing noted."""
+        self.metrics.request_prefilled(len(request.prompt_token_ids), plan.predicted_cached_tokens, first.cached_tokens)
+        client.timing.queue_s, client.timing.prefill_s = first.queue_s, first.prefill_s
+        client.timing.transfer_s = first.transfer_s
+        client.usage.cached_tokens = first.cached_tokens
+        client.usage.kv_transferred_tokens += first.kv_transferred_tokens
+        message, done = client.tokens([first.token_id], [first.logprob] if first.logprob is not None else [],
+                                      first.finish_reason, first.stop_token_id)
+        message.prefill_worker, message.decode_worker = plan.prefill.worker_id, plan.decode.worker_id
+        client.timing.ttft_s = time.monotonic() - request.received_s
+        self.metrics.first_token_sent(client.timing.ttft_s)
+        return message, done
+
     def migrate(self, request: RoutedRequest, client: ClientStream, live: Live,
                 helds: list[_HeldReservation]) -> tuple[HandOffPlan, int]:
         """The request's KV rebuilt on another decode worker: reserve for the prompt plus every token sent but
@@ -382,19 +404,34 @@ class RequestOrchestrator:
         return the plan and the token Decode starts from."""
         *history, last = client.output_token_ids
         plan, first = self.reserve_and_prefill(request, live, helds, after_loss=True, history=history)
+        assert first is not None, "a migration is never prefilled locally"
         client.usage.kv_transferred_tokens += first.kv_transferred_tokens  # that KV crossed the wire again
         return plan, last
 
     def reserve_and_prefill(self, request: RoutedRequest, live: Live, helds: list[_HeldReservation],
-                            after_loss: bool, history: Sequence[int] = ()) -> tuple[HandOffPlan, FirstToken]:
+                            after_loss: bool, history: Sequence[int] = (),
+                            may_prefill_locally: bool = False) -> tuple[HandOffPlan, FirstToken | None]:
         """One attempt at reserve, plan and prefill (for the prompt plus `history`, a migrating request's
-        tokens sent but the last). On WorkerLost its reservation is released: the next attempt reserves afresh."""
+        tokens sent but the last). On WorkerLost its reservation is released: the next attempt reserves afresh.
+        No FirstToken (and a plan without a prefill worker) when the decode worker is to prefill locally:
+        `may_prefill_locally` (nothing was sent to the client yet) and the uncached part is under
+        `local_prefill_tokens`."""
         prefills, decodes = self.workers(live, after_loss=after_loss)
         reserve_start_s = time.monotonic()
         lookup = self.chooser.lookup([*request.prompt_token_ids, *history], request.cache_salt, [*prefills, *decodes])
         reservation = self.reserve(request, decodes, live, history, lookup)
         held = _HeldReservation(self, reservation)
         helds.append(held)
+        num_prompt_tokens = len(request.prompt_token_ids)
+        if may_prefill_locally and prefills_locally(num_prompt_tokens, reservation.num_cached_tokens,
+                                                    self.local_prefill_tokens):
+            # conditional disaggregation: no plan, no prefill worker; D.Decode(prefill_locally) computes the rest
+            log.info("request=%s event=local_prefill decode=%s uncached_tokens=%d", request.request_id,
+                     reservation.decode.worker_id, num_prompt_tokens - min(reservation.num_cached_tokens,
+                                                                           num_prompt_tokens))
+            cached_tokens = min(reservation.num_cached_tokens, num_prompt_tokens)
+            return HandOffPlan(request.request_id, reservation, None, cached_tokens, 0,
+                               time.monotonic() - reserve_start_s), None
         try:
             plan = self.plan(request, prefills, reservation, time.monotonic() - reserve_start_s, history, lookup)
             return plan, self.prefill(plan, request, live, history)
@@ -402,25 +439,34 @@ class RequestOrchestrator:
             held.release()
             raise
 
-    def decode(self, plan: HandOffPlan, first_token_id: int, live: Live, client: ClientStream,
-               held: _HeldReservation, first_sent_s: float) -> Iterator[pb.GenerateResponse]:
-        """D takes the reserved request with its latest token and streams the rest to the client. Raises
-        WorkerLost when D fails through no fault of the request (the stream breaks or ends early, D restarted
-        and lost the reservation, or the KV it was sent is unusable)."""
+    def decode(self, plan: HandOffPlan, first_token_id: int | None, live: Live, client: ClientStream,
+               held: _HeldReservation) -> Iterator[pb.GenerateResponse]:
+        """D takes the reserved request with its latest token (None: D prefills it locally, and its first token
+        is the stream's) and streams the rest to the client. Raises WorkerLost when D fails through no fault of
+        the request (the stream breaks or ends early, D restarted and lost the reservation, or the KV it was sent
+        is unusable)."""
         decode = plan.decode
+        local = first_token_id is None
         stub = wpb_grpc.DecodeWorkerStub(self.view.channel(decode.address))
-        stream = stub.Decode(wpb.DecodeRequest(reservation_id=plan.reservation.ticket, first_token_id=first_token_id),
-                             timeout=live.remaining_s())
+        message = wpb.DecodeRequest(reservation_id=plan.reservation.ticket, first_token_id=first_token_id or 0,
+                                    prefill_locally=local)
+        stream = stub.Decode(message, timeout=live.remaining_s())
         live.set_call(stream)
         self.view.track_requests(decode.worker_id, +1)
         try:
             for reply in stream:
-                if client.timing.first_decode_s == 0 and reply.token_ids:
-                    client.timing.first_decode_s = time.monotonic() - first_sent_s
+                first_message = not client.output_token_ids and bool(reply.token_ids)
+                if first_message:  # prefilled locally: token 0 comes from D's stream
+                    client.timing.ttft_s = time.monotonic() - client.received_s
+                    self.metrics.first_token_sent(client.timing.ttft_s)
+                elif client.timing.first_decode_s == 0 and reply.token_ids:
+                    client.timing.first_decode_s = time.monotonic() - client.received_s - client.timing.ttft_s
                 message, done = client.tokens(
                     list(reply.token_ids), list(reply.logprobs), reply.finish_reason,
                     reply.stop_token_id if reply.HasField("stop_token_id") else None,
                 )
+                if first_message:
+                    message.decode_worker = decode.worker_id
                 if reply.finish_reason:
                     held.taken_over()  # the request ran on the decode worker and ended there
                 if done:

@@ -47,6 +47,10 @@ SERVICE_NAME = "duet.v1.Generation"
 GENERATE_METHOD = f"/{SERVICE_NAME}/Generate"
 HEALTH_POLL_S = 0.5  # how often the router checks that a worker of each role is up (its health follows)
 SHUTDOWN_GRACE_S = 5.0  # on stop, requests in flight get this long to finish, then are cut (--shutdown-grace)
+# Conditional disaggregation's threshold (--local-prefill-tokens). Off (0): on the 2-core CPU box the two paths'
+# TTFT were within noise from 16 to 512 uncached tokens (benchmarks/RESULTS.md, 2026-11-28), so no crossover was
+# measured; a local prefill also delays the decode worker's running requests. Set it where it was measured.
+DEFAULT_LOCAL_PREFILL_TOKENS = 0
 STOP_MARGIN_S = 3.0  # past the grace: the HTTP cut, closing, flushing; `duet router` has exited by grace + this
 
 
@@ -63,6 +67,9 @@ class RouterConfig:
     max_logprobs: int = 20
     reservation_ttl_s: float = 60.0  # reserve -> KV complete; Decode then has the worker's grace period
     worker_wait_s: float = 20.0  # a request whose workers are restarting waits this long for one (in its deadline)
+    # conditional disaggregation: a prompt whose uncached part on the chosen decode worker is shorter than this is
+    # prefilled there, with no prefill worker or KV transfer (0: never). See DEFAULT_LOCAL_PREFILL_TOKENS.
+    local_prefill_tokens: int = DEFAULT_LOCAL_PREFILL_TOKENS
     max_concurrent_streams: int = 256
     auth_token: str | None = None
     http_port: int | None = None  # OpenAI-compatible HTTP (router/openai_http.py); None: off
@@ -79,6 +86,9 @@ class RouterConfig:
             raise ValueError(f"shutdown_grace_s={self.shutdown_grace_s} is invalid: must be >= 0")
         if self.worker_wait_s < 0:
             raise ValueError(f"worker_wait_s={self.worker_wait_s} is invalid: must be >= 0 (0: never wait)")
+        if self.local_prefill_tokens < 0:
+            raise ValueError(f"local_prefill_tokens={self.local_prefill_tokens} is invalid: must be >= 0 "
+                             "(0: never prefill on the decode worker)")
 
 
 class Router(pb_grpc.GenerationServicer):
@@ -107,7 +117,8 @@ class Router(pb_grpc.GenerationServicer):
         self.view = WorkerView(self.registry, self.index, self.model_id, self.metrics, self.cluster_secret,
                                self.internal_tls)
         self.orchestrator = RequestOrchestrator(self.view, self.chooser, self.metrics, self.tokenizer,
-                                                self.model_id, config.reservation_ttl_s, config.worker_wait_s)
+                                                self.model_id, config.reservation_ttl_s, config.worker_wait_s,
+                                                config.local_prefill_tokens)
         self._live: dict[str, Live] = {}
         self._lock = threading.Lock()
 

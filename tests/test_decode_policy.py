@@ -44,3 +44,21 @@ def test_ties_fall_to_the_rng_not_list_order():
 def test_config_errors_name_the_value(kwargs, named):
     with pytest.raises(ValueError, match=named):
         DecodePolicyConfig(**kwargs)
+
+
+def test_prefills_locally_below_the_threshold_of_uncached_tokens():
+    from router.decode_policy import prefills_locally
+
+    assert prefills_locally(58, 32, 32)  # 26 uncached < 32
+    assert not prefills_locally(64, 32, 32)  # 32 uncached: not fewer than 32
+    assert prefills_locally(20, 0, 32) and not prefills_locally(40, 0, 32)
+    assert prefills_locally(10, 50, 1)  # a cache longer than the prompt leaves nothing uncached
+    assert not prefills_locally(1, 0, 0) and not prefills_locally(58, 48, 0)  # 0: never
+
+
+def test_router_config_refuses_a_negative_local_prefill_threshold():
+    from router.server import RouterConfig
+
+    with pytest.raises(ValueError, match=r"local_prefill_tokens=-1 is invalid: must be >= 0"):
+        RouterConfig(redis_url="redis://127.0.0.1:6379", local_prefill_tokens=-1)
+    assert RouterConfig(redis_url="redis://127.0.0.1:6379").local_prefill_tokens == 0

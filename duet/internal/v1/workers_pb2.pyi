@@ -144,12 +144,14 @@ class ReleaseResponse(_message.Message):
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("reservation_id", "first_token_id")
+    __slots__ = ("reservation_id", "first_token_id", "prefill_locally")
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_LOCALLY_FIELD_NUMBER: _ClassVar[int]
     reservation_id: int
     first_token_id: int
-    def __init__(self, reservation_id: _Optional[int] = ..., first_token_id: _Optional[int] = ...) -> None: ...
+    prefill_locally: bool
+    def __init__(self, reservation_id: _Optional[int] = ..., first_token_id: _Optional[int] = ..., prefill_locally: _Optional[bool] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("token_ids", "logprobs", "finish_reason", "stop_token_id")

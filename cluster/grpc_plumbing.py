@@ -20,6 +20,7 @@ from grpc_reflection.v1alpha import reflection
 from cluster import cluster_secret as cluster_secret_module
 from cluster import reflection_v1
 from cluster.internal_tls import InternalTLS
+from engine.cpu_threads import confine_to_one_cpu_thread
 
 log = logging.getLogger("duet.grpc")
 
@@ -128,7 +129,8 @@ def make_server(max_workers: int, max_message_bytes: int, auth_token: str | None
     if auth_token:
         interceptors.insert(0, BearerTokenInterceptor(auth_token, on_denied))
     return grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_workers),
+        # handlers never start OpenMP pools of their own: the engine thread's alone spins (engine/cpu_threads.py)
+        futures.ThreadPoolExecutor(max_workers=max_workers, initializer=confine_to_one_cpu_thread),
         interceptors=interceptors,
         maximum_concurrent_rpcs=max_workers,  # beyond it: RESOURCE_EXHAUSTED at once, not a silent queue
         options=[

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from engine.cpu_threads import confine_to_one_cpu_thread
 from kvtransfer import block_copy
 from kvtransfer import messages as m
 from kvtransfer import process_group as pgs
@@ -108,6 +109,7 @@ class WriteStream:
                     raise PeerGone("receiver closed") from None
 
     def _apply_loop(self) -> None:
+        confine_to_one_cpu_thread()  # its copies must not start an OpenMP pool (engine/cpu_threads.py)
         broken = False
         while (item := self._work.get()) is not None:
             frame, buffer, payload = item

@@ -26,6 +26,7 @@ from cluster.prefix_index import PrefixIndex
 from cluster.registry import Heartbeat, WorkerInfo, WorkerLoad, WorkerRegistry
 from duet.internal.v1 import workers_pb2 as wpb
 from engine.config import EngineConfig
+from engine.cpu_threads import call_on_own_thread, confine_to_one_cpu_thread
 from engine.default_model import model_or_default
 from engine.engine_core import EngineCore
 from engine.runtime import Runtime, build_runtime
@@ -121,7 +122,9 @@ class WorkerProcess:
                 kv_checksum=config.kv_checksum, layer_group_size=config.layer_group_size,
                 cluster_secret_file=config.cluster_secret_file, internal_tls_dir=config.internal_tls_dir,
                 kv_port=config.kv_port)
-        self.rt: Runtime = build_runtime(model_dir, config.engine, tp_module, follower_argv)
+        # loaded on a thread that ends, so that only the engine thread keeps an OpenMP pool (engine/cpu_threads.py)
+        self.rt: Runtime = call_on_own_thread(build_runtime, model_dir, config.engine, tp_module, follower_argv)
+        confine_to_one_cpu_thread()  # this thread only serves from here on
         self.layout = KVLayout.for_caches(self.rt.model_id, self.rt.transfer_caches, self.tp_size, 0,
                                           self.rt.drafter.draft_id if self.rt.draft_ships_kv else "")
         self.registry = WorkerRegistry.from_url(config.redis_url, ttl_s=config.heartbeat_ttl_s,

@@ -1,0 +1,127 @@
+"""The same OpenAI-API load against `duet up` (1 prefill + 1 decode, 1 prefill + 2 decode, and 1 + 1 without the
+decode-side prefix cache) and vLLM's OpenAI server, one after another, through `duet bench serve` (issue 20 part 7).
+
+    .venv/bin/python benchmarks/serve_compare.py                       # vLLM from $DUET_VLLM_VENV
+    .venv/bin/python benchmarks/serve_compare.py --servers duet-1p1d,vllm --repeats 2
+
+Every server serves the dense copy of the default model (offline_throughput.dense_copy: the GGUF file's weights,
+dequantized) in `--dtype`, so both engines compute the same numbers. Workloads, each a `duet bench serve` run
+(greedy, `ignore_eos`, `--max-tokens` each; a ~300-token system prompt shared by every request):
+
+    chat-c1     `--chat-requests` chats, one at a time (latency: TTFT, TPOT)
+    chat-c16    3x as many chats, 16 in flight (throughput)
+    multiturn   `--conversations` conversations of `--turns` turns, 4 in flight: each turn resends the history with
+                the server's answers (what the decode-side cache and conditional disaggregation are for)
+
+Servers start fresh for each repeat (no cache carried between them) and run in the order given, repeat after repeat;
+the machine is shared, so read ratios within one run. Prints one line per (server, workload): completed requests,
+output tok/s, TTFT and TPOT p50 / p90.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from offline_throughput import dense_copy  # noqa: E402
+
+from engine.default_model import default_model_path  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+PORT = 18400
+
+
+def server_command(name: str, model: Path, dtype: str, venv: str) -> tuple[list[str], dict[str, str]]:
+    env = dict(os.environ)
+    duet = [sys.executable, "-m", "duet", "up", "--model", str(model), "--dtype", dtype, "--quantization", "none",
+            "--port", str(PORT + 1), "--http-port", str(PORT)]
+    if name == "duet-1p1d":
+        return duet, env
+    if name == "duet-1p2d":
+        return duet + ["--decode", "2"], env
+    if name == "duet-1p1d-no-decode-cache":
+        return duet + ["--decode-args", "--no-prefix-caching"], env
+    if name == "vllm":
+        env.update(VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="WARNING")
+        return [f"{venv}/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+                "--dtype", dtype, "--max-model-len", "2048", "--port", str(PORT), "--seed", "0"], env
+    raise SystemExit(f"--servers: {name!r} is not one of duet-1p1d, duet-1p2d, duet-1p1d-no-decode-cache, vllm")
+
+
+def wait_ready(process: subprocess.Popen, timeout_s: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise SystemExit(f"the server exited with status {process.returncode} before serving")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{PORT}/v1/models", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1)
+    raise SystemExit(f"the server did not serve within {timeout_s:.0f} s")
+
+
+def bench(args: argparse.Namespace, workload: str, out: Path) -> dict:
+    base = [sys.executable, "-m", "duet", "bench", "serve", "--url", f"http://127.0.0.1:{PORT}",
+            "--max-tokens", str(args.max_tokens), "--json", str(out)]
+    if workload == "chat-c1":
+        extra = ["--workload", "chat", "--num-requests", str(args.chat_requests), "--concurrency", "1"]
+    elif workload == "chat-c16":
+        extra = ["--workload", "chat", "--num-requests", str(3 * args.chat_requests), "--concurrency", "16"]
+    else:
+        extra = ["--workload", "multiturn", "--num-conversations", str(args.conversations), "--turns",
+                 str(args.turns), "--concurrency", "4"]
+    subprocess.run(base + extra, check=True, capture_output=True, text=True)
+    return json.loads(out.read_text())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--servers", default="duet-1p1d,duet-1p2d,duet-1p1d-no-decode-cache,vllm")
+    p.add_argument("--workloads", default="chat-c1,chat-c16,multiturn")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--chat-requests", type=int, default=16)
+    p.add_argument("--conversations", type=int, default=8)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--vllm-venv", default=os.environ.get("DUET_VLLM_VENV", str(Path.home() / ".cache/duet/vllm-venv")))
+    args = p.parse_args()
+    model = dense_copy(default_model_path())
+    print(f"config: {vars(args)} model={model}", flush=True)
+    print("| repeat | server | workload | completed | output tok/s | TTFT p50 / p90 ms | TPOT p50 / p90 ms |\n"
+          "|---:|---|---|---:|---:|---|---|", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        for repeat in range(args.repeats):
+            for name in args.servers.split(","):
+                cmd, env = server_command(name, model, args.dtype, args.vllm_venv)
+                log = open(Path(tmp) / f"{name}-{repeat}.log", "w")
+                process = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp,
+                                           start_new_session=True)
+                try:
+                    wait_ready(process)
+                    for workload in args.workloads.split(","):
+                        d = bench(args, workload, Path(tmp) / f"{name}-{workload}-{repeat}.json")
+                        ttft, tpot = d["ttft_ms"], d["tpot_ms"]
+                        print(f"| {repeat} | {name} | {workload} | {d['completed']}/{d['requests']} | "
+                              f"{d['output_tokens_per_s']:.1f} | {ttft['p50']:.0f} / {ttft['p90']:.0f} | "
+                              f"{tpot['p50']:.1f} / {tpot['p90']:.1f} |", flush=True)
+                finally:
+                    os.killpg(process.pid, 15)
+                    process.wait(timeout=60)
+                    log.close()
+                    time.sleep(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -48,7 +48,7 @@ def server_command(name: str, model: Path, dtype: str, venv: str) -> tuple[list[
     if name == "duet-1p2d":
         return duet + ["--decode", "2"], env
     if name == "duet-1p1d-no-decode-cache":
-        return duet + ["--decode-args", "--no-prefix-caching"], env
+        return duet + ["--decode-args=--no-prefix-caching"], env
     if name == "vllm":
         env.update(VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="WARNING")
         return [f"{venv}/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
@@ -61,11 +61,16 @@ def wait_ready(process: subprocess.Popen, timeout_s: float = 300.0) -> None:
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise SystemExit(f"the server exited with status {process.returncode} before serving")
-        try:
+        try:  # a one-token completion: /v1/models may answer before any worker serves
             with urllib.request.urlopen(f"http://127.0.0.1:{PORT}/v1/models", timeout=2) as response:
+                model = json.load(response)["data"][0]["id"]
+            body = json.dumps({"model": model, "prompt": "Hello", "max_tokens": 1}).encode()
+            request = urllib.request.Request(f"http://127.0.0.1:{PORT}/v1/completions", data=body,
+                                             headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=30) as response:
                 if response.status == 200:
                     return
-        except OSError:
+        except (OSError, ValueError, KeyError, IndexError):
             pass
         time.sleep(1)
     raise SystemExit(f"the server did not serve within {timeout_s:.0f} s")
@@ -117,7 +122,8 @@ def main() -> None:
                               f"{d['output_tokens_per_s']:.1f} | {ttft['p50']:.0f} / {ttft['p90']:.0f} | "
                               f"{tpot['p50']:.1f} / {tpot['p90']:.1f} |", flush=True)
                 finally:
-                    os.killpg(process.pid, 15)
+                    if process.poll() is None:
+                        os.killpg(process.pid, 15)
                     process.wait(timeout=60)
                     log.close()
                     time.sleep(2)

@@ -56,12 +56,12 @@ def index(cluster, offline):
     return PrefixIndex(redis.Redis.from_url(cluster.redis_url), offline.engine.model_id)
 
 
-def run(client, prompt, salt):
-    return stream_to_record(client.generate(prompt, PARAMS, timeout_s=60, cache_salt=salt))
+def run(client, prompt, salt, params=PARAMS):
+    return stream_to_record(client.generate(prompt, params, timeout_s=60, cache_salt=salt))
 
 
-def expected_tokens(offline, prompt):
-    return offline.generate([prompt], PARAMS)[0].outputs[0].token_ids
+def expected_tokens(offline, prompt, params=PARAMS):
+    return offline.generate([prompt], params)[0].outputs[0].token_ids
 
 
 def wait_indexed(index, model_id, worker_id, token_ids, salt, num_blocks, timeout_s=10.0):

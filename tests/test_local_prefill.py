@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 import grpc
 import pytest
 import redis
 from cluster_helpers import internal_channel, rpc_error, wait_idle, worker_components
+from test_decode_cache import expected_tokens, run, wait_indexed
 from test_engine_vs_hf import prompts_for
 
 from cluster.cluster_secret import load_cluster_secret
@@ -26,7 +26,6 @@ from duet.client import Client, stream_to_record
 from duet.internal.v1 import workers_pb2 as wpb
 from duet.internal.v1 import workers_pb2_grpc as wpb_grpc
 from engine import LLM, SamplingParams
-from engine.hashing import prompt_block_hashes
 
 BLOCK = 16
 NUM_BLOCKS = 64
@@ -60,25 +59,9 @@ def index(cluster, offline):
     return PrefixIndex(redis.Redis.from_url(cluster.redis_url), offline.engine.model_id)
 
 
-def run(client, prompt, salt, params=PARAMS):
-    return stream_to_record(client.generate(prompt, params, timeout_s=60, cache_salt=salt))
-
-
 def first_message(client, prompt, salt, params=PARAMS):
     stream = client.generate(prompt, params, timeout_s=60, cache_salt=salt)
     return stream, next(stream)
-
-
-def expected_tokens(offline, prompt, params=PARAMS):
-    return offline.generate([prompt], params)[0].outputs[0].token_ids
-
-
-def wait_indexed(index, model_id, worker_id, token_ids, salt, num_blocks, timeout_s=10.0):
-    hashes = prompt_block_hashes(token_ids, BLOCK, model_id, salt)[:num_blocks]
-    deadline = time.monotonic() + timeout_s
-    while index.lookup(hashes, [worker_id]).get(worker_id, 0) < num_blocks:
-        assert time.monotonic() < deadline, f"{worker_id} not indexed with {num_blocks} blocks after {timeout_s} s"
-        time.sleep(0.05)
 
 
 def decode_addresses(cluster, model_id):

@@ -33,6 +33,12 @@ iteration tokens, cache config) are the workers' (worker/metrics.py).
     routing_decision_seconds           histogram -  hashing + lookup + policy
     predicted_cached_tokens_total      counter  -   what the index said the chosen worker holds
     actual_cached_tokens_total         counter  -   what that worker reported it reused
+    decode_cached_tokens_total         counter  -   prompt tokens the decode worker already held, of completed
+                                                    requests (their Usage's decode_cached_tokens)
+    kv_transferred_tokens_total        counter  -   tokens whose KV crossed the wire, of completed requests
+                                                    (Usage's kv_transferred_tokens, a migration's resend included)
+    local_prefills_total               counter  -   completed requests prefilled on their decode worker
+                                                    (conditional disaggregation, --local-prefill-tokens)
     index_available                    gauge    -   1 when the last lookup reached Redis
     index_block_keys                   gauge    -   index size (refreshed periodically)
     speculative_dropped_total          counter  -   speculative index entries dropped (writer queue full)
@@ -77,6 +83,12 @@ class RouterMetrics:
                                         "Cached prompt tokens the index predicted on the chosen worker")
         self.actual_cached = counter("duet_router_actual_cached_tokens",
                                      "Cached prompt tokens the chosen prefill worker reported reusing")
+        self.decode_cached_tokens = counter("duet_router_decode_cached_tokens",
+                                            "Prompt tokens the decode worker already held (completed requests)")
+        self.kv_transferred_tokens = counter("duet_router_kv_transferred_tokens",
+                                             "Tokens whose KV crossed the wire (completed requests)")
+        self.local_prefills = counter("duet_router_local_prefills",
+                                      "Completed requests prefilled on their decode worker (no KV transfer)")
         self.prompt_tokens = counter("duet_router_prompt_tokens",
                                      "Prompt tokens of requests whose first token came back")
         self.generation_tokens = counter("duet_router_generation_tokens", "Tokens sent to clients")
@@ -107,10 +119,16 @@ class RouterMetrics:
         if num_tokens:
             self.generation_tokens.inc(num_tokens)
 
-    def request_completed(self, finish_reason: str, e2e_s: float) -> None:
-        """The last token went out with a finish reason (or a stop string: "stop"); not an abort."""
+    def request_completed(self, finish_reason: str, e2e_s: float, decode_cached_tokens: int,
+                          kv_transferred_tokens: int, prefilled_locally: bool) -> None:
+        """The last token went out with a finish reason (or a stop string: "stop"); not an abort. With where its
+        prompt's KV came from (its final Usage)."""
         self.success.labels(self.model_name, finish_reason).inc()
         self.e2e_s.observe(e2e_s)
+        self.decode_cached_tokens.inc(decode_cached_tokens)
+        self.kv_transferred_tokens.inc(kv_transferred_tokens)
+        if prefilled_locally:
+            self.local_prefills.inc()
 
     def request_aborted(self) -> None:
         """`Abort` ended the request: its last message carried finish reason "abort"."""

@@ -467,6 +467,7 @@ class RequestOrchestrator:
                 )
                 if first_message:
                     message.decode_worker = decode.worker_id
+                    client.prefilled_locally = local
                 if reply.finish_reason:
                     held.taken_over()  # the request ran on the decode worker and ended there
                 if done:
@@ -493,7 +494,8 @@ class RequestOrchestrator:
 
     def _finish(self, client: ClientStream, message: pb.GenerateResponse) -> pb.GenerateResponse:
         last = client.finish(message)
-        self.metrics.request_completed(last.finish_reason, client.timing.e2e_s)
+        self.metrics.request_completed(last.finish_reason, client.timing.e2e_s, client.usage.decode_cached_tokens,
+                                       client.usage.kv_transferred_tokens, client.prefilled_locally)
         return last
 
     # -- helpers ---------------------------------------------------------------------------------

@@ -76,6 +76,7 @@ class ClientStream:
         self.usage = pb.Usage(prompt_tokens=num_prompt_tokens)
         self.timing = pb.Timing()
         self.output_token_ids: list[int] = []  # every token sent so far (what a migration continues after)
+        self.prefilled_locally = False  # its first token came from the decode worker's own prefill
 
     def tokens(self, token_ids: list[int], logprobs: list[pb.TokenLogprob], finish_reason: str,
                stop_token_id: int | None) -> tuple[pb.GenerateResponse, bool]:

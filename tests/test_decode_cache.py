@@ -8,10 +8,12 @@ from __future__ import annotations
 import os
 import signal
 import time
+import urllib.request
 
 import pytest
 import redis
 from cluster_helpers import internal_channel, wait_idle, worker_components
+from prometheus_client.parser import text_string_to_metric_families
 from test_engine_vs_hf import prompts_for
 
 from cluster.cluster_secret import load_cluster_secret
@@ -35,7 +37,7 @@ PARAMS = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 @pytest.fixture(scope="module")
 def cluster(tiny_llama_dir):
     config = ClusterConfig(model_dir=str(tiny_llama_dir), num_prefill=1, num_decode=2, worker_args=WORKER_ARGS,
-                           router_args=["--max-model-len", "1024"], http_port=0)
+                           router_args=["--max-model-len", "1024"], http_port=0, metrics_port=0)
     with LocalCluster(config).start() as c:
         yield c
 
@@ -79,8 +81,20 @@ def decode_address(cluster, model_id, worker_id):
     return next(w.info.address for w in registry.list_workers(model_id, "decode") if w.worker_id == worker_id)
 
 
+def router_counter(cluster, sample_name: str) -> float:
+    """One sample of the router's /metrics, e.g. "duet_router_kv_transferred_tokens_total"."""
+    text = urllib.request.urlopen(cluster.metrics_url, timeout=5).read().decode()
+    return next(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == sample_name)
+
+
+def router_counters(cluster) -> tuple[float, float]:
+    return (router_counter(cluster, "duet_router_decode_cached_tokens_total"),
+            router_counter(cluster, "duet_router_kv_transferred_tokens_total"))
+
+
 def test_four_turn_chat_sends_only_the_blocks_the_decode_worker_lacks(cluster, client, offline, index):
     vocab, model_id = offline.engine.model_config.vocab_size, offline.engine.model_id
+    counters_before = router_counters(cluster)
     questions = prompts_for(vocab, [40, 10, 13, 7], seed=21)
     prompt, held_tokens, decode_worker, usage = [], 0, None, []
     for turn, question in enumerate(questions):
@@ -100,6 +114,9 @@ def test_four_turn_chat_sends_only_the_blocks_the_decode_worker_lacks(cluster, c
         wait_indexed(index, model_id, decode_worker, prompt, "chat-4", held_tokens // BLOCK)
     # (prompt tokens, held by the decode worker, sent): from turn 2 on only the new blocks travel
     assert usage == [(40, 0, 40), (58, 32, 26), (79, 64, 15), (94, 80, 14)]
+    # and the router's counters add them up
+    after = router_counters(cluster)
+    assert (after[0] - counters_before[0], after[1] - counters_before[1]) == (0 + 32 + 64 + 80, 40 + 26 + 15 + 14)
 
 
 def test_evicted_decode_blocks_cost_transfer_not_correctness(cluster, client, offline, index):

@@ -14,7 +14,7 @@ import grpc
 import pytest
 import redis
 from cluster_helpers import internal_channel, rpc_error, wait_idle, worker_components
-from test_decode_cache import expected_tokens, run, wait_indexed
+from test_decode_cache import expected_tokens, router_counter, run, wait_indexed
 from test_engine_vs_hf import prompts_for
 
 from cluster.cluster_secret import load_cluster_secret
@@ -38,7 +38,7 @@ PARAMS = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 def cluster(tiny_llama_dir):
     config = ClusterConfig(model_dir=str(tiny_llama_dir), num_prefill=1, num_decode=2, worker_args=WORKER_ARGS,
                            router_args=["--max-model-len", "1024",
-                                        "--local-prefill-tokens", str(LOCAL_PREFILL_TOKENS)])
+                                        "--local-prefill-tokens", str(LOCAL_PREFILL_TOKENS)], metrics_port=0)
     with LocalCluster(config).start() as c:
         yield c
 
@@ -72,6 +72,7 @@ def decode_addresses(cluster, model_id):
 def test_conditional_local_prefill_gives_the_same_tokens_as_the_disaggregated_path(cluster, client, offline, index):
     vocab, model_id = offline.engine.model_config.vocab_size, offline.engine.model_id
     question, follow_up, short = prompts_for(vocab, [40, 10, 20], seed=61)
+    local_before = router_counter(cluster, "duet_router_local_prefills_total")
     # turn 1: 40 uncached tokens (>= 32): through the prefill worker, all 40 sent
     turn1 = run(client, question, salt="lp")
     assert turn1["token_ids"] == expected_tokens(offline, question)
@@ -98,6 +99,8 @@ def test_conditional_local_prefill_gives_the_same_tokens_as_the_disaggregated_pa
     # max_tokens=1: the locally sampled token 0 ends the request
     one = run(client, short, salt="lp-one", params=SamplingParams(max_tokens=1, temperature=0))
     assert one["token_ids"] == expected_tokens(offline, short)[:1] and one["finish_reason"] == "length"
+    # turn 2, the short prompt and max_tokens=1 were prefilled on a decode worker
+    assert router_counter(cluster, "duet_router_local_prefills_total") - local_before == 3
     wait_idle(cluster)
 
 

@@ -44,7 +44,8 @@ ROUTER_METRICS = {
     "duet_router_index_available": "gauge", "duet_router_index_block_keys": "gauge",
     "duet_router_time_to_first_token_seconds": "histogram", "duet_router_e2e_request_latency_seconds": "histogram",
     "duet_router_migrations": "counter", "duet_router_worker_restarts": "counter",
-    "duet_router_speculative_dropped": "counter",
+    "duet_router_speculative_dropped": "counter", "duet_router_decode_cached_tokens": "counter",
+    "duet_router_kv_transferred_tokens": "counter", "duet_router_local_prefills": "counter",
 }
 METRICS_HOST = {"prefill": "127.0.0.2", "decode": "127.0.0.1"}  # prefill's /metrics bound apart (--metrics-host)
 NUM_KV_BLOCKS = 64

@@ -38,12 +38,11 @@ _TRACE_NAME = Path("data") / "traces" / "mooncake_synthetic_trace.jsonl"
 # the project's shared data: next to the repository, else /work/shared (as tests/conftest.py looks)
 _TRACES = (Path(__file__).resolve().parents[2] / "shared" / _TRACE_NAME, Path("/work/shared") / _TRACE_NAME)
 TRACE = next((p for p in _TRACES if p.exists()), _TRACES[-1])
-METRICS_PORT = serve_compare.PORT + 2
 
 
 def start_server(slo_ttft_ms: float | None, log_path: Path) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "duet", "up", "--port", str(serve_compare.PORT + 1), "--http-port",
-           str(serve_compare.PORT), "--metrics-port", str(METRICS_PORT)]
+           str(serve_compare.PORT), "--metrics-port", str(serve_compare.PORT + 2)]
     if slo_ttft_ms is not None:
         cmd += ["--slo-ttft-ms", f"{slo_ttft_ms:g}"]
     process = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True)
@@ -71,7 +70,7 @@ def bench(args: argparse.Namespace, rate: float, seed: int, out: Path) -> dict:
 
 def prediction_ratio() -> tuple[float, int, float]:
     """(mean observed / predicted TTFT, first tokens measured, requests refused) from the router's /metrics."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=5).read().decode()
+    text = urllib.request.urlopen(f"http://127.0.0.1:{serve_compare.PORT + 2}/metrics", timeout=5).read().decode()
 
     def sample(name: str) -> float:
         found = re.search(rf"^{name}\{{[^}}]*\}} ([0-9.e+-]+)$", text, flags=re.M)
@@ -97,14 +96,19 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--trace-block-tokens", type=int, default=4)
     p.add_argument("--trace", type=Path, default=TRACE)
+    p.add_argument("--port", type=int, default=serve_compare.PORT, help="HTTP port; gRPC and metrics take the next two")
+    p.add_argument("--log-dir", type=Path, default=None, help="keep the servers' logs here (default: a temp dir)")
     args = p.parse_args()
+    serve_compare.PORT = args.port  # wait_ready and the commands below read it
     print(f"config: {vars(args)}", flush=True)
     header = "| server | offered req/s | seed | completed | goodput req/s | attainment | TTFT p50 / p90 ms |\n" \
              "|---|---:|---:|---:|---:|---:|---|"
     print(header, flush=True)
     goodput: dict[str, list[float]] = {"no admission": [], "admission": []}
     with tempfile.TemporaryDirectory() as tmp:
-        process = start_server(None, Path(tmp) / "plain.log")
+        logs = args.log_dir or Path(tmp)
+        logs.mkdir(parents=True, exist_ok=True)
+        process = start_server(None, logs / "plain.log")
         try:
             sweep = {}
             for rate in [float(r) for r in args.rates.split(",")]:
@@ -120,7 +124,7 @@ def main() -> None:
             plain_ratio = prediction_ratio()
         finally:
             stop_server(process)
-        process = start_server(args.slo_ttft_ms, Path(tmp) / "admission.log")
+        process = start_server(args.slo_ttft_ms, logs / "admission.log")
         try:
             for seed in range(1, args.repeats + 1):
                 d = bench(args, overload_rate, seed, Path(tmp) / f"admission-{seed}.json")

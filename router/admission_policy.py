@@ -56,7 +56,7 @@ class PrefillQueue:
 @dataclass(frozen=True)
 class AdmissionConfig:
     slo_ttft_s: float | None = None  # None: predict only, never refuse
-    fixed_s: float = 0.02  # per request: lookup, Reserve, Prefill and stream round trips (calibrated, RESULTS.md)
+    fixed_s: float = 0.02  # per request: lookup, Reserve, Prefill and stream round trips (an estimate, not fitted)
     default_tokens_per_s: float = 20_000.0  # prefill speed before any worker measured one (prefix_policy's)
     min_retry_ms: int = 100
     max_retry_ms: int = 30_000

@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 
 DECAY = 0.9
-DEFAULT_TOKENS_PER_S = 200_000.0  # loopback TCP on the default model's ~46 KB a token, tail only (RESULTS.md)
+DEFAULT_TOKENS_PER_S = 200_000.0  # an estimate until the first reply with KV: loopback TCP, the tail after compute
 
 
 class KVTransferRate:

@@ -7,6 +7,8 @@ import logging
 import shlex
 from pathlib import Path
 
+from duet.cli_serving import slo_ms, slo_router_args
+
 
 def cmd_ray_up(args: argparse.Namespace) -> int:
     from deploy.ray.config import PoolConfig, RayLauncherConfig
@@ -33,7 +35,7 @@ def cmd_ray_up(args: argparse.Namespace) -> int:
         router_host=args.host, port=args.port, redis_url=args.redis_url, tp=args.tp,
         num_cpus_per_rank=args.cpus_per_rank, num_gpus_per_rank=args.gpus_per_rank,
         custom_resources=not args.no_custom_resources, poll_interval_s=args.poll_interval,
-        worker_args=shlex.split(args.worker_args), router_args=shlex.split(args.router_args),
+        worker_args=shlex.split(args.worker_args), router_args=slo_router_args(args) + shlex.split(args.router_args),
         internal_tls=args.internal_tls,
     )
     return run_ray_up(config, address=args.address)
@@ -78,5 +80,10 @@ def add_ray_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--internal-tls", action="store_true",
                    help="mutual TLS on the internal plane (router to workers, KV transfers) under a CA the launcher "
                         "generates and hands to every actor in its runtime env; needs the tcp KV transport")
+    p.add_argument("--slo-ttft-ms", type=slo_ms, default=None,
+                   help="the router's SLO-aware admission (duet router --slo-ttft-ms): refuse a request predicted to "
+                        "miss this time to first token because of the queue (default: off)")
+    p.add_argument("--slo-tpot-ms", type=slo_ms, default=None,
+                   help="the time per output token SLO the router counts goodput against (duet router --slo-tpot-ms)")
     p.add_argument("--router-args", default="", help="extra flags for the router, e.g. \"--max-model-len 8192\"")
     p.set_defaults(func=cmd_ray_up)

@@ -44,6 +44,16 @@ def add_internal_plane_args(p: argparse.ArgumentParser) -> None:
 DEFAULT_HTTP_PORT = 8000  # `duet up`'s OpenAI API, where vLLM serves it
 
 
+def slo_ms(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of milliseconds") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} is invalid: must be > 0 ms (and finite)")
+    return value
+
+
 def add_router_args(p: argparse.ArgumentParser, *, up: bool) -> None:
     """The router's public options, defined once for `duet router` and `duet up` (which hands them to the router
     it starts; there 0 picks a free port and the OpenAI HTTP API is on unless --no-http)."""
@@ -76,6 +86,13 @@ def add_router_args(p: argparse.ArgumentParser, *, up: bool) -> None:
                    help="conditional disaggregation: a prompt whose part not cached on the chosen decode worker is "
                         "shorter than this many tokens is prefilled by that decode worker itself, with no prefill "
                         "worker or KV transfer (0: never; default: the router's measured default)")
+    g.add_argument("--slo-ttft-ms", type=slo_ms, default=None,
+                   help="SLO-aware admission: refuse (RESOURCE_EXHAUSTED / HTTP 429 with a retry hint) a request "
+                        "predicted to miss this time to first token because of the queue; goodput metrics count "
+                        "against it (default: off, nothing refused)")
+    g.add_argument("--slo-tpot-ms", type=slo_ms, default=None,
+                   help="time per output token SLO goodput is counted against (duet_router_good_requests_total); "
+                        "admission does not judge it")
     g.add_argument("--shutdown-grace", type=float, default=None,
                    help="seconds requests in flight get after SIGTERM/SIGINT before they are cut (default 5); the "
                         "router has exited 3 s after it at the latest")
@@ -114,7 +131,7 @@ def cmd_router(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len, auth_token=auth_token(args), tls_cert=args.tls_cert, tls_key=args.tls_key,
         metrics_port=args.metrics_port, http_port=args.http_port, cluster_secret_file=args.cluster_secret_file,
         internal_tls_dir=args.internal_tls_dir,
-        worker_wait_s=args.worker_wait_s, **grace, **local,
+        worker_wait_s=args.worker_wait_s, **grace, **local, **slo_config(args),
     ))
     with StopSignals() as stop:
         server.start()
@@ -134,6 +151,21 @@ def cmd_router(args: argparse.Namespace) -> int:
     # own exit would still join every gRPC handler thread (concurrent.futures does, unbounded), and its C-level
     # exit (C++ static destructors while gRPC's threads still run) once took 14 s on a loaded 2-core machine.
     os._exit(0)
+
+
+def slo_config(args: argparse.Namespace) -> dict[str, float]:
+    """RouterConfig's SLO fields (seconds) from the flags (ms) that are set."""
+    slos = {"slo_ttft_s": args.slo_ttft_ms, "slo_tpot_s": args.slo_tpot_ms}
+    return {name: ms / 1000 for name, ms in slos.items() if ms is not None}
+
+
+def slo_router_args(args: argparse.Namespace) -> list[str]:
+    """The SLO flags that are set, as `duet router` takes them (what `duet up` and `duet ray up` pass on)."""
+    flags = []
+    for name in ("slo_ttft_ms", "slo_tpot_ms"):
+        if getattr(args, name) is not None:
+            flags += ["--" + name.replace("_", "-"), f"{getattr(args, name):g}"]
+    return flags
 
 
 def auth_token(args: argparse.Namespace) -> str | None:
@@ -187,6 +219,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         router_args += ["--shutdown-grace", f"{args.shutdown_grace:g}"]
     if args.local_prefill_tokens is not None:
         router_args += ["--local-prefill-tokens", str(args.local_prefill_tokens)]
+    router_args += slo_router_args(args)
     role_args = {role: shlex.split(getattr(args, f"{role}_args")) for role in ("prefill", "decode")}
     role_args["decode"] = speculative + role_args["decode"]
     if engine.speculative_config and SpeculativeConfig.parse(engine.speculative_config).method == "draft_model":

@@ -42,6 +42,20 @@ iteration tokens, cache config) are the workers' (worker/metrics.py).
     index_available                    gauge    -   1 when the last lookup reached Redis
     index_block_keys                   gauge    -   index size (refreshed periodically)
     speculative_dropped_total          counter  -   speculative index entries dropped (writer queue full)
+
+SLO-aware admission and goodput (router/admission_policy.py; the SLOs are --slo-ttft-ms / --slo-tpot-ms):
+    predicted_ttft_seconds             histogram -  the TTFT admission predicted, every request (SLO set or not)
+    ttft_prediction_ratio              histogram -  observed / predicted TTFT of each first token: how far to
+                                                    trust the prediction (1: exact)
+    prefill_queue_seconds              gauge    -   predicted queue wait summed over the prefill workers (every
+                                                    HEALTH_POLL_S and every request); what the chart can scale on
+    slo_ttft_seconds                   gauge    -   the TTFT SLO (0: none)
+    slo_rejected_requests_total        counter  -   refused by admission: RESOURCE_EXHAUSTED / HTTP 429 (also in
+                                                    requests_total{status="RESOURCE_EXHAUSTED"})
+    slo_requests_total{slo, result}    counter  -   slo="ttft" at each first token, slo="tpot" at each completion
+                                                    (stop or length): result="met" | "missed"; only SLOs set
+    good_requests_total                counter  -   completed (stop or length) within every SLO set: rate() is
+                                                    the goodput in requests/s (no SLO set: every completion)
 """
 
 from __future__ import annotations
@@ -50,12 +64,15 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 _TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+_RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0)
 FINISH_REASONS = ("stop", "length", "abort")  # vLLM's FinishReason values (as the public API sends them)
 
 
 class RouterMetrics:
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, slo_ttft_s: float | None = None, slo_tpot_s: float | None = None) -> None:
+        """`slo_ttft_s` / `slo_tpot_s`: the SLOs goodput is counted against (None: not set)."""
         self.model_name = model_name
+        self.slo_ttft_s, self.slo_tpot_s = slo_ttft_s, slo_tpot_s
         self.registry = r = CollectorRegistry()
         m = ["model_name"]
 
@@ -102,6 +119,25 @@ class RouterMetrics:
                                 m, buckets=_TTFT_BUCKETS, registry=r).labels(model_name)
         self.e2e_s = Histogram("duet_router_e2e_request_latency_seconds", "Request received -> last token sent", m,
                                buckets=_TTFT_BUCKETS + (60.0, 120.0), registry=r).labels(model_name)
+        self.predicted_ttft_s = Histogram("duet_router_predicted_ttft_seconds", "TTFT predicted at admission", m,
+                                          buckets=_TTFT_BUCKETS, registry=r).labels(model_name)
+        self.ttft_prediction_ratio = Histogram("duet_router_ttft_prediction_ratio", "Observed / predicted TTFT", m,
+                                               buckets=_RATIO_BUCKETS, registry=r).labels(model_name)
+        self.prefill_queue_s = Gauge("duet_router_prefill_queue_seconds",
+                                     "Predicted queue wait summed over the prefill workers", m,
+                                     registry=r).labels(model_name)
+        self.slo_ttft = Gauge("duet_router_slo_ttft_seconds", "The TTFT SLO (0: none)", m,
+                              registry=r).labels(model_name)
+        self.slo_rejected = counter("duet_router_slo_rejected_requests",
+                                    "Requests refused by admission: predicted to miss the TTFT SLO")
+        self.slo_requests = counter("duet_router_slo_requests", "Requests against each SLO set, met or missed",
+                                    "slo", "result")
+        self.good_requests = counter("duet_router_good_requests", "Requests completed within every SLO set")
+        for slo, target in (("ttft", slo_ttft_s), ("tpot", slo_tpot_s)):
+            if target is not None:  # present at zero from the start
+                for result in ("met", "missed"):
+                    self.slo_requests.labels(model_name, slo, result)
+        self.slo_ttft.set(slo_ttft_s or 0.0)
         self.index_available.set(1)
 
     # -- one request's stages (the orchestrator reports each once, when it happens) ------------------
@@ -112,19 +148,41 @@ class RouterMetrics:
         self.predicted_cached.inc(predicted_cached_tokens)
         self.actual_cached.inc(actual_cached_tokens)
 
-    def first_token_sent(self, ttft_s: float) -> None:
+    def ttft_predicted(self, predicted_s: float) -> None:
+        self.predicted_ttft_s.observe(predicted_s)
+
+    def slo_refused(self) -> None:
+        """Admission refused the request (its final status, RESOURCE_EXHAUSTED, is counted by request_ended)."""
+        self.slo_rejected.inc()
+
+    def first_token_sent(self, ttft_s: float, predicted_ttft_s: float | None = None) -> None:
+        """`predicted_ttft_s`: what admission predicted for this request (None: no prediction, e.g. a migration)."""
         self.ttft_s.observe(ttft_s)
+        if predicted_ttft_s:
+            self.ttft_prediction_ratio.observe(ttft_s / predicted_ttft_s)
+        if self.slo_ttft_s is not None:
+            self.slo_requests.labels(self.model_name, "ttft", _met(ttft_s <= self.slo_ttft_s)).inc()
 
     def tokens_sent(self, num_tokens: int) -> None:
         if num_tokens:
             self.generation_tokens.inc(num_tokens)
 
-    def request_completed(self, finish_reason: str, e2e_s: float, decode_cached_tokens: int,
-                          kv_transferred_tokens: int, prefilled_locally: bool) -> None:
-        """The last token went out with a finish reason (or a stop string: "stop"); not an abort. With where its
-        prompt's KV came from (its final Usage)."""
+    def request_completed(self, finish_reason: str, e2e_s: float, ttft_s: float, num_output_tokens: int,
+                          decode_cached_tokens: int = 0, kv_transferred_tokens: int = 0,
+                          prefilled_locally: bool = False) -> None:
+        """The last token went out with a finish reason (or a stop string: "stop"); not an abort. Goodput: within
+        the TTFT SLO and, over the tokens after the first, the TPOT SLO ((e2e - ttft) / (tokens - 1), as
+        `duet bench serve` and vLLM's benchmark count it). And where its prompt's KV came from (its final Usage)."""
         self.success.labels(self.model_name, finish_reason).inc()
         self.e2e_s.observe(e2e_s)
+        good = self.slo_ttft_s is None or ttft_s <= self.slo_ttft_s
+        if self.slo_tpot_s is not None:
+            tpot_s = (e2e_s - ttft_s) / (num_output_tokens - 1) if num_output_tokens > 1 else 0.0
+            met = tpot_s <= self.slo_tpot_s
+            self.slo_requests.labels(self.model_name, "tpot", _met(met)).inc()
+            good = good and met
+        if good:
+            self.good_requests.inc()
         self.decode_cached_tokens.inc(decode_cached_tokens)
         self.kv_transferred_tokens.inc(kv_transferred_tokens)
         if prefilled_locally:
@@ -151,7 +209,14 @@ class RouterMetrics:
     def http_response(self, handler: str, method: str, status: int) -> None:
         self.http_requests.labels(self.model_name, handler, method, str(status)).inc()
 
+    def prefill_queue_measured(self, queue_s: float) -> None:
+        self.prefill_queue_s.set(queue_s)
+
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
         """Expose /metrics over HTTP; returns the port (0 picks a free one)."""
         server, _ = start_http_server(port, addr=host, registry=self.registry)
         return server.server_port
+
+
+def _met(met: bool) -> str:
+    return "met" if met else "missed"

@@ -12,8 +12,8 @@ Errors follow OpenAI's shape: {"error": {"message", "type", "param", "code"}} wi
 (naming the field and the value), 401 without the bearer token when one is required, 404/405 for an unknown
 route or method, 408 when a body does not arrive within the read timeout, 413 for a body over the limit
 (refused from its Content-Length, before it is read), 429 with Retry-After when no decode worker can admit
-the request, 503 when no worker is up, 504 past the request's timeout. A malformed request line or header
-(e.g. Content-Length "abc" or negative) is answered 400 by h11 itself.
+the request or SLO-aware admission refuses it (--slo-ttft-ms), 503 when no worker is up, 504 past the request's
+timeout. A malformed request line or header (e.g. Content-Length "abc" or negative) is answered 400 by h11 itself.
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
 """One request's hand-off across the cluster, as four named stages:
 
     lookup   one index round trip: the leading prompt blocks each prefill and each decode worker holds
+    admit    predict the request's TTFT (router/admission.py); with --slo-ttft-ms, refuse one that would miss
+             the SLO because of the queue: RESOURCE_EXHAUSTED with a retry hint, before anything is reserved
     reserve  rank decode workers by cached overlap and load (router/decode_policy.py); D.Reserve(request)
              holds the prompt's leading blocks D has cached (multi-turn: an earlier turn's prompt and answer)
              and reserves blocks for the rest, and keeps the request (prompt, sampling, salt): the ticket is
@@ -54,6 +56,8 @@ from duet.internal.v1 import workers_pb2_grpc as wpb_grpc
 from duet.v1 import generation_pb2 as pb
 from engine.detokenizer import IncrementalDetokenizer
 from engine.tokenizer import Tokenizer
+from router.admission import Admission
+from router.admission_policy import AdmissionConfig, TTFTPrediction
 from router.decode_policy import DecodeState, prefills_locally
 from router.decode_policy import rank_decode as rank_decode_by_cache
 from router.load_policy import without
@@ -133,6 +137,7 @@ class HandOffPlan:
     predicted_cached_tokens: int  # what the index said `prefill` holds of the prompt (local: what D holds)
     routed_tokens: int  # prefill work sent to `prefill`: the prompt less its predicted cached part (local: 0)
     reserve_s: float
+    prediction: TTFTPrediction | None = None  # admission's, for the request's first hand-off (None: a retry)
 
     @property
     def decode(self) -> WorkerInfo:
@@ -186,8 +191,10 @@ class _HeldReservation:
 
 class RequestOrchestrator:
     def __init__(self, view: WorkerView, chooser: PrefillChooser, metrics: RouterMetrics, tokenizer: Tokenizer,
-                 model_id: str, reservation_ttl_s: float, worker_wait_s: float, local_prefill_tokens: int = 0):
+                 model_id: str, reservation_ttl_s: float, worker_wait_s: float, local_prefill_tokens: int = 0,
+                 admission: AdmissionConfig | None = None):
         self.view, self.chooser, self.metrics, self.tokenizer = view, chooser, metrics, tokenizer
+        self.admission = Admission(admission or AdmissionConfig(), metrics)
         self.model_id = model_id
         self.reservation_ttl_s = reservation_ttl_s
         self.worker_wait_s = worker_wait_s  # the longest a request waits for a worker to serve again
@@ -233,7 +240,8 @@ class RequestOrchestrator:
         MAX_MIGRATIONS times at most. Nothing reached the client yet: a retry costs it only the time."""
         for retries in range(MAX_MIGRATIONS + 1):
             try:
-                return self.reserve_and_prefill(request, live, helds, after_loss=retries > 0, may_prefill_locally=True)
+                return self.reserve_and_prefill(request, live, helds, after_loss=retries > 0, may_prefill_locally=True,
+                                                admit=retries == 0)
             except WorkerLost as lost:
                 if retries == MAX_MIGRATIONS or not live.is_active():
                     raise Failed(grpc.StatusCode.UNAVAILABLE, f"{lost}; {retries} retries already") from None
@@ -297,6 +305,29 @@ class RequestOrchestrator:
                          f"no decode worker can ever hold {num_prompt_tokens} prompt tokens: {too_small[0]}")
         raise WorkerLost(DECODE_LOST, f"no decode worker for model {self.model_id} answered")
 
+    def admit(self, request: RoutedRequest, prefills: list[LiveWorker], decodes: list[LiveWorker],
+              lookup: PrefixLookup) -> TTFTPrediction:
+        """Admission's prediction for a request arriving now (router/admission.py), or Failed(RESOURCE_EXHAUSTED)
+        when it would miss the TTFT SLO because of the queue. The decode worker Reserve will most likely pick (the
+        best ranked) tells whether it would be prefilled locally; Reserve's real count decides that afterwards."""
+        num_prompt_tokens = len(request.prompt_token_ids)
+        local_uncached_tokens = None
+        if self.local_prefill_tokens:
+            ranked = without(self.rank_decodes(num_prompt_tokens, decodes, lookup), self.view.active_suspects())
+            cached_tokens = min(lookup.cached_tokens(ranked[0]), num_prompt_tokens)
+            if prefills_locally(num_prompt_tokens, cached_tokens, self.local_prefill_tokens):
+                local_uncached_tokens = num_prompt_tokens - cached_tokens
+        return self.admission.admit(request.request_id, num_prompt_tokens, self.view.healthy(prefills),
+                                    self.view.inflight_tokens(), lookup, local_uncached_tokens)
+
+    def measure_queue(self) -> None:
+        """Refresh the prefill queue gauge from the registry's (cached) loads; nothing when no worker is listed."""
+        try:
+            prefills, _ = self.view.workers()
+        except NoWorkers:
+            return
+        self.admission.measure_queue(prefills, self.view.inflight_tokens())
+
     def rank_decodes(self, num_tokens: int, decodes: list[LiveWorker], lookup: PrefixLookup | None) -> list[str]:
         """Decode worker ids, best first, by cached overlap and load (router/decode_policy.py)."""
         states = [DecodeState(c.worker_id, lookup.cached_tokens(c.worker_id) if lookup is not None else 0,
@@ -305,7 +336,8 @@ class RequestOrchestrator:
         return rank_decode_by_cache(num_tokens, states)
 
     def plan(self, request: RoutedRequest, prefills: list[LiveWorker], reservation: Reservation,
-             reserve_s: float, history: Sequence[int] = (), lookup: PrefixLookup | None = None) -> HandOffPlan:
+             reserve_s: float, history: Sequence[int] = (), lookup: PrefixLookup | None = None,
+             prediction: TTFTPrediction | None = None) -> HandOffPlan:
         """The prefill worker for a reserved request: one whose KV layout the decode worker takes, chosen
         by cached prefix (of the prompt, and a migrating request's output so far) and queued work."""
         token_ids = [*request.prompt_token_ids, *history]
@@ -313,7 +345,7 @@ class RequestOrchestrator:
                                      lookup=lookup)
         predicted = choice.predicted_cached_tokens
         return HandOffPlan(request.request_id, reservation, choice.worker, predicted, len(token_ids) - predicted,
-                           reserve_s)
+                           reserve_s, prediction)
 
     def prefill(self, plan: HandOffPlan, request: RoutedRequest, live: Live, history: Sequence[int] = ()) -> FirstToken:
         """P computes the prompt and streams its KV into the reservation; returns once D holds all of it."""
@@ -329,7 +361,9 @@ class RequestOrchestrator:
                 timeout=live.remaining_s(),
             )
             live.set_call(future)
-            return FirstToken.from_reply(future.result())
+            first = FirstToken.from_reply(future.result())
+            self.admission.transferred(first.kv_transferred_tokens, first.transfer_s)
+            return first
         except grpc.FutureCancelledError:
             raise Failed(grpc.StatusCode.CANCELLED, "request cancelled") from None
         except grpc.RpcError as e:
@@ -386,6 +420,7 @@ class RequestOrchestrator:
                     client: ClientStream) -> tuple[pb.GenerateResponse, bool]:
         """The client message of the prefill worker's token 0 (done: it ends the request); usage and timing noted."""
         self.metrics.request_prefilled(len(request.prompt_token_ids), plan.predicted_cached_tokens, first.cached_tokens)
+        client.timing.predicted_ttft_s = plan.prediction.ttft_s if plan.prediction is not None else 0.0
         client.timing.queue_s, client.timing.prefill_s = first.queue_s, first.prefill_s
         client.timing.transfer_s = first.transfer_s
         client.usage.cached_tokens = first.cached_tokens
@@ -394,7 +429,7 @@ class RequestOrchestrator:
                                       first.finish_reason, first.stop_token_id)
         message.prefill_worker, message.decode_worker = plan.prefill.worker_id, plan.decode.worker_id
         client.timing.ttft_s = time.monotonic() - request.received_s
-        self.metrics.first_token_sent(client.timing.ttft_s)
+        self.metrics.first_token_sent(client.timing.ttft_s, client.timing.predicted_ttft_s)
         return message, done
 
     def migrate(self, request: RoutedRequest, client: ClientStream, live: Live,
@@ -410,15 +445,18 @@ class RequestOrchestrator:
 
     def reserve_and_prefill(self, request: RoutedRequest, live: Live, helds: list[_HeldReservation],
                             after_loss: bool, history: Sequence[int] = (),
-                            may_prefill_locally: bool = False) -> tuple[HandOffPlan, FirstToken | None]:
+                            may_prefill_locally: bool = False,
+                            admit: bool = False) -> tuple[HandOffPlan, FirstToken | None]:
         """One attempt at reserve, plan and prefill (for the prompt plus `history`, a migrating request's
         tokens sent but the last). On WorkerLost its reservation is released: the next attempt reserves afresh.
         No FirstToken (and a plan without a prefill worker) when the decode worker is to prefill locally:
         `may_prefill_locally` (nothing was sent to the client yet) and the uncached part is under
-        `local_prefill_tokens`."""
+        `local_prefill_tokens`. With `admit` (the request's first attempt), admission judges it first: Failed
+        (RESOURCE_EXHAUSTED) before anything is reserved when it would miss the TTFT SLO."""
         prefills, decodes = self.workers(live, after_loss=after_loss)
         reserve_start_s = time.monotonic()
         lookup = self.chooser.lookup([*request.prompt_token_ids, *history], request.cache_salt, [*prefills, *decodes])
+        prediction = self.admit(request, prefills, decodes, lookup) if admit else None
         reservation = self.reserve(request, decodes, live, history, lookup)
         held = _HeldReservation(self, reservation)
         helds.append(held)
@@ -431,9 +469,10 @@ class RequestOrchestrator:
                                                                            num_prompt_tokens))
             cached_tokens = min(reservation.num_cached_tokens, num_prompt_tokens)
             return HandOffPlan(request.request_id, reservation, None, cached_tokens, 0,
-                               time.monotonic() - reserve_start_s), None
+                               time.monotonic() - reserve_start_s, prediction), None
         try:
-            plan = self.plan(request, prefills, reservation, time.monotonic() - reserve_start_s, history, lookup)
+            plan = self.plan(request, prefills, reservation, time.monotonic() - reserve_start_s, history, lookup,
+                             prediction)
             return plan, self.prefill(plan, request, live, history)
         except WorkerLost:
             held.release()
@@ -458,7 +497,8 @@ class RequestOrchestrator:
                 first_message = not client.output_token_ids and bool(reply.token_ids)
                 if first_message:  # prefilled locally: token 0 comes from D's stream
                     client.timing.ttft_s = time.monotonic() - client.received_s
-                    self.metrics.first_token_sent(client.timing.ttft_s)
+                    client.timing.predicted_ttft_s = plan.prediction.ttft_s if plan.prediction is not None else 0.0
+                    self.metrics.first_token_sent(client.timing.ttft_s, client.timing.predicted_ttft_s)
                 elif client.timing.first_decode_s == 0 and reply.token_ids:
                     client.timing.first_decode_s = time.monotonic() - client.received_s - client.timing.ttft_s
                 message, done = client.tokens(
@@ -494,7 +534,8 @@ class RequestOrchestrator:
 
     def _finish(self, client: ClientStream, message: pb.GenerateResponse) -> pb.GenerateResponse:
         last = client.finish(message)
-        self.metrics.request_completed(last.finish_reason, client.timing.e2e_s, client.usage.decode_cached_tokens,
+        self.metrics.request_completed(last.finish_reason, client.timing.e2e_s, client.timing.ttft_s,
+                                       len(client.output_token_ids), client.usage.decode_cached_tokens,
                                        client.usage.kv_transferred_tokens, client.prefilled_locally)
         return last
 

@@ -33,6 +33,7 @@ from engine.config import ModelConfig
 from engine.default_model import model_or_default
 from engine.errors import InvalidRequestError
 from engine.tokenizer import Tokenizer
+from router.admission_policy import AdmissionConfig
 from router.metrics import RouterMetrics
 from router.orchestrator import RequestOrchestrator, RoutedRequest
 from router.prefill_chooser import PrefillChooser
@@ -70,6 +71,11 @@ class RouterConfig:
     # conditional disaggregation: a prompt whose uncached part on the chosen decode worker is shorter than this is
     # prefilled there, with no prefill worker or KV transfer (0: never). See DEFAULT_LOCAL_PREFILL_TOKENS.
     local_prefill_tokens: int = DEFAULT_LOCAL_PREFILL_TOKENS
+    # SLO-aware admission (router/admission_policy.py): a request predicted to miss this TTFT because of the queue
+    # is refused with RESOURCE_EXHAUSTED and a retry hint (None: never refused); goodput is counted against it and
+    # slo_tpot_s (which admission does not judge)
+    slo_ttft_s: float | None = None
+    slo_tpot_s: float | None = None
     max_concurrent_streams: int = 256
     auth_token: str | None = None
     http_port: int | None = None  # OpenAI-compatible HTTP (router/openai_http.py); None: off
@@ -86,6 +92,10 @@ class RouterConfig:
             raise ValueError(f"shutdown_grace_s={self.shutdown_grace_s} is invalid: must be >= 0")
         if self.worker_wait_s < 0:
             raise ValueError(f"worker_wait_s={self.worker_wait_s} is invalid: must be >= 0 (0: never wait)")
+        for name in ("slo_ttft_s", "slo_tpot_s"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name}={value} is invalid: must be > 0 (None: no SLO)")
         if self.local_prefill_tokens < 0:
             raise ValueError(f"local_prefill_tokens={self.local_prefill_tokens} is invalid: must be >= 0 "
                              "(0: never prefill on the decode worker)")
@@ -109,7 +119,7 @@ class Router(pb_grpc.GenerationServicer):
             log.warning("router event=internal_plane_open: no cluster secret (--cluster-secret-file or %s): "
                         "calls to workers are unauthenticated and any registry entry is trusted", ENV_VAR)
         self.registry = WorkerRegistry.from_url(config.redis_url, cluster_secret=self.cluster_secret)
-        self.metrics = RouterMetrics(self.model_id)
+        self.metrics = RouterMetrics(self.model_id, config.slo_ttft_s, config.slo_tpot_s)
         self.index = PrefixIndex(self.registry.client, self.model_id)
         self.speculative = SpeculativeWriter(self.index, on_drop=self.metrics.speculative_dropped.inc)
         self.chooser = PrefillChooser(self.index, self.model_id, self.metrics, self.speculative, config.policy)
@@ -118,7 +128,7 @@ class Router(pb_grpc.GenerationServicer):
                                self.internal_tls)
         self.orchestrator = RequestOrchestrator(self.view, self.chooser, self.metrics, self.tokenizer,
                                                 self.model_id, config.reservation_ttl_s, config.worker_wait_s,
-                                                config.local_prefill_tokens)
+                                                config.local_prefill_tokens, AdmissionConfig(config.slo_ttft_s))
         self._live: dict[str, Live] = {}
         self._lock = threading.Lock()
 
@@ -257,6 +267,7 @@ class RouterServer:
         while not self._stopping.wait(HEALTH_POLL_S):
             try:
                 self._update_health()
+                self.router.orchestrator.measure_queue()  # the gauge follows the queue between requests too
             except Exception:  # noqa: BLE001 - keep watching; the state stays as last known
                 log.exception("router event=health_update_failed")
 

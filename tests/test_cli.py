@@ -182,3 +182,28 @@ def test_describe_error_names_the_kind_and_the_status():
         except grpc.RpcError as e:
             line, status = describe_error(e)
     assert status == 1 and line.startswith("UNAVAILABLE: failed to connect to all addresses")
+
+
+def test_slo_flags_reach_the_router_config_from_duet_router_up_and_ray_up(monkeypatch, capsys):
+    from deploy import local_cluster
+    from duet.cli import build_parser, main
+    from duet.cli_serving import slo_config
+
+    parser = build_parser()
+    router = parser.parse_args(["router", "--redis-url", "redis://x", "--slo-ttft-ms", "250", "--slo-tpot-ms", "40"])
+    assert slo_config(router) == {"slo_ttft_s": 0.25, "slo_tpot_s": 0.04}
+    assert slo_config(parser.parse_args(["router", "--redis-url", "redis://x"])) == {}  # off: admission refuses none
+    started = []
+    monkeypatch.setattr(local_cluster, "run_up", lambda config: started.append(config) or 0)
+    assert main(["up", "--slo-ttft-ms", "300"]) == 0
+    assert started.pop().router_args[-2:] == ["--slo-ttft-ms", "300"]
+    seen = {}
+    monkeypatch.setattr("deploy.ray.launcher.run_ray_up", lambda config, address: seen.update(c=config) or 0)
+    assert main(["ray", "up", "--address", "local", "--slo-ttft-ms", "300", "--slo-tpot-ms", "50",
+                 "--router-args", "--max-model-len 512"]) == 0
+    assert seen["c"].router_args == ["--slo-ttft-ms", "300", "--slo-tpot-ms", "50", "--max-model-len", "512"]
+    for bad in ("0", "-5", "inf", "x"):
+        with pytest.raises(SystemExit) as exit_:
+            parser.parse_args(["router", "--redis-url", "redis://x", "--slo-ttft-ms", bad])
+        assert exit_.value.code == 2
+        assert "argument --slo-ttft-ms" in capsys.readouterr().err

@@ -402,6 +402,34 @@ def test_strict_validation_catches_a_typo():
 # -- semantics ------------------------------------------------------------------------------------------------
 
 
+def test_the_prefill_pool_can_scale_on_slo_headroom_and_the_router_gets_its_slos():
+    """router.sloTtftMs reaches `duet router --slo-ttft-ms`; the sloTtftQueue metric scales the prefill pool on the
+    routers' predicted queue wait in TTFT SLOs (a KEDA prometheus trigger, valid against the CRD schema)."""
+    from duet.cli import build_parser
+    from duet.cli_serving import slo_config
+
+    values = {"router": {"sloTtftMs": 500, "sloTpotMs": 50},
+              "prefill": {"autoscaling": {"enabled": True, "metrics": [{"name": "sloTtftQueue", "target": 0.5},
+                                                                       {"name": "waitingTokens", "target": 8192}]}}}
+    objs = [yaml.safe_load(doc) for _, doc in documents(render(values))]
+    args = container(deployment(objs, "router"))["args"]
+    assert "--slo-ttft-ms=500" in args and "--slo-tpot-ms=50" in args
+    assert slo_config(build_parser().parse_args([_expand_env(a) for a in args])) == {"slo_ttft_s": 0.5,
+                                                                                      "slo_tpot_s": 0.05}
+    (scaled,) = find(objs, "ScaledObject")
+    validate_object(scaled)
+    slo, tokens = scaled["spec"]["triggers"]
+    assert slo["name"] == "slo-ttft-queue" and slo["metricType"] == "AverageValue"
+    assert slo["metadata"]["query"] == ('(max(duet_router_prefill_queue_seconds{namespace="llm",duet_release="prod"}) '
+                                        'or vector(0)) / 0.5')
+    assert slo["metadata"]["threshold"] == "0.5"
+    assert tokens["metadata"]["query"].startswith("sum(duet_num_waiting_tokens{")
+    # off by default: no SLO flag, no SLO trigger
+    default_args = container(deployment(objects("default"), "router"))["args"]
+    assert not [a for a in default_args if a.startswith("--slo")]
+
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_autoscaled_pools_have_no_replicas(case):
     objs, values = objects(case), merged_values(case)
@@ -848,6 +876,9 @@ BAD_VALUES = [
     ({"prefill": {"engine": {"speculativeConfig": {}}}}, "additional properties 'speculativeConfig' not allowed"),
     ({"decode": {"kvPort": 0}}, "/decode/kvPort"),
     ({"router": {"httpPort": 70000}}, "/router/httpPort"),
+    ({"router": {"sloTtftMs": -1}}, "/router/sloTtftMs"),
+    ({"decode": {"autoscaling": {"metrics": [{"name": "sloTtftQueue", "target": 0.5}]}}},
+     "/decode/autoscaling/metrics/0/name"),
     ({"router": {"ingress": {"host": "LLM example"}}}, "/router/ingress/host"),
     ({"router": {"gateway": {"parentRefs": [{"namespace": "gw"}]}}}, "/router/gateway/parentRefs/0"),
     ({"router": {"gateway": {"hostnames": ["https://llm.example.com"]}}}, "/router/gateway/hostnames/0"),
@@ -887,6 +918,11 @@ def test_schema_rejects_bad_values(values, names):
     ({"decode": {"tp": 2, "kvPort": 65535}}, "decode.kvPort (65535) + decode.tp (2) - 1 exceeds 65535"),
     ({"internalTls": {"enabled": True}, "engine": {"kvTransport": "torch"}},
      "internalTls.enabled needs engine.kvTransport tcp"),
+    ({"prefill": {"autoscaling": {"metrics": [{"name": "sloTtftQueue", "target": 0.5}]}}},
+     "sloTtftQueue is in units of router.sloTtftMs, which is 0 (off)"),
+    ({"router": {"sloTtftMs": 500},
+      "prefill": {"autoscaling": {"enabled": True, "kind": "hpa", "metrics": [{"name": "sloTtftQueue", "target": 1}]}}},
+     "sloTtftQueue is a PromQL ratio only KEDA's prometheus trigger can query"),
 ])
 def test_chart_rejects_what_the_schema_cannot_express(values, message):
     helm = _helm()

@@ -46,6 +46,9 @@ ROUTER_METRICS = {
     "duet_router_migrations": "counter", "duet_router_worker_restarts": "counter",
     "duet_router_speculative_dropped": "counter", "duet_router_decode_cached_tokens": "counter",
     "duet_router_kv_transferred_tokens": "counter", "duet_router_local_prefills": "counter",
+    "duet_router_predicted_ttft_seconds": "histogram", "duet_router_ttft_prediction_ratio": "histogram",
+    "duet_router_prefill_queue_seconds": "gauge", "duet_router_slo_ttft_seconds": "gauge",
+    "duet_router_slo_rejected_requests": "counter", "duet_router_good_requests": "counter",
 }
 METRICS_HOST = {"prefill": "127.0.0.2", "decode": "127.0.0.1"}  # prefill's /metrics bound apart (--metrics-host)
 NUM_KV_BLOCKS = 64

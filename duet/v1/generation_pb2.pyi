@@ -152,7 +152,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., kv_transferred_tokens: _Optional[int] = ..., decode_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class Timing(_message.Message):
-    __slots__ = ("ttft_s", "reserve_s", "queue_s", "prefill_s", "transfer_s", "first_decode_s", "e2e_s")
+    __slots__ = ("ttft_s", "reserve_s", "queue_s", "prefill_s", "transfer_s", "first_decode_s", "e2e_s", "predicted_ttft_s")
     TTFT_S_FIELD_NUMBER: _ClassVar[int]
     RESERVE_S_FIELD_NUMBER: _ClassVar[int]
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
@@ -160,6 +160,7 @@ class Timing(_message.Message):
     TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
     FIRST_DECODE_S_FIELD_NUMBER: _ClassVar[int]
     E2E_S_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_TTFT_S_FIELD_NUMBER: _ClassVar[int]
     ttft_s: float
     reserve_s: float
     queue_s: float
@@ -167,7 +168,8 @@ class Timing(_message.Message):
     transfer_s: float
     first_decode_s: float
     e2e_s: float
-    def __init__(self, ttft_s: _Optional[float] = ..., reserve_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., first_decode_s: _Optional[float] = ..., e2e_s: _Optional[float] = ...) -> None: ...
+    predicted_ttft_s: float
+    def __init__(self, ttft_s: _Optional[float] = ..., reserve_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., first_decode_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., predicted_ttft_s: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "logprobs", "finish_reason", "stop_token_id", "stop_string", "usage", "timing", "prefill_worker", "decode_worker")

@@ -245,7 +245,7 @@ topologySpreadConstraints:
 
 {{/* Metric names behind the autoscaling choices (the workers' Prometheus names). */}}
 {{- define "duet.metricName" -}}
-{{- $names := dict "waitingRequests" "duet_num_requests_waiting" "waitingTokens" "duet_num_waiting_tokens" "kvCacheUsage" "duet_kv_cache_usage_perc" "runningRequests" "duet_num_requests_running" -}}
+{{- $names := dict "waitingRequests" "duet_num_requests_waiting" "waitingTokens" "duet_num_waiting_tokens" "kvCacheUsage" "duet_kv_cache_usage_perc" "runningRequests" "duet_num_requests_running" "sloTtftQueue" "duet_router_prefill_queue_seconds" -}}
 {{- get $names . -}}
 {{- end -}}
 
@@ -255,5 +255,11 @@ topologySpreadConstraints:
 {{- $role := index . 1 -}}
 {{- $metric := index . 2 -}}
 {{- $selector := tpl $root.Values.autoscaling.prometheus.selector $root -}}
+{{- if eq $metric "sloTtftQueue" -}}
+{{- /* the routers' prediction of the pool's queue wait (each router sees the whole pool: the max, not the sum), in
+       TTFT SLOs */ -}}
+{{- printf "(max(duet_router_prefill_queue_seconds{%s}) or vector(0)) / %v" $selector (divf $root.Values.router.sloTtftMs 1000) -}}
+{{- else -}}
 {{- printf "sum(%s{role=\"%s\"%s%s}) or vector(0)" (include "duet.metricName" $metric) $role (ternary "" "," (eq $selector "")) $selector -}}
+{{- end -}}
 {{- end -}}

@@ -1,0 +1,91 @@
+"""Admission: the router's side of SLO-aware admission (the policy is router/admission_policy.py).
+
+    lookup (what each worker holds) + load reports + this router's in-flight work + measured KV transfer rate
+        ─▶ admission_policy: predicted TTFT on the best prefill worker (or the decode worker, prefilling locally)
+        ─▶ admitted: the prediction rides on the request's HandOffPlan; its first token is compared with it
+           (duet_router_ttft_prediction_ratio) and counted against the SLO (duet_router_slo_requests_total)
+        ─▶ refused: RESOURCE_EXHAUSTED naming the prediction and the SLO, with the retry hint in the
+           `grpc-retry-pushback-ms` trailer (HTTP: 429 with Retry-After), as when no decode worker can admit
+
+A request is judged once, when it arrives: a retry after a lost worker or a migration is never refused (it was
+admitted; it has waited already). Without an SLO the prediction is still made and measured, so it can be
+checked before the SLO is turned on.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+
+import grpc
+
+from cluster.registry import LiveWorker
+from router.admission_policy import (
+    AdmissionConfig,
+    PrefillQueue,
+    TTFTPrediction,
+    decide,
+    fallback_tokens_per_s,
+    predict_local,
+    predict_prefill,
+    queued_tokens,
+)
+from router.kv_transfer_rate import KVTransferRate
+from router.metrics import RouterMetrics
+from router.prefill_chooser import PrefixLookup
+from router.request_stream import Failed
+
+log = logging.getLogger("duet.router")
+
+
+class Admission:
+    def __init__(self, config: AdmissionConfig, metrics: RouterMetrics):
+        self.config, self.metrics = config, metrics
+        self.transfer_rate = KVTransferRate()
+
+    def admit(self, request_id: str, num_prompt_tokens: int, prefills: Sequence[LiveWorker],
+              inflight_tokens: Mapping[str, int], lookup: PrefixLookup | None,
+              local_uncached_tokens: int | None) -> TTFTPrediction:
+        """The request's predicted TTFT, or `Failed(RESOURCE_EXHAUSTED)` with a retry hint when admission refuses
+        it. `local_uncached_tokens`: the uncached part the decode worker would prefill itself (None: a prefill
+        worker will)."""
+        queues = self.queues(prefills, inflight_tokens, lookup)
+        if local_uncached_tokens is not None:
+            prediction = predict_local(local_uncached_tokens, queues, self.config)
+        else:
+            prediction = predict_prefill(num_prompt_tokens, queues, self.transfer_rate.tokens_per_s, self.config)
+        self.metrics.ttft_predicted(prediction.ttft_s)
+        self.metrics.prefill_queue_measured(self.total_queue_s(queues))
+        decision = decide(prediction, self.config)
+        if decision.admit:
+            return prediction
+        self.metrics.slo_refused()
+        slo_ms = 1000 * self.config.slo_ttft_s
+        log.info("request=%s event=slo_refused predicted_ttft_ms=%.0f slo_ttft_ms=%g queue_ms=%.0f retry_ms=%d",
+                 request_id, 1000 * prediction.ttft_s, slo_ms, 1000 * prediction.queue_s, decision.retry_after_ms)
+        raise Failed(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"predicted time to first token {prediction.describe()} exceeds the SLO of {slo_ms:g} ms "
+            f"(--slo-ttft-ms) because of the queue; retry after {decision.retry_after_ms} ms",
+            (("grpc-retry-pushback-ms", str(decision.retry_after_ms)),),
+        )
+
+    def transferred(self, kv_transferred_tokens: int, transfer_s: float) -> None:
+        """A prefill reply's KV transfer, for the measured rate."""
+        self.transfer_rate.observe(kv_transferred_tokens, transfer_s)
+
+    def measure_queue(self, prefills: Sequence[LiveWorker], inflight_tokens: Mapping[str, int]) -> None:
+        """Refresh duet_router_prefill_queue_seconds (between requests too, so an autoscaler sees the queue drain)."""
+        self.metrics.prefill_queue_measured(self.total_queue_s(self.queues(prefills, inflight_tokens, None)))
+
+    def total_queue_s(self, queues: Sequence[PrefillQueue]) -> float:
+        fallback = fallback_tokens_per_s(queues, self.config)
+        return sum(queued_tokens(q, q.tokens_per_s or fallback) / (q.tokens_per_s or fallback) for q in queues)
+
+    @staticmethod
+    def queues(prefills: Sequence[LiveWorker], inflight_tokens: Mapping[str, int],
+               lookup: PrefixLookup | None) -> list[PrefillQueue]:
+        return [PrefillQueue(w.worker_id, lookup.cached_tokens(w.worker_id) if lookup is not None else 0,
+                             inflight_tokens.get(w.worker_id, 0), w.load.num_waiting_tokens, w.load_age_s,
+                             w.load.prefill_tokens_per_s or None)
+                for w in prefills]

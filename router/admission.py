@@ -3,7 +3,8 @@
     lookup (what each worker holds) + load reports + this router's in-flight work + measured KV transfer rate
         ─▶ admission_policy: predicted TTFT on the best prefill worker (or the decode worker, prefilling locally)
         ─▶ admitted: the prediction rides on the request's HandOffPlan; its first token is compared with it
-           (duet_router_ttft_prediction_ratio) and counted against the SLO (duet_router_slo_requests_total)
+           (duet_router_ttft_prediction_ratio; and the correction of later predictions learns from it,
+           router/ttft_correction.py) and counted against the SLO (duet_router_slo_requests_total)
         ─▶ refused: RESOURCE_EXHAUSTED naming the prediction and the SLO, with the retry hint in the
            `grpc-retry-pushback-ms` trailer (HTTP: 429 with Retry-After), as when no decode worker can admit
 
@@ -34,6 +35,7 @@ from router.kv_transfer_rate import KVTransferRate
 from router.metrics import RouterMetrics
 from router.prefill_chooser import PrefixLookup
 from router.request_stream import Failed
+from router.ttft_correction import TTFTCorrection
 
 log = logging.getLogger("duet.router")
 
@@ -42,6 +44,7 @@ class Admission:
     def __init__(self, config: AdmissionConfig, metrics: RouterMetrics):
         self.config, self.metrics = config, metrics
         self.transfer_rate = KVTransferRate()
+        self.correction = TTFTCorrection()
 
     def admit(self, request_id: str, num_prompt_tokens: int, prefills: Sequence[LiveWorker],
               inflight_tokens: Mapping[str, int], lookup: PrefixLookup | None,
@@ -50,10 +53,12 @@ class Admission:
         it. `local_uncached_tokens`: the uncached part the decode worker would prefill itself (None: a prefill
         worker will)."""
         queues = self.queues(prefills, inflight_tokens, lookup)
+        correction = self.correction.value
         if local_uncached_tokens is not None:
-            prediction = predict_local(local_uncached_tokens, queues, self.config)
+            prediction = predict_local(local_uncached_tokens, queues, self.config, correction)
         else:
-            prediction = predict_prefill(num_prompt_tokens, queues, self.transfer_rate.tokens_per_s, self.config)
+            prediction = predict_prefill(num_prompt_tokens, queues, self.transfer_rate.tokens_per_s, self.config,
+                                         correction)
         self.metrics.ttft_predicted(prediction.ttft_s)
         self.metrics.prefill_queue_measured(self.total_queue_s(queues))
         decision = decide(prediction, self.config)
@@ -69,6 +74,10 @@ class Admission:
             f"(--slo-ttft-ms) because of the queue; retry after {decision.retry_after_ms} ms",
             (("grpc-retry-pushback-ms", str(decision.retry_after_ms)),),
         )
+
+    def first_token(self, ttft_s: float, prediction: TTFTPrediction) -> None:
+        """An admitted request's first token went out `ttft_s` after it arrived: the correction learns from it."""
+        self.correction.observe(ttft_s, prediction.model_s)
 
     def transferred(self, kv_transferred_tokens: int, transfer_s: float) -> None:
         """A prefill reply's KV transfer, for the measured rate."""

@@ -10,6 +10,9 @@ Pure logic, no gRPC and no Redis, in the style of router/prefix_policy.py: the o
                                 +  transfer_s    = uncached_tokens(w) / transfer_tokens_per_s
                                                                                           KV still to send once computed
 
+and the sum is multiplied by `correction`, how far off that model has lately been (observed / modelled TTFT of
+recent first tokens, router/ttft_correction.py: what the model cannot see, such as CPU other processes take).
+
 `speed` is the worker's measured prefill rate (its load reports; unknown: the median of the others, else
 `default_tokens_per_s`, as prefix_policy). `transfer_tokens_per_s` is measured by the router from prefill
 replies (router/kv_transfer_rate.py): KV streams out layer group by layer group while the prompt is computed,
@@ -80,20 +83,31 @@ class TTFTPrediction:
     queue_s: float
     prefill_s: float
     transfer_s: float
+    correction: float = 1.0  # observed / modelled TTFT lately (router/ttft_correction.py)
+
+    def __post_init__(self) -> None:
+        if not self.correction > 0:
+            raise ValueError(f"correction={self.correction} is invalid: must be > 0")
+
+    @property
+    def model_s(self) -> float:
+        """The model's sum, uncorrected (what the correction is measured against)."""
+        return self.fixed_s + self.queue_s + self.prefill_s + self.transfer_s
 
     @property
     def ttft_s(self) -> float:
-        return self.fixed_s + self.queue_s + self.prefill_s + self.transfer_s
+        return self.model_s * self.correction
 
     @property
     def idle_s(self) -> float:
         """The prediction on the same worker with no queue ahead."""
-        return self.fixed_s + self.prefill_s + self.transfer_s
+        return (self.fixed_s + self.prefill_s + self.transfer_s) * self.correction
 
     def describe(self) -> str:
         where = f"prefill worker {self.worker_id}" if self.worker_id else "the decode worker (local prefill)"
-        return (f"{1000 * self.ttft_s:.0f} ms = queue {1000 * self.queue_s:.0f} + prefill {1000 * self.prefill_s:.0f}"
-                f" + transfer {1000 * self.transfer_s:.0f} + fixed {1000 * self.fixed_s:.0f} ms on {where}")
+        return (f"{1000 * self.ttft_s:.0f} ms = (queue {1000 * self.queue_s:.0f} + prefill {1000 * self.prefill_s:.0f}"
+                f" + transfer {1000 * self.transfer_s:.0f} + fixed {1000 * self.fixed_s:.0f} ms)"
+                f" x {self.correction:.2f} observed/modelled on {where}")
 
 
 @dataclass(frozen=True)
@@ -115,7 +129,7 @@ def queued_tokens(worker: PrefillQueue, tokens_per_s: float) -> float:
 
 
 def predict_prefill(prompt_tokens: int, workers: Sequence[PrefillQueue], transfer_tokens_per_s: float,
-                    config: AdmissionConfig) -> TTFTPrediction:
+                    config: AdmissionConfig, correction: float = 1.0) -> TTFTPrediction:
     """The lowest predicted TTFT over `workers` (non-empty) for a prompt of `prompt_tokens`."""
     if not workers:
         raise ValueError("workers is empty: need at least one prefill worker")
@@ -127,15 +141,17 @@ def predict_prefill(prompt_tokens: int, workers: Sequence[PrefillQueue], transfe
         speed = w.tokens_per_s or fallback
         uncached_tokens = prompt_tokens - min(w.cached_tokens, prompt_tokens)
         predictions.append(TTFTPrediction(w.worker_id, config.fixed_s, queued_tokens(w, speed) / speed,
-                                          uncached_tokens / speed, uncached_tokens / transfer_tokens_per_s))
+                                          uncached_tokens / speed, uncached_tokens / transfer_tokens_per_s,
+                                          correction))
     return min(predictions, key=lambda p: (p.ttft_s, p.worker_id))
 
 
-def predict_local(uncached_tokens: int, workers: Sequence[PrefillQueue], config: AdmissionConfig) -> TTFTPrediction:
+def predict_local(uncached_tokens: int, workers: Sequence[PrefillQueue], config: AdmissionConfig,
+                  correction: float = 1.0) -> TTFTPrediction:
     """A prefill on the decode worker itself: no prefill queue, no transfer. Decode workers report no prefill speed;
     the prefill workers' (same model, same kind of device in duet up) stands in for it."""
     speed = fallback_tokens_per_s(workers, config)
-    return TTFTPrediction("", config.fixed_s, 0.0, uncached_tokens / speed, 0.0)
+    return TTFTPrediction("", config.fixed_s, 0.0, uncached_tokens / speed, 0.0, correction)
 
 
 def decide(prediction: TTFTPrediction, config: AdmissionConfig) -> AdmissionDecision:

@@ -420,7 +420,6 @@ class RequestOrchestrator:
                     client: ClientStream) -> tuple[pb.GenerateResponse, bool]:
         """The client message of the prefill worker's token 0 (done: it ends the request); usage and timing noted."""
         self.metrics.request_prefilled(len(request.prompt_token_ids), plan.predicted_cached_tokens, first.cached_tokens)
-        client.timing.predicted_ttft_s = plan.prediction.ttft_s if plan.prediction is not None else 0.0
         client.timing.queue_s, client.timing.prefill_s = first.queue_s, first.prefill_s
         client.timing.transfer_s = first.transfer_s
         client.usage.cached_tokens = first.cached_tokens
@@ -428,9 +427,16 @@ class RequestOrchestrator:
         message, done = client.tokens([first.token_id], [first.logprob] if first.logprob is not None else [],
                                       first.finish_reason, first.stop_token_id)
         message.prefill_worker, message.decode_worker = plan.prefill.worker_id, plan.decode.worker_id
-        client.timing.ttft_s = time.monotonic() - request.received_s
-        self.metrics.first_token_sent(client.timing.ttft_s, client.timing.predicted_ttft_s)
+        self.first_token_sent(client, plan)
         return message, done
+
+    def first_token_sent(self, client: ClientStream, plan: HandOffPlan) -> None:
+        """The request's token 0 goes out now (from a prefill worker, or a decode worker prefilling locally)."""
+        client.timing.ttft_s = time.monotonic() - client.received_s
+        if plan.prediction is not None:
+            client.timing.predicted_ttft_s = plan.prediction.ttft_s
+            self.admission.first_token(client.timing.ttft_s, plan.prediction)
+        self.metrics.first_token_sent(client.timing.ttft_s, client.timing.predicted_ttft_s)
 
     def migrate(self, request: RoutedRequest, client: ClientStream, live: Live,
                 helds: list[_HeldReservation]) -> tuple[HandOffPlan, int]:
@@ -496,9 +502,7 @@ class RequestOrchestrator:
             for reply in stream:
                 first_message = not client.output_token_ids and bool(reply.token_ids)
                 if first_message:  # prefilled locally: token 0 comes from D's stream
-                    client.timing.ttft_s = time.monotonic() - client.received_s
-                    client.timing.predicted_ttft_s = plan.prediction.ttft_s if plan.prediction is not None else 0.0
-                    self.metrics.first_token_sent(client.timing.ttft_s, client.timing.predicted_ttft_s)
+                    self.first_token_sent(client, plan)
                 elif client.timing.first_decode_s == 0 and reply.token_ids:
                     client.timing.first_decode_s = time.monotonic() - client.received_s - client.timing.ttft_s
                 message, done = client.tokens(

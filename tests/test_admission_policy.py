@@ -1,4 +1,5 @@
-"""SLO-aware admission's pure parts (router/admission_policy.py, router/kv_transfer_rate.py) and the goodput
+"""SLO-aware admission's pure parts (router/admission_policy.py, router/kv_transfer_rate.py,
+router/ttft_correction.py) and the goodput
 metrics (router/metrics.py): exact predictions, exact decisions at the boundaries, exact counts."""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from router.admission_policy import (
 )
 from router.kv_transfer_rate import DEFAULT_TOKENS_PER_S, KVTransferRate
 from router.metrics import RouterMetrics
+from router.ttft_correction import MAX_CORRECTION, MIN_CORRECTION, TTFTCorrection
 
 # round numbers: 10,000 prefill tokens/s, 100,000 transferred tokens/s, 10 ms fixed, SLO 100 ms
 CONFIG = AdmissionConfig(slo_ttft_s=0.1, fixed_s=0.01, default_tokens_per_s=10_000.0)
@@ -82,6 +84,36 @@ def test_a_local_prefill_waits_in_no_prefill_queue():
     p = predict_local(20, [queue(inflight=10**6, speed=20_000.0)], CONFIG)
     assert (p.worker_id, p.queue_s, p.prefill_s, p.transfer_s) == ("", 0.0, 0.001, 0.0)
     assert decide(p, CONFIG).admit and "decode worker" in p.describe()
+
+
+def test_the_correction_multiplies_the_model_and_judges_the_idle_part_too():
+    # queue 100 ms + prefill 50 + transfer 5 + fixed 10 = 165 ms modelled; observed twice that lately
+    p = predict_prefill(500, [queue(inflight=1_000)], TRANSFER, CONFIG, correction=2.0)
+    assert (p.model_s, p.ttft_s, p.idle_s) == pytest.approx((0.165, 0.33, 0.13))
+    assert "x 2.00 observed/modelled" in p.describe()
+    # idle 65 ms x 2 = 130 ms > the 100 ms SLO: the request would miss it anyway, so it is served, not refused
+    assert decide(p, CONFIG).admit
+    # at x 1.5 the idle part (97.5 ms) meets the SLO and the queue makes it miss: refused, retry after 148 ms
+    p = predict_prefill(500, [queue(inflight=1_000)], TRANSFER, CONFIG, correction=1.5)
+    assert (decide(p, CONFIG).admit, decide(p, CONFIG).retry_after_ms) == (False, 148)
+    with pytest.raises(ValueError, match="correction=0 is invalid: must be > 0"):
+        TTFTPrediction("p0", 0.01, 0.0, 0.0, 0.0, correction=0)
+
+
+def test_the_correction_is_the_decayed_ratio_of_observed_to_modelled_within_its_bounds():
+    c = TTFTCorrection()
+    assert c.value == 1.0  # nothing observed yet
+    c.observe(0.2, 0.1)
+    assert c.value == pytest.approx(2.0)
+    c.observe(0.1, 0.1)  # (0.9 * 0.2 + 0.1) / (0.9 * 0.1 + 0.1) = 0.28 / 0.19
+    assert c.value == pytest.approx(0.28 / 0.19)
+    c.observe(0.0, 0.1)  # no measurement: ignored
+    c.observe(0.1, 0.0)
+    assert c.value == pytest.approx(0.28 / 0.19)
+    slow, fast = TTFTCorrection(), TTFTCorrection()
+    slow.observe(100.0, 0.1)  # a restart's outlier cannot make admission refuse everything
+    fast.observe(0.001, 0.1)
+    assert (slow.value, fast.value) == (MAX_CORRECTION, MIN_CORRECTION)
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [

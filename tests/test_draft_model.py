@@ -34,6 +34,14 @@ def other_draft_dir(tmp_path_factory, tiny_llama_dir):
                            kv_heads=2, vocab=512, seed=11)
 
 
+@pytest.fixture(scope="module")
+def narrow_draft_dir(tmp_path_factory):
+    """A draft whose KV is shaped unlike tiny_llama_dir's (1 layer x 1 KV head x head_dim 8, against 2 x 2 x 16),
+    with its tokenizer: the usual case of a smaller checkpoint."""
+    return make_tiny_model(tmp_path_factory.mktemp("narrow-draft"), arch="llama", layers=1, hidden=32, heads=4,
+                           kv_heads=1, vocab=512, seed=13)
+
+
 def test_while_speculation_is_switched_off_the_draft_skips_prompts_too(tiny_llama_dir, monkeypatch):
     """The measured back-off (engine/speculation_payoff.py) off at the running batch's size: a prompt is not fed to
     the draft (that work is speculation's too); on, it is, right after the target computes it."""
@@ -186,7 +194,7 @@ def test_a_draft_with_another_vocabulary_is_refused(tiny_llama_dir, tmp_path):
 def test_a_draft_at_tensor_parallel_runs_whole_on_rank_0(tiny_llama_dir):
     """TP=2: the draft (the target itself) runs unsharded beside rank 0's shard; the step broadcast carries its guesses
     to the follower rank, the tokens are TP=1's plain ones, and nearly every guess is accepted (the sharded target's
-    sums differ from the whole draft's in rounding only). Its KV never travels at TP > 1."""
+    sums differ from the whole draft's in rounding only). In a cluster its KV travels from rank 0 alone."""
     prompts = [[3, 4, 5] * 6, [9, 8, 7, 6] * 3 + [2]]
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in LLM(tiny_llama_dir, max_model_len=256).generate(prompts, params,
@@ -198,7 +206,7 @@ def test_a_draft_at_tensor_parallel_runs_whole_on_rank_0(tiny_llama_dir):
         assert speculation.num_accepted_tokens >= 0.9 * speculation.num_draft_tokens
         runtime = llm.engine.runtime
         assert runtime.drafter.runner.kv_caches[0][0].shape[0] == 2 * runtime.kv_caches[0][0].shape[0]  # whole
-        assert not runtime.draft_ships_kv
+        assert runtime.draft_ships_kv and len(runtime.transfer_draft_caches) == len(runtime.drafter.runner.kv_caches)
         runtime.block_pool.check_integrity()
     assert got == want
 
@@ -214,12 +222,19 @@ def test_the_draft_and_its_kv_are_in_the_memory_budget(tiny_llama_dir):
     assert caches[0][0].shape[1] == drafted.engine.runtime.kv_caches[0][0].shape[1]  # block for block
 
 
-def test_a_cluster_ships_the_drafts_prompt_kv_with_the_targets(tiny_llama_dir, other_draft_dir):
-    """Disaggregated: the prefill worker runs the draft over every prompt it computes and its KV layers travel after
-    the target's (a draft of the target's KV shape), so the decode worker drafts from the first step without feeding
-    the draft any prompt: it computes only the guesses and the tokens since the prefill."""
+def scrape(port: int) -> dict[str, float]:
     import urllib.request
 
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("duet_")}
+
+
+def test_a_cluster_ships_the_drafts_prompt_kv_with_the_targets(tiny_llama_dir, narrow_draft_dir):
+    """Disaggregated, with a draft of another KV shape than the target's: the prefill worker runs the draft over every
+    prompt it computes and the draft's layers travel after the target's, so the decode worker drafts from the first
+    step without feeding the draft any prompt token: it computes only the guesses and the tokens since the prefill.
+    The tokens are the offline engine's with the same draft, and every block returns to its pool."""
     from cluster_helpers import wait_idle
 
     from deploy.local_cluster import ClusterConfig, LocalCluster
@@ -227,41 +242,39 @@ def test_a_cluster_ships_the_drafts_prompt_kv_with_the_targets(tiny_llama_dir, o
     from engine.ports import pick_free_port
 
     ports = {"prefill": pick_free_port(), "decode": pick_free_port()}
-    spec = ["--speculative-config", json.dumps(draft_config(other_draft_dir, k=3))]
-    config = ClusterConfig(model_dir=str(tiny_llama_dir), worker_args=["--max-model-len", "512", *spec],
+    spec = draft_config(narrow_draft_dir, k=3)
+    config = ClusterConfig(model_dir=str(tiny_llama_dir),
+                           worker_args=["--max-model-len", "512", "--speculative-config", json.dumps(spec)],
                            prefill_args=["--metrics-port", str(ports["prefill"])],
                            decode_args=["--metrics-port", str(ports["decode"])], router_args=["--max-model-len", "512"])
     prompts = [p * 6 for p in repetitive_prompts()]  # 150..250 tokens
     params = greedy(8)
-    want = [o.outputs[0].token_ids for o in LLM(tiny_llama_dir, max_model_len=512).generate(prompts, params,
-                                                                                             use_tqdm=False)]
+    offline = LLM(tiny_llama_dir, max_model_len=512, speculative_config=spec)
+    want = [o.outputs[0].token_ids for o in offline.generate(prompts, params, use_tqdm=False)]
     with LocalCluster(config).start() as cluster, Client(cluster.router_address) as client:
         got = [stream_to_record(client.generate(p, params, timeout_s=60))["token_ids"] for p in prompts]
         assert got == want
-        wait_idle(cluster)  # every block back in its pool
-        scraped = {}
-        for role, port in ports.items():
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-                text = response.read().decode()
-            scraped[role] = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                             if line.startswith("duet_")}
+        wait_idle(cluster)  # every block back in its pool, the integrity checks passed
+        scraped = {role: scrape(port) for role, port in ports.items()}
     prompt_tokens = sum(len(p) for p in prompts)
     assert scraped["prefill"]["duet_draft_computed_tokens_total"] >= prompt_tokens  # the prompts, for their KV
+    assert scraped["decode"]["duet_draft_prompt_catch_up_tokens_total"] == 0
     # decode: per request about one token and two guesses a step, for 8 tokens; the prompts never
     assert 0 < scraped["decode"]["duet_draft_computed_tokens_total"] < 0.3 * prompt_tokens
     assert scraped["decode"]["duet_spec_decode_num_draft_tokens_total"] > 0
 
 
 def test_workers_with_different_drafts_refuse_each_others_kv():
-    from kvtransfer.layout import KVLayout
+    from kvtransfer.layout import KVLayout, LayerShape
 
-    target = KVLayout("m", "float32", 16, 4, 2, 16)
-    with_draft = KVLayout("m", "float32", 16, 5, 2, 16, draft="tiny-draft:none")
+    target = KVLayout("m", "float32", 16, (LayerShape(4, 2, 16),))
+    with_draft = KVLayout("m", "float32", 16, (LayerShape(4, 2, 16), LayerShape(1, 2, 16)), draft="tiny-draft:none")
     problem = with_draft.mismatch(target)
     assert problem.startswith("draft models differ (sender tiny-draft:none, receiver none): the draft's KV travels "
                               "with the target's, so prefill and decode workers need the same draft_model")
-    assert "num_layers: sender 5 != receiver 4" in problem
-    assert with_draft.fingerprint() != KVLayout("m", "float32", 16, 5, 2, 16, draft="tiny-draft:int4").fingerprint()
+    assert "draft layers: sender 1 layers x 2 KV heads x head_dim 16 != receiver none" in problem
+    assert with_draft.fingerprint() != KVLayout("m", "float32", 16, (LayerShape(4, 2, 16), LayerShape(1, 2, 16)),
+                                                draft="tiny-draft:int4").fingerprint()
 
 
 @pytest.mark.slow

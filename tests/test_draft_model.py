@@ -264,6 +264,104 @@ def test_a_cluster_ships_the_drafts_prompt_kv_with_the_targets(tiny_llama_dir, n
     assert scraped["decode"]["duet_spec_decode_num_draft_tokens_total"] > 0
 
 
+@pytest.mark.slow
+def test_a_tp2_cluster_ships_the_drafts_kv_from_rank_0(tiny_llama_dir, narrow_draft_dir):
+    """TP=2 prefill and decode workers: the draft runs whole on each rank 0, so its KV travels rank 0 to rank 0 after
+    rank 0's shard of the target (rank 1 ships and takes the target's shard alone); the decode worker feeds the draft
+    no prompt token and the tokens are TP=1's offline ones."""
+    from cluster_helpers import children, wait_idle, worker_components
+
+    from deploy.local_cluster import ClusterConfig, LocalCluster
+    from duet.client import Client, stream_to_record
+    from engine.ports import pick_free_port
+
+    port = pick_free_port()
+    spec = draft_config(narrow_draft_dir, k=3)
+    config = ClusterConfig(model_dir=str(tiny_llama_dir), router_args=["--max-model-len", "512"],
+                           worker_args=["--max-model-len", "512", "--tp", "2", "--layer-group-size", "1",
+                                        "--speculative-config", json.dumps(spec)],
+                           decode_args=["--metrics-port", str(port)])
+    prompts = [p * 4 for p in repetitive_prompts()[:3]]
+    params = greedy(8)
+    want = [o.outputs[0].token_ids for o in LLM(tiny_llama_dir, max_model_len=512).generate(prompts, params,
+                                                                                             use_tqdm=False)]
+    with LocalCluster(config).start() as cluster, Client(cluster.router_address) as client:
+        assert all(len(children(c.pid)) == 1 for c in worker_components(cluster))  # rank 1 of each worker
+        got = [stream_to_record(client.generate(p, params, timeout_s=60))["token_ids"] for p in prompts]
+        assert got == want
+        wait_idle(cluster)
+        scraped = scrape(port)
+    assert scraped["duet_draft_prompt_catch_up_tokens_total"] == 0
+    assert scraped["duet_spec_decode_num_draft_tokens_total"] > 0
+
+
+@pytest.mark.slow
+def test_requests_migrate_with_their_draft_kv(tiny_llama_dir, narrow_draft_dir):
+    """A decode worker SIGKILLed mid-stream: the router has prompt + tokens sent prefilled again, the prefill worker
+    runs the draft over all of them and ships its KV with the target's, and the surviving decode worker goes on
+    drafting; every stream gets the undisturbed tokens (greedy and seeded)."""
+    from cluster_helpers import wait_idle
+    from test_migration import kill_first_decode_worker_mid_stream, migrated_from
+
+    from deploy.local_cluster import ClusterConfig, LocalCluster
+
+    spec = draft_config(narrow_draft_dir, k=3)
+    args = ["--num-kv-blocks", "200", "--max-model-len", "1024", "--max-num-batched-tokens", "64"]
+    config = ClusterConfig(model_dir=str(tiny_llama_dir), num_decode=2,
+                           worker_args=[*args, "--speculative-config", json.dumps(spec)],
+                           router_args=["--max-model-len", "1024"])
+    prompts = [[3 + i, 17, 99 + i, 4, 250 - i] * (i + 4) for i in range(4)]
+    params = [SamplingParams(max_tokens=80, ignore_eos=True, **(dict(temperature=0) if i % 2 == 0 else
+                                                               dict(temperature=0.9, top_p=0.95, seed=100 + i)))
+              for i in range(4)]
+    offline = LLM(tiny_llama_dir, num_kv_blocks=200, max_model_len=1024, speculative_config=spec)
+    expected = [o.outputs[0].token_ids for o in offline.generate(prompts, params, use_tqdm=False)]
+    with LocalCluster(config).start() as cluster:
+        results, _, victim, victim_proc = kill_first_decode_worker_mid_stream(
+            cluster, tiny_llama_dir.resolve().name, prompts, params)
+        assert [results[i] for i in range(len(prompts))] == expected
+        assert migrated_from(cluster, victim) >= 1
+        wait_idle(cluster, skip=(victim_proc.name,))
+
+
+def test_a_decode_worker_with_another_draft_is_refused(tiny_llama_dir, narrow_draft_dir, other_draft_dir):
+    """The prefill worker ships a narrow draft's KV, the decode worker drafts with another model: the router pairs
+    them for no request, and straight to the workers the KV handshake refuses, naming both drafts and their shapes."""
+    import grpc
+    from cluster_helpers import internal_channel, rpc_error, wait_idle, worker_components
+
+    from deploy.local_cluster import ClusterConfig, LocalCluster
+    from duet.client import Client, stream_to_record
+    from duet.internal.v1 import workers_pb2 as wpb
+    from duet.internal.v1 import workers_pb2_grpc as wpb_grpc
+
+    config = ClusterConfig(
+        model_dir=str(tiny_llama_dir), worker_args=["--max-model-len", "256"],
+        prefill_args=["--speculative-config", json.dumps(draft_config(narrow_draft_dir))],
+        decode_args=["--speculative-config", json.dumps(draft_config(other_draft_dir))],
+        router_args=["--max-model-len", "256", "--worker-wait-s", "1"])
+    with LocalCluster(config).start() as cluster:
+        with Client(cluster.router_address) as client:
+            e = rpc_error(lambda: stream_to_record(client.generate([1, 2, 3], greedy(2), timeout_s=30)))
+        assert e.code() == grpc.StatusCode.FAILED_PRECONDITION and "draft model (--speculative-config)" in e.details()
+        prefill, decode = (next(c for c in worker_components(cluster) if c.name.startswith(r))
+                           for r in ("prefill", "decode"))
+        with internal_channel(decode.address) as dch, internal_channel(prefill.address) as pch:
+            reserved = wpb_grpc.DecodeWorkerStub(dch).Reserve(
+                wpb.ReserveRequest(request_id="x", prompt_token_ids=[1, 2, 3]), timeout=10)
+            target = wpb.KVTarget(kv_address=reserved.kv_address, reservation_id=reserved.reservation_id)
+            e = rpc_error(lambda: wpb_grpc.PrefillWorkerStub(pch).Prefill(
+                wpb.PrefillRequest(request_id="x", prompt_token_ids=[1, 2, 3], target=target), timeout=10))
+            assert e.code() == grpc.StatusCode.FAILED_PRECONDITION
+            narrow, other = (f"{d.resolve().name}:none" for d in (narrow_draft_dir, other_draft_dir))
+            assert f"draft models differ (sender {narrow}, receiver {other})" in e.details()
+            assert "draft num_kv_heads: sender 1 != receiver 2" in e.details()
+            assert "draft head_dim: sender 8 != receiver 16" in e.details()
+            assert wpb_grpc.DecodeWorkerStub(dch).Release(
+                wpb.ReleaseRequest(reservation_id=reserved.reservation_id), timeout=10).found
+        wait_idle(cluster)
+
+
 def test_workers_with_different_drafts_refuse_each_others_kv():
     from kvtransfer.layout import KVLayout, LayerShape
 

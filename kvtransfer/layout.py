@@ -108,17 +108,20 @@ class KVLayout:
     def _shape_of_layer(self) -> tuple[LayerShape, ...]:
         return tuple(s for s in self.shapes for _ in range(s.num_layers))
 
+    @cached_property
+    def _block_bytes_of_layer(self) -> tuple[int, ...]:  # looked up per message: computed once
+        return tuple(s.num_kv_heads * self.block_size * s.head_dim * self.element_bytes for s in self._shape_of_layer)
+
     def shape_of(self, layer: int) -> LayerShape:
         return self._shape_of_layer[layer]
 
     def layer_block_bytes(self, layer: int) -> int:
         """Bytes of one block of `layer`, K or V alone."""
-        s = self._shape_of_layer[layer]
-        return s.num_kv_heads * self.block_size * s.head_dim * self.element_bytes
+        return self._block_bytes_of_layer[layer]
 
     def payload_bytes(self, layer_start: int, layer_end: int, num_blocks: int) -> int:
         """Bytes of a WRITE payload of layers [layer_start, layer_end) x `num_blocks` blocks, K and V."""
-        return 2 * num_blocks * sum(self.layer_block_bytes(layer) for layer in range(layer_start, layer_end))
+        return 2 * num_blocks * sum(self._block_bytes_of_layer[layer_start:layer_end])
 
     def payload_views(self, payload: torch.Tensor, layer_start: int, layer_end: int,
                       num_blocks: int) -> list[torch.Tensor]:

@@ -6,7 +6,8 @@ the draft's KV shape), alternated repeat by repeat.
 
     .venv/bin/python benchmarks/draft_placement.py [--tokens 256 1024 4096] [--repeats 3]
 
-The draft is the default model's GGUF held as --quantization (auto: its Q4_1 weights kept), the activations fp32:
+The draft is --draft (a checkpoint directory or .gguf), by default the default model's GGUF held as --quantization
+(auto: its Q4_1 weights kept), the activations fp32:
 the self-draft of benchmarks/speculative_bench.py --method draft_model.
 """
 
@@ -58,6 +59,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, nargs="+", default=[256, 1024, 4096])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--quantization", default="auto")
+    p.add_argument("--draft", type=Path, default=None, help="the draft checkpoint (default: the default model's GGUF)")
     p.add_argument("--threads", type=int, default=os.cpu_count())
     args = p.parse_args()
     from engine.config import ModelConfig
@@ -68,7 +70,7 @@ def main() -> None:
     from engine.weights import build_model
 
     torch.set_num_threads(args.threads)
-    path = default_model_path()
+    path = args.draft or default_model_path()
     config = ModelConfig.from_path(path)
     block_size = 16
     num_blocks = -(-max(args.tokens) // block_size)

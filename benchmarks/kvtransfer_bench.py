@@ -28,15 +28,16 @@ import xxhash
 from cluster import internal_tls
 from cluster.internal_tls import InternalTLS, kv_receiver_tls, kv_sender_tls
 from kvtransfer import KVLayout, KVReceiver, KVSender, ReservationTable
+from kvtransfer.layout import LayerShape
 
 GiB = 1 << 30
 
 
 def make_caches(layout: KVLayout, num_blocks: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
-    shape = (layout.num_kv_heads, num_blocks, layout.block_size, layout.head_dim)
     caches = []
-    for _ in range(layout.num_layers):
+    for layer in range(layout.num_layers):
+        shape = (layout.shape_of(layer).num_kv_heads, num_blocks, layout.block_size, layout.shape_of(layer).head_dim)
         pair = tuple(torch.empty(shape, dtype=layout.torch_dtype) for _ in range(2))
         for t in pair:  # random bytes: content does not matter to the copy, only that it is not all zeros
             t.view(torch.uint8).view(-1).copy_(torch.randint(0, 256, (t.numel() * t.element_size(),),
@@ -129,8 +130,8 @@ def main() -> None:
     parser.add_argument("--staging-mib", type=int, default=512, help="KVSender max_staging_bytes, in MiB")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    layout = KVLayout("bench", args.dtype, args.block_size, args.layers, args.kv_heads, args.head_dim)
-    bytes_per_token = 2 * layout.num_layers * layout.block_bytes() // layout.block_size
+    layout = KVLayout("bench", args.dtype, args.block_size, (LayerShape(args.layers, args.kv_heads, args.head_dim),))
+    bytes_per_token = layout.payload_bytes(0, layout.num_layers, 1) // layout.block_size
     max_blocks = -(-max(args.tokens) // layout.block_size)
     num_blocks = max_blocks + 64
     cache_gib = num_blocks * layout.block_size * bytes_per_token / GiB
@@ -166,7 +167,7 @@ def main() -> None:
 def measure(args, layout: KVLayout, caches, table: ReservationTable, endpoints: dict[str, str], conn,
             child) -> dict[str, dict[int, list[float]]]:
     """Seconds per sample, by path and prompt length; the first sample of each cell is an untimed warm-up."""
-    bytes_per_token = 2 * layout.num_layers * layout.block_bytes() // layout.block_size
+    bytes_per_token = layout.payload_bytes(0, layout.num_layers, 1) // layout.block_size
     num_blocks = caches[0][0].shape[1]
     rng = np.random.default_rng(args.seed)
     max_bytes = max(args.tokens) * bytes_per_token

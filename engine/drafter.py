@@ -21,14 +21,16 @@ preempted request is forgotten (its blocks may have held others' KV before it ge
 counts only while the block table under it is unchanged (a block trimmed after a rejection may come back as
 another one).
 
-In a disaggregated cluster the decode worker drafts, and the draft's prompt KV comes with the target's when the
-two caches have one shape (`Runtime.draft_ships_kv`): the prefill worker runs the draft over every chunk it
-computes (`shadow`) and its layers travel after the target's (kvtransfer/layout.py: `draft` in the layout, so
-workers with other drafts refuse each other at the handshake); the decode worker takes the prompt as drafted
-(`adopt`). Measured
-(benchmarks/draft_placement.py): shipping the draft's KV costs 1/40 to 1/110 of recomputing it on the decode
-worker, whose every step would wait for that. A draft of another shape is fed its prompt on the decode worker,
-at most `max_catch_up_tokens` a step.
+In a disaggregated cluster the decode worker drafts, and the draft's prompt KV comes with the target's, whatever
+the draft's shape (`Runtime.draft_ships_kv`): the prefill worker runs the draft over every chunk it computes
+(`shadow`) and its layers travel after the target's (kvtransfer/layout.py: the draft's layers are a second
+`LayerShape`, `draft` names it, so workers with other drafts, or drafts of other shapes, refuse each other at the
+handshake); the decode worker takes the prompt as drafted (`adopt`), and feeds the draft no prompt token
+(`num_prompt_catch_up_tokens` stays 0). At tp_size > 1 only rank 0, where the draft runs whole, ships and receives
+it. Measured (benchmarks/draft_placement.py, benchmarks/RESULTS.md): shipping the draft's KV costs 1/40 to 1/110 of
+recomputing it on the decode worker, whose every step would wait for that. Where a request's draft KV is missing
+(a preempted request's, a prompt computed while speculation was off), the draft is fed it while guessing, at most
+`max_catch_up_tokens` a step.
 """
 
 from __future__ import annotations
@@ -99,6 +101,7 @@ class Drafter:
         # only acceptance: verification is exact)
         self._block_prefixes: dict[int, int] = {}
         self.num_fed_tokens = 0  # tokens the draft computed (catch-up chunks and guesses): its cost
+        self.num_prompt_catch_up_tokens = 0  # of which prompt tokens fed while guessing: what shipping its KV saves
 
     def propose(self, chunks: list[ScheduledChunk]) -> None:
         """Fill every DRAFT_PENDING guess of the step's chunks with the draft's greedy tokens. A chunk with
@@ -120,6 +123,7 @@ class Drafter:
             end = min(len(token_ids), start + budget)
             budget -= end - start
             if end > start:
+                self.num_prompt_catch_up_tokens += max(min(end, len(chunk.prompt_token_ids)) - start, 0)
                 feeds.append(self._feed(chunk, token_ids[start:end], start, [], sample=end == len(token_ids)))
             if end == len(token_ids):
                 guessing.append((chunk, start))
@@ -220,11 +224,6 @@ class Drafter:
     def adopt(self, request_id: str, token_ids: list[int], block_ids: list[int]) -> None:
         """The draft KV of `token_ids` (from position 0) arrived in `block_ids` with the target's."""
         self._wrote(request_id, list(token_ids), block_ids, 0)
-
-    def kv_has_shape_of(self, target_caches: list) -> bool:
-        """Whether the draft's per-layer KV cache is shaped as the target's (then it can travel with it)."""
-        k, d = target_caches[0][0], self.runner.kv_caches[0][0]
-        return k.shape == d.shape and k.dtype == d.dtype and k.device == d.device
 
     @property
     def num_layers(self) -> int:

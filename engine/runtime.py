@@ -68,15 +68,20 @@ class Runtime:
 
     @property
     def draft_ships_kv(self) -> bool:
-        """A draft model whose KV has the target's shape: in a cluster it travels with the target's. Only at tp_size 1:
-        at more, the draft runs whole on rank 0 (`build_runtime`) beside rank 0's shard of the target, and is fed its
-        prompt on the decode worker."""
-        return self.drafter is not None and self.tp_size == 1 and self.drafter.kv_has_shape_of(self.kv_caches)
+        """With a draft model, in a cluster its prompt KV travels with the target's, whatever its shape
+        (kvtransfer/layout.py numbers the draft's layers after the target's). At tp_size > 1 the draft runs whole on
+        rank 0 (`build_runtime`) beside rank 0's shard of the target, so only rank 0 ships and receives it."""
+        return self.drafter is not None
 
     @property
     def transfer_caches(self) -> list[KVCache]:
         """The caches KV transfer moves, layer by layer: the target's, then the draft's if it travels."""
         return self.kv_caches + (self.drafter.runner.kv_caches if self.draft_ships_kv else [])
+
+    @property
+    def transfer_draft_caches(self) -> list[KVCache]:
+        """The draft's part of `transfer_caches` (empty when none travels)."""
+        return self.drafter.runner.kv_caches if self.draft_ships_kv else []
 
     @property
     def tp_size(self) -> int:

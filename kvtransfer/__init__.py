@@ -19,12 +19,13 @@ from kvtransfer.errors import (
     TransferError,
     TransferTimeout,
 )
-from kvtransfer.layout import KVLayout
+from kvtransfer.layout import KVLayout, LayerShape
 from kvtransfer.receiver import KVReceiver
 from kvtransfer.reservation import Reservation, ReservationTable
 from kvtransfer.sender import KVSender
 
 __all__ = [
-    "ChecksumMismatch", "KVLayout", "KVReceiver", "KVSender", "LayoutMismatch", "PeerGone", "ProtocolError",
+    "ChecksumMismatch", "KVLayout", "KVReceiver", "KVSender", "LayerShape", "LayoutMismatch", "PeerGone",
+    "ProtocolError",
     "Reservation", "ReservationExpired", "ReservationTable", "TransferError", "TransferTimeout",
 ]

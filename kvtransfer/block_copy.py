@@ -1,8 +1,8 @@
 """Copying a layer group's blocks between the paged caches and one contiguous message buffer.
 
-    cache (per layer, K and V)                      message buffer
-    [kv_heads, num_blocks, block_size, head_dim]    [layers, 2 (K, V), kv_heads, len(ids), block_size, head_dim]
-                 ▲ dim 1 indexed by block id         (messages.py's WRITE payload)
+    cache (per layer, K and V)                      message buffer, per layer (back to back)
+    [kv_heads, num_blocks, block_size, head_dim]    [2 (K, V), kv_heads, len(ids), block_size, head_dim]
+                 ▲ dim 1 indexed by block id         (messages.py's WRITE payload; KVLayout.payload_views)
 
 `gather` is index_select on dim 1 into the buffer; `scatter` is index_copy_ on dim 1 out of it. Each moves
 whole [block_size, head_dim] rows, so both may treat the bytes as int64 words (`_as_words`): same bytes,
@@ -12,6 +12,7 @@ and torch's fp16 index_copy_ is about 2x slower than its int64 one on CPU (1.7 v
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 
 import torch
 
@@ -33,20 +34,20 @@ def _as_words(cache: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, to
 
 
 def gather(kv_caches: KVCaches, layer_start: int, layer_end: int, block_ids: torch.Tensor,
-           out: torch.Tensor) -> None:
-    """out[i, 0 / 1] = K / V of layer layer_start + i at `block_ids` (int64 on the caches' device)."""
+           out: Sequence[torch.Tensor]) -> None:
+    """out[i][0 / 1] = K / V of layer layer_start + i at `block_ids` (int64 on the caches' device)."""
     for i, layer in enumerate(range(layer_start, layer_end)):
         for kv in range(2):
-            cache, rows = _as_words(kv_caches[layer][kv], out[i, kv])
+            cache, rows = _as_words(kv_caches[layer][kv], out[i][kv])
             torch.index_select(cache, 1, block_ids, out=rows)
 
 
 def scatter(kv_caches: KVCaches, layer_start: int, layer_end: int, block_ids: torch.Tensor,
-            data: torch.Tensor) -> None:
-    """K / V of layer layer_start + i at `block_ids` = data[i, 0 / 1]; the inverse of `gather`."""
+             data: Sequence[torch.Tensor]) -> None:
+    """K / V of layer layer_start + i at `block_ids` = data[i][0 / 1]; the inverse of `gather`."""
     for i, layer in enumerate(range(layer_start, layer_end)):
         for kv in range(2):
-            cache, rows = _as_words(kv_caches[layer][kv], data[i, kv])
+            cache, rows = _as_words(kv_caches[layer][kv], data[i][kv])
             cache.index_copy_(1, block_ids, rows)
 
 

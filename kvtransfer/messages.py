@@ -15,12 +15,16 @@ A frame (integers little-endian):
 frame with the wrong magic or version, an unknown kind, JSON over `max_json_bytes` or a payload over
 `max_payload_bytes`, before reading or allocating any of it.
 
-A WRITE payload is layers [layer_start, layer_end) of num_blocks blocks, K then V per layer:
+A WRITE payload is layers [layer_start, layer_end) of num_blocks blocks, the layers back to back, K then V per
+layer, each layer in the shape of the model it belongs to (layout.py: the target's, or a draft's):
 
-    [num_layers_in_group, 2 (K, V), num_kv_heads, num_blocks, block_size, head_dim]   layout.dtype, C order
+    layer_start                                       ...   layer_end - 1
+    [2 (K, V), num_kv_heads, num_blocks, block_size, head_dim] ... [2, num_kv_heads', ..., head_dim']   layout.dtype,
+                                                                                                       C order
 
 i.e. each layer's cache gathered on its block dim (`index_select(1, ids)`), so one message carries a whole
-layer group however many blocks it covers.
+layer group however many blocks it covers. Where every layer has one shape (no draft) that is one C-order
+[num_layers_in_group, 2, num_kv_heads, num_blocks, block_size, head_dim] array.
 
 Messages: HELLO {layout, fingerprint, transport} -> HELLO_REPLY {ok, error?, message?, max_payload_bytes,
 store_port?, store_prefix?}; then WRITE {seq, reservation_id, layer_start, layer_end, block_start,

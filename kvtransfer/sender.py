@@ -96,7 +96,7 @@ class KVSender:
         except TransferError as e:
             fail_future(future, e)
             return future
-        num_bytes = (layer_end - layer_start) * 2 * len(src_block_ids) * self.layout.block_bytes()
+        num_bytes = self.layout.payload_bytes(layer_start, layer_end, len(src_block_ids))
         if num_bytes > channel.max_payload_bytes:
             raise ValueError(f"message of {num_bytes} bytes exceeds the receiver's limit of "
                              f"{channel.max_payload_bytes} bytes: send fewer layers or blocks per call")
@@ -110,20 +110,21 @@ class KVSender:
                 num_bytes: int) -> tuple[torch.Tensor, Callable[[], None] | None]:
         """The message payload as flat bytes (layout in messages.py), and how to recycle its buffer once sent."""
         lay = self.layout
-        shape = (layer_end - layer_start, 2, lay.num_kv_heads, len(src_block_ids), lay.block_size, lay.head_dim)
         index = torch.tensor(src_block_ids, dtype=torch.long, device=self._device)
         if self._device.type == "cpu":
             staging = self._staging.take(num_bytes)
+            payload = staging[:num_bytes]
             block_copy.gather(self.kv_caches, layer_start, layer_end, index,
-                              staging[:num_bytes].view(lay.torch_dtype).view(shape))
-            return staging[:num_bytes], lambda: self._staging.give(staging)
-        out = torch.empty(shape, dtype=lay.torch_dtype, device=self._device)  # CUDA's allocator already reuses
-        block_copy.gather(self.kv_caches, layer_start, layer_end, index, out)
+                              lay.payload_views(payload, layer_start, layer_end, len(src_block_ids)))
+            return payload, lambda: self._staging.give(staging)
+        out = torch.empty(num_bytes, dtype=torch.uint8, device=self._device)  # CUDA's allocator already reuses
+        block_copy.gather(self.kv_caches, layer_start, layer_end, index,
+                          lay.payload_views(out, layer_start, layer_end, len(src_block_ids)))
         if self.transport == "tcp":
             out = out.cpu()  # sockets need host memory
         else:  # NCCL runs on the writer thread's stream: the gather must be done before it starts
             torch.cuda.current_stream(out.device).synchronize()
-        return out.view(-1).view(torch.uint8), None
+        return out, None
 
     def close(self) -> None:
         with self._lock:

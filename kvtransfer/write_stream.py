@@ -140,7 +140,7 @@ class WriteStream:
             if not 0 <= layer_start < layer_end <= lay.num_layers or num_blocks < 1:
                 raise ValueError(f"layers [{layer_start}, {layer_end}) x {num_blocks} blocks are invalid: must be "
                                  f"within [0, {lay.num_layers}) x >= 1 block")
-            expected = (layer_end - layer_start) * 2 * num_blocks * lay.block_bytes()
+            expected = lay.payload_bytes(layer_start, layer_end, num_blocks)
             if frame.payload_bytes != expected:
                 raise ValueError(f"payload of {frame.payload_bytes} bytes is invalid: layers [{layer_start}, "
                                  f"{layer_end}) x {num_blocks} blocks take {expected} bytes")
@@ -151,8 +151,7 @@ class WriteStream:
                                f"(reservation {reservation_id}, layers [{layer_start}, {layer_end}))")
                     self.reservations.fail(reservation_id, message, ChecksumMismatch)
                     raise ChecksumMismatch(message)
-            data = payload.view(lay.torch_dtype).view(layer_end - layer_start, 2, lay.num_kv_heads, num_blocks,
-                                                      lay.block_size, lay.head_dim).to(self._device)
+            data = lay.payload_views(payload.to(self._device), layer_start, layer_end, num_blocks)
 
             def write_fn(dst_block_ids: list[int]) -> None:
                 if max(dst_block_ids) >= self._num_blocks:

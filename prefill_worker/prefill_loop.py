@@ -36,6 +36,7 @@ from engine.request import Request, RequestStatus
 from engine.runtime import Runtime
 from engine.sampler import TokenLogprobs
 from engine.scheduler import ScheduledChunk
+from kvtransfer.layout import KVLayout
 from prefill_worker.follower_acks import FollowerAcks
 from prefill_worker.prefill_speed import PrefillSpeed
 from prefill_worker.tp_ops import KVSendEntry, PrefillFollowers
@@ -104,13 +105,13 @@ class _Send:
 
 
 class PrefillLoop(StepHooks):
-    def __init__(self, runtime: Runtime, send: SendFn | None, kv_bytes_per_block_layer: int, layer_group_size: int = 4,
+    def __init__(self, runtime: Runtime, send: SendFn | None, layout: KVLayout, layer_group_size: int = 4,
                  acks: FollowerAcks | None = None, on_step_tokens: Callable[[int], None] | None = None):
         if layer_group_size < 1:
             raise ValueError(f"layer_group_size={layer_group_size} is invalid: must be >= 1")
         self.rt = runtime
         self._send = send
-        self._block_layer_bytes = kv_bytes_per_block_layer
+        self._layout = layout  # what this rank's sender ships: the target's layers, then the draft's if they travel
         self.layer_group_size = layer_group_size
         self._acks = acks  # tensor parallelism: the follower ranks' reports that they sent their shards
         self._on_step_tokens = on_step_tokens  # tokens each step computed (metrics)
@@ -280,10 +281,12 @@ class PrefillLoop(StepHooks):
                     job.error = e
                     continue
                 job.transfers.append(future)
-                job.kv_bytes += (end - start) * len(send.block_ids) * self._block_layer_bytes * self.rt.tp_size
+                # every rank ships its shard of the target's layers; the draft's (whole, rank 0's) travel once
+                ranks = self.rt.tp_size if end <= self._layout.shapes[0].num_layers else 1
+                job.kv_bytes += self._layout.payload_bytes(start, end, len(send.block_ids)) * ranks
 
         # the target's layers, then the draft's when its KV travels too (engine/drafter.py): one numbering
-        return layer_group_callback(len(self.rt.transfer_caches), self.layer_group_size, ship)
+        return layer_group_callback([s.num_layers for s in self._layout.shapes], self.layer_group_size, ship)
 
     def _count_waiting_tokens(self) -> None:
         total = 0

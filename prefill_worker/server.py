@@ -77,15 +77,11 @@ class PrefillWorker(WorkerProcess, wpb_grpc.PrefillWorkerServicer):
         super().__init__(config)
         if self.rt.draft_ships_kv:
             self.rt.drafter.shadows = True  # every chunk's draft KV, shipped after the target's layers
-        elif self.rt.drafter is not None:
-            log.info("worker=%s event=draft_not_shipped draft=%s: its KV is not shaped as the target's, so decode "
-                     "workers feed it the prompt themselves", self.worker_id, self.rt.drafter.draft_id)
-            self.rt.drafter = None
         self.sender = KVSender(self.layout, self.rt.transfer_caches, transport=config.kv_transport,
                                checksum=config.kv_checksum, handshake_key=self.kv_handshake_key,
                                **kv_sender_tls(self.internal_tls))
         self.acks = FollowerAcks(self.tp_store, list(range(1, self.tp_size))) if self.tp_store is not None else None
-        self.loop = PrefillLoop(self.rt, self.sender.send, 2 * self.layout.block_bytes(), config.layer_group_size,
+        self.loop = PrefillLoop(self.rt, self.sender.send, self.layout, config.layer_group_size,
                                 self.acks, on_step_tokens=self.metrics.observe_step)
 
     def add_services(self, server: grpc.Server) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -32,13 +32,22 @@ from prefill_worker.follower_acks import AckReporter
 from prefill_worker.tp_ops import ForgetRequest, KVSendEntry, KVSends
 
 
-def layer_group_callback(num_layers: int, group_size: int, ship: Callable[[int, int], None]) -> Callable[[int], None]:
-    """`on_layer_done` that calls ship(start, end) once layers [start, end) of a group are in the cache."""
+def layer_group_callback(model_layers: Sequence[int], group_size: int,
+                         ship: Callable[[int, int], None]) -> Callable[[int], None]:
+    """`on_layer_done` that calls ship(start, end) once layers [start, end) of a group are in the cache. Groups are
+    up to `group_size` consecutive layers of one model (`model_layers`: each model's layer count in transfer order,
+    the target's, then a draft's), so a message carries one cache shape, and the target's last layers go as soon as
+    its forward has written them, not after the draft's first."""
+    group_ends, first = set(), 0
+    for num_layers in model_layers:
+        group_ends.update(range(first + group_size, first + num_layers, group_size))
+        first += num_layers
+        group_ends.add(first)
     state = {"start": 0}
 
     def on_layer_done(layer: int) -> None:
         end = layer + 1
-        if end % group_size and end != num_layers:
+        if end not in group_ends:
             return
         start, state["start"] = state["start"], end
         ship(start, end)
@@ -83,7 +92,7 @@ class PrefillRankHooks(FollowerHooks):
         if not self._pending:
             return None
         sends = self._pending
-        return layer_group_callback(self.sender.layout.num_layers, self.layer_group_size,
+        return layer_group_callback([s.num_layers for s in self.sender.layout.shapes], self.layer_group_size,
                                     lambda start, end: self._ship(sends, start, end))
 
     def _ship(self, sends: tuple[KVSendEntry, ...], start: int, end: int) -> None:

@@ -595,7 +595,7 @@ class RequestOrchestrator:
             time.sleep(WORKER_POLL_S)
 
     def compatible(self, prefills: list[LiveWorker], decode: WorkerInfo) -> list[LiveWorker]:
-        """The prefill workers whose KV layout (model, dtype, block size, TP size) the decode worker takes;
+        """The prefill workers whose KV layout (model, dtype, block size, TP size, draft model) the decode worker takes;
         FAILED_PRECONDITION naming the mismatch when there is none."""
         fits = [w for w in prefills
                 if not w.info.kv_layout or not decode.kv_layout or w.info.kv_layout == decode.kv_layout]
@@ -603,7 +603,8 @@ class RequestOrchestrator:
             raise Failed(grpc.StatusCode.FAILED_PRECONDITION,
                          f"no prefill worker can send KV to decode worker {decode.worker_id} (tp_size="
                          f"{decode.tp_size}): prefill workers run tp_size {sorted({w.info.tp_size for w in prefills})} "
-                         "or another KV layout; prefill and decode workers need the same --tp, dtype and block size")
+                         "or another KV layout; prefill and decode workers need the same --tp, dtype, block size and "
+                         "draft model (--speculative-config)")
         return fits
 
     def choose_prefill(self, prompt_token_ids: list[int], cache_salt: str, prefills: list[LiveWorker],

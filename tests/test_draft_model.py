@@ -34,6 +34,14 @@ def other_draft_dir(tmp_path_factory, tiny_llama_dir):
                            kv_heads=2, vocab=512, seed=11)
 
 
+@pytest.fixture(scope="module")
+def narrow_draft_dir(tmp_path_factory):
+    """A draft whose KV is shaped unlike tiny_llama_dir's (1 layer x 1 KV head x head_dim 8, against 2 x 2 x 16),
+    with its tokenizer: the usual case of a smaller checkpoint."""
+    return make_tiny_model(tmp_path_factory.mktemp("narrow-draft"), arch="llama", layers=1, hidden=32, heads=4,
+                           kv_heads=1, vocab=512, seed=13)
+
+
 def test_while_speculation_is_switched_off_the_draft_skips_prompts_too(tiny_llama_dir, monkeypatch):
     """The measured back-off (engine/speculation_payoff.py) off at the running batch's size: a prompt is not fed to
     the draft (that work is speculation's too); on, it is, right after the target computes it."""
@@ -186,7 +194,7 @@ def test_a_draft_with_another_vocabulary_is_refused(tiny_llama_dir, tmp_path):
 def test_a_draft_at_tensor_parallel_runs_whole_on_rank_0(tiny_llama_dir):
     """TP=2: the draft (the target itself) runs unsharded beside rank 0's shard; the step broadcast carries its guesses
     to the follower rank, the tokens are TP=1's plain ones, and nearly every guess is accepted (the sharded target's
-    sums differ from the whole draft's in rounding only). Its KV never travels at TP > 1."""
+    sums differ from the whole draft's in rounding only). In a cluster its KV travels from rank 0 alone."""
     prompts = [[3, 4, 5] * 6, [9, 8, 7, 6] * 3 + [2]]
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in LLM(tiny_llama_dir, max_model_len=256).generate(prompts, params,
@@ -198,7 +206,7 @@ def test_a_draft_at_tensor_parallel_runs_whole_on_rank_0(tiny_llama_dir):
         assert speculation.num_accepted_tokens >= 0.9 * speculation.num_draft_tokens
         runtime = llm.engine.runtime
         assert runtime.drafter.runner.kv_caches[0][0].shape[0] == 2 * runtime.kv_caches[0][0].shape[0]  # whole
-        assert not runtime.draft_ships_kv
+        assert runtime.draft_ships_kv and len(runtime.transfer_draft_caches) == len(runtime.drafter.runner.kv_caches)
         runtime.block_pool.check_integrity()
     assert got == want
 
@@ -214,12 +222,19 @@ def test_the_draft_and_its_kv_are_in_the_memory_budget(tiny_llama_dir):
     assert caches[0][0].shape[1] == drafted.engine.runtime.kv_caches[0][0].shape[1]  # block for block
 
 
-def test_a_cluster_ships_the_drafts_prompt_kv_with_the_targets(tiny_llama_dir, other_draft_dir):
-    """Disaggregated: the prefill worker runs the draft over every prompt it computes and its KV layers travel after
-    the target's (a draft of the target's KV shape), so the decode worker drafts from the first step without feeding
-    the draft any prompt: it computes only the guesses and the tokens since the prefill."""
+def scrape(port: int) -> dict[str, float]:
     import urllib.request
 
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("duet_")}
+
+
+def test_a_cluster_ships_the_drafts_prompt_kv_with_the_targets(tiny_llama_dir, narrow_draft_dir):
+    """Disaggregated, with a draft of another KV shape than the target's: the prefill worker runs the draft over every
+    prompt it computes and the draft's layers travel after the target's, so the decode worker drafts from the first
+    step without feeding the draft any prompt token: it computes only the guesses and the tokens since the prefill.
+    The tokens are the offline engine's with the same draft, and every block returns to its pool."""
     from cluster_helpers import wait_idle
 
     from deploy.local_cluster import ClusterConfig, LocalCluster
@@ -227,41 +242,137 @@ def test_a_cluster_ships_the_drafts_prompt_kv_with_the_targets(tiny_llama_dir, o
     from engine.ports import pick_free_port
 
     ports = {"prefill": pick_free_port(), "decode": pick_free_port()}
-    spec = ["--speculative-config", json.dumps(draft_config(other_draft_dir, k=3))]
-    config = ClusterConfig(model_dir=str(tiny_llama_dir), worker_args=["--max-model-len", "512", *spec],
+    spec = draft_config(narrow_draft_dir, k=3)
+    config = ClusterConfig(model_dir=str(tiny_llama_dir),
+                           worker_args=["--max-model-len", "512", "--speculative-config", json.dumps(spec)],
                            prefill_args=["--metrics-port", str(ports["prefill"])],
                            decode_args=["--metrics-port", str(ports["decode"])], router_args=["--max-model-len", "512"])
     prompts = [p * 6 for p in repetitive_prompts()]  # 150..250 tokens
     params = greedy(8)
-    want = [o.outputs[0].token_ids for o in LLM(tiny_llama_dir, max_model_len=512).generate(prompts, params,
-                                                                                             use_tqdm=False)]
+    offline = LLM(tiny_llama_dir, max_model_len=512, speculative_config=spec)
+    want = [o.outputs[0].token_ids for o in offline.generate(prompts, params, use_tqdm=False)]
     with LocalCluster(config).start() as cluster, Client(cluster.router_address) as client:
         got = [stream_to_record(client.generate(p, params, timeout_s=60))["token_ids"] for p in prompts]
         assert got == want
-        wait_idle(cluster)  # every block back in its pool
-        scraped = {}
-        for role, port in ports.items():
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-                text = response.read().decode()
-            scraped[role] = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                             if line.startswith("duet_")}
+        wait_idle(cluster)  # every block back in its pool, the integrity checks passed
+        scraped = {role: scrape(port) for role, port in ports.items()}
     prompt_tokens = sum(len(p) for p in prompts)
     assert scraped["prefill"]["duet_draft_computed_tokens_total"] >= prompt_tokens  # the prompts, for their KV
+    assert scraped["decode"]["duet_draft_prompt_catch_up_tokens_total"] == 0
     # decode: per request about one token and two guesses a step, for 8 tokens; the prompts never
     assert 0 < scraped["decode"]["duet_draft_computed_tokens_total"] < 0.3 * prompt_tokens
     assert scraped["decode"]["duet_spec_decode_num_draft_tokens_total"] > 0
 
 
-def test_workers_with_different_drafts_refuse_each_others_kv():
-    from kvtransfer.layout import KVLayout
+@pytest.mark.slow
+def test_a_tp2_cluster_ships_the_drafts_kv_from_rank_0(tiny_llama_dir, narrow_draft_dir):
+    """TP=2 prefill and decode workers: the draft runs whole on each rank 0, so its KV travels rank 0 to rank 0 after
+    rank 0's shard of the target (rank 1 ships and takes the target's shard alone); the decode worker feeds the draft
+    no prompt token and the tokens are TP=1's offline ones."""
+    from cluster_helpers import children, wait_idle, worker_components
 
-    target = KVLayout("m", "float32", 16, 4, 2, 16)
-    with_draft = KVLayout("m", "float32", 16, 5, 2, 16, draft="tiny-draft:none")
+    from deploy.local_cluster import ClusterConfig, LocalCluster
+    from duet.client import Client, stream_to_record
+    from engine.ports import pick_free_port
+
+    port = pick_free_port()
+    spec = draft_config(narrow_draft_dir, k=3)
+    config = ClusterConfig(model_dir=str(tiny_llama_dir), router_args=["--max-model-len", "512"],
+                           worker_args=["--max-model-len", "512", "--tp", "2", "--layer-group-size", "1",
+                                        "--speculative-config", json.dumps(spec)],
+                           decode_args=["--metrics-port", str(port)])
+    prompts = [p * 4 for p in repetitive_prompts()[:3]]
+    params = greedy(8)
+    want = [o.outputs[0].token_ids for o in LLM(tiny_llama_dir, max_model_len=512).generate(prompts, params,
+                                                                                             use_tqdm=False)]
+    with LocalCluster(config).start() as cluster, Client(cluster.router_address) as client:
+        assert all(len(children(c.pid)) == 1 for c in worker_components(cluster))  # rank 1 of each worker
+        got = [stream_to_record(client.generate(p, params, timeout_s=60))["token_ids"] for p in prompts]
+        assert got == want
+        wait_idle(cluster)
+        scraped = scrape(port)
+    assert scraped["duet_draft_prompt_catch_up_tokens_total"] == 0
+    assert scraped["duet_spec_decode_num_draft_tokens_total"] > 0
+
+
+@pytest.mark.slow
+def test_requests_migrate_with_their_draft_kv(tiny_llama_dir, narrow_draft_dir):
+    """A decode worker SIGKILLed mid-stream: the router has prompt + tokens sent prefilled again, the prefill worker
+    runs the draft over all of them and ships its KV with the target's, and the surviving decode worker goes on
+    drafting; every stream gets the undisturbed tokens (greedy and seeded)."""
+    from cluster_helpers import wait_idle
+    from test_migration import kill_first_decode_worker_mid_stream, migrated_from
+
+    from deploy.local_cluster import ClusterConfig, LocalCluster
+
+    spec = draft_config(narrow_draft_dir, k=3)
+    args = ["--num-kv-blocks", "200", "--max-model-len", "1024", "--max-num-batched-tokens", "64"]
+    config = ClusterConfig(model_dir=str(tiny_llama_dir), num_decode=2,
+                           worker_args=[*args, "--speculative-config", json.dumps(spec)],
+                           router_args=["--max-model-len", "1024"])
+    prompts = [[3 + i, 17, 99 + i, 4, 250 - i] * (i + 4) for i in range(4)]
+    params = [SamplingParams(max_tokens=80, ignore_eos=True, **(dict(temperature=0) if i % 2 == 0 else
+                                                               dict(temperature=0.9, top_p=0.95, seed=100 + i)))
+              for i in range(4)]
+    offline = LLM(tiny_llama_dir, num_kv_blocks=200, max_model_len=1024, speculative_config=spec)
+    expected = [o.outputs[0].token_ids for o in offline.generate(prompts, params, use_tqdm=False)]
+    with LocalCluster(config).start() as cluster:
+        results, _, victim, victim_proc = kill_first_decode_worker_mid_stream(
+            cluster, tiny_llama_dir.resolve().name, prompts, params)
+        assert [results[i] for i in range(len(prompts))] == expected
+        assert migrated_from(cluster, victim) >= 1
+        wait_idle(cluster, skip=(victim_proc.name,))
+
+
+def test_a_decode_worker_with_another_draft_is_refused(tiny_llama_dir, narrow_draft_dir, other_draft_dir):
+    """The prefill worker ships a narrow draft's KV, the decode worker drafts with another model: the router pairs
+    them for no request, and straight to the workers the KV handshake refuses, naming both drafts and their shapes."""
+    import grpc
+    from cluster_helpers import internal_channel, rpc_error, wait_idle, worker_components
+
+    from deploy.local_cluster import ClusterConfig, LocalCluster
+    from duet.client import Client, stream_to_record
+    from duet.internal.v1 import workers_pb2 as wpb
+    from duet.internal.v1 import workers_pb2_grpc as wpb_grpc
+
+    config = ClusterConfig(
+        model_dir=str(tiny_llama_dir), worker_args=["--max-model-len", "256"],
+        prefill_args=["--speculative-config", json.dumps(draft_config(narrow_draft_dir))],
+        decode_args=["--speculative-config", json.dumps(draft_config(other_draft_dir))],
+        router_args=["--max-model-len", "256", "--worker-wait-s", "1"])
+    with LocalCluster(config).start() as cluster:
+        with Client(cluster.router_address) as client:
+            e = rpc_error(lambda: stream_to_record(client.generate([1, 2, 3], greedy(2), timeout_s=30)))
+        assert e.code() == grpc.StatusCode.FAILED_PRECONDITION and "draft model (--speculative-config)" in e.details()
+        prefill, decode = (next(c for c in worker_components(cluster) if c.name.startswith(r))
+                           for r in ("prefill", "decode"))
+        with internal_channel(decode.address) as dch, internal_channel(prefill.address) as pch:
+            reserved = wpb_grpc.DecodeWorkerStub(dch).Reserve(
+                wpb.ReserveRequest(request_id="x", prompt_token_ids=[1, 2, 3]), timeout=10)
+            target = wpb.KVTarget(kv_address=reserved.kv_address, reservation_id=reserved.reservation_id)
+            e = rpc_error(lambda: wpb_grpc.PrefillWorkerStub(pch).Prefill(
+                wpb.PrefillRequest(request_id="x", prompt_token_ids=[1, 2, 3], target=target), timeout=10))
+            assert e.code() == grpc.StatusCode.FAILED_PRECONDITION
+            narrow, other = (f"{d.resolve().name}:none" for d in (narrow_draft_dir, other_draft_dir))
+            assert f"draft models differ (sender {narrow}, receiver {other})" in e.details()
+            assert "draft num_kv_heads: sender 1 != receiver 2" in e.details()
+            assert "draft head_dim: sender 8 != receiver 16" in e.details()
+            assert wpb_grpc.DecodeWorkerStub(dch).Release(
+                wpb.ReleaseRequest(reservation_id=reserved.reservation_id), timeout=10).found
+        wait_idle(cluster)
+
+
+def test_workers_with_different_drafts_refuse_each_others_kv():
+    from kvtransfer.layout import KVLayout, LayerShape
+
+    target = KVLayout("m", "float32", 16, (LayerShape(4, 2, 16),))
+    with_draft = KVLayout("m", "float32", 16, (LayerShape(4, 2, 16), LayerShape(1, 2, 16)), draft="tiny-draft:none")
     problem = with_draft.mismatch(target)
     assert problem.startswith("draft models differ (sender tiny-draft:none, receiver none): the draft's KV travels "
                               "with the target's, so prefill and decode workers need the same draft_model")
-    assert "num_layers: sender 5 != receiver 4" in problem
-    assert with_draft.fingerprint() != KVLayout("m", "float32", 16, 5, 2, 16, draft="tiny-draft:int4").fingerprint()
+    assert "draft layers: sender 1 layers x 2 KV heads x head_dim 16 != receiver none" in problem
+    assert with_draft.fingerprint() != KVLayout("m", "float32", 16, (LayerShape(4, 2, 16), LayerShape(1, 2, 16)),
+                                                draft="tiny-draft:int4").fingerprint()
 
 
 @pytest.mark.slow

@@ -8,13 +8,13 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future
 from datetime import timedelta
-from types import SimpleNamespace
 
 import pytest
 import torch.distributed as dist
 
 from engine.follower_ops import decode_op, encode_op
 from kvtransfer.errors import ChecksumMismatch, PeerGone, TransferError, TransferTimeout
+from kvtransfer.layout import KVLayout, LayerShape
 from prefill_worker.follower_acks import ACK_ADDRESS_KEY, AckReporter, FollowerAcks
 from prefill_worker.tp_ops import ForgetRequest, KVSendEntry, KVSends
 from prefill_worker.tp_rank import PrefillRankHooks
@@ -129,7 +129,7 @@ class FakeSender:
     """KVSender's surface PrefillRankHooks uses; each send's future is resolved by the test."""
 
     def __init__(self, num_layers: int):
-        self.layout = SimpleNamespace(num_layers=num_layers)
+        self.layout = KVLayout("tiny", "float32", 16, (LayerShape(num_layers, 2, 16),))
         self.sends: list[tuple] = []
         self.futures: list[Future] = []
         self.closed = False
@@ -187,3 +187,15 @@ def test_prefill_rank_ships_its_shard_per_layer_group_and_reports_each_requests_
     hooks.close()
     assert sender.closed
     acks.close()
+
+
+def test_layer_groups_never_mix_the_target_and_the_draft():
+    """Groups of up to 4 layers, counted from each model's first: the target's last layers ship once its forward wrote
+    them (not after the draft's first), and one message carries one cache shape."""
+    from prefill_worker.tp_rank import layer_group_callback
+
+    shipped = []
+    on_layer_done = layer_group_callback([6, 5], 4, lambda start, end: shipped.append((start, end)))
+    for layer in range(11):
+        on_layer_done(layer)
+    assert shipped == [(0, 4), (4, 6), (6, 10), (10, 11)]

@@ -1,5 +1,6 @@
 """kvtransfer over real sockets and real gloo groups, with senders in this process and in child processes."""
 
+import dataclasses
 import multiprocessing as mp
 import socket
 import subprocess
@@ -15,6 +16,7 @@ from kvtransfer import (
     KVLayout,
     KVReceiver,
     KVSender,
+    LayerShape,
     LayoutMismatch,
     PeerGone,
     ProtocolError,
@@ -35,6 +37,14 @@ SRC = [3, 8, 1, 14]  # the same prompt's blocks in the sender's cache
 def make_caches(seed: int, dtype=torch.float32, block_size: int = BS):
     g = torch.Generator().manual_seed(seed)
     return [tuple(torch.randn(H, N, block_size, HD, generator=g).to(dtype) for _ in range(2)) for _ in range(L)]
+
+
+DL, DH, DHD = 2, 1, 4  # a draft model's cache: fewer layers, KV heads and a smaller head_dim than the target's
+
+
+def make_draft_caches(seed: int, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return [tuple(torch.randn(DH, N, BS, DHD, generator=g).to(dtype) for _ in range(2)) for _ in range(DL)]
 
 
 def snapshot(caches):
@@ -87,29 +97,76 @@ def make_sender():
 
 
 def test_layout_fingerprint_dict_and_mismatch():
-    a = KVLayout("llama", "float32", 16, 2, 4, 64)
-    assert KVLayout.from_dict(a.to_dict()) == a and a.fingerprint() == KVLayout(**a.to_dict()).fingerprint()
-    for field, value in [("model_id", "qwen"), ("dtype", "bfloat16"), ("block_size", 32), ("num_layers", 3),
-                         ("num_kv_heads", 8), ("head_dim", 128)]:
-        b = KVLayout(**{**a.to_dict(), field: value})
+    a = KVLayout("llama", "float32", 16, (LayerShape(2, 4, 64),))
+    assert KVLayout.from_dict(a.to_dict()) == a and a.fingerprint() == KVLayout.from_dict(a.to_dict()).fingerprint()
+    for field, value in [("model_id", "qwen"), ("dtype", "bfloat16"), ("block_size", 32)]:
+        b = dataclasses.replace(a, **{field: value})
         assert b.fingerprint() != a.fingerprint()
         assert a.mismatch(b) == f"{field}: sender {getattr(a, field)} != receiver {value}"
-    tp2 = KVLayout(**{**a.to_dict(), "tp_size": 2})
+    for field, value in [("num_layers", 3), ("num_kv_heads", 8), ("head_dim", 128)]:
+        b = KVLayout("llama", "float32", 16, (dataclasses.replace(a.shapes[0], **{field: value}),))
+        assert b.fingerprint() != a.fingerprint()
+        assert a.mismatch(b) == f"target {field}: sender {getattr(a.shapes[0], field)} != receiver {value}"
+    tp2 = dataclasses.replace(a, tp_size=2)
     assert a.mismatch(tp2) == ("TP sizes differ (sender tp_size=1, receiver tp_size=2): KV moves rank to rank, so "
                                "prefill and decode workers need the same --tp; tp_size: sender 1 != receiver 2")
-    tp2_rank1 = KVLayout(**{**a.to_dict(), "tp_size": 2, "tp_rank": 1})
+    tp2_rank1 = dataclasses.replace(a, tp_size=2, tp_rank=1)
     assert tp2.mismatch(tp2_rank1) == "tp_rank: sender 0 != receiver 1"
     assert len({a.fingerprint(), tp2.fingerprint(), tp2_rank1.fingerprint()}) == 3
     with pytest.raises(ValueError, match=r"tp_rank=2 is invalid: must be an int in \[0, 2\)"):
-        KVLayout("m", "float32", 16, 2, 4, 64, tp_size=2, tp_rank=2)
-    c = KVLayout("llama", "bfloat16", 32, 2, 4, 64)
+        KVLayout("m", "float32", 16, (LayerShape(2, 4, 64),), tp_size=2, tp_rank=2)
+    c = KVLayout("llama", "bfloat16", 32, (LayerShape(2, 4, 64),))
     assert a.mismatch(c) == "dtype: sender float32 != receiver bfloat16; block_size: sender 16 != receiver 32"
     assert a.mismatch(a) is None
-    assert KVLayout.for_caches("tiny", make_caches(0, torch.float16)) == KVLayout("tiny", "float16", BS, L, H, HD)
+    assert KVLayout.for_caches("tiny", make_caches(0, torch.float16)) == \
+        KVLayout("tiny", "float16", BS, (LayerShape(L, H, HD),))
     with pytest.raises(ValueError, match="dtype='int8' is invalid"):
-        KVLayout("m", "int8", 16, 2, 4, 64)
+        KVLayout("m", "int8", 16, (LayerShape(2, 4, 64),))
     with pytest.raises(ValueError, match="unknown fields \\['extra'\\]"):
         KVLayout.from_dict({**a.to_dict(), "extra": 1})
+    with pytest.raises(ValueError, match="layout shapes=.* is invalid: must be a list of objects with the fields "
+                                         "\\['head_dim', 'num_kv_heads', 'num_layers'\\]"):
+        KVLayout.from_dict({**a.to_dict(), "shapes": [{"num_layers": 2}]})
+    with pytest.raises(ValueError, match="head_dim=0 is invalid: must be an int >= 1"):
+        KVLayout.from_dict({**a.to_dict(), "shapes": [{"num_layers": 2, "num_kv_heads": 4, "head_dim": 0}]})
+
+
+def test_a_layout_with_a_draft_of_another_shape():
+    """The draft's layers follow the target's, in their own shape: sizes per layer, a fingerprint that changes with
+    the draft's shape, a dict round trip, and mismatches that name the model and the field."""
+    target, draft = LayerShape(3, 2, 8), LayerShape(1, 1, 4)
+    a = KVLayout("tiny", "float32", 4, (target, draft), draft="d:none")
+    assert a.num_layers == 4 and a.shape_of(2) == target and a.shape_of(3) == draft
+    assert [a.layer_block_bytes(i) for i in range(4)] == [2 * 4 * 8 * 4] * 3 + [1 * 4 * 4 * 4]
+    assert a.payload_bytes(2, 4, 5) == 2 * 5 * (256 + 64)
+    assert [tuple(v.shape) for v in a.payload_views(torch.empty(a.payload_bytes(2, 4, 5), dtype=torch.uint8), 2, 4,
+                                                    5)] == [(2, 2, 5, 4, 8), (2, 1, 5, 4, 4)]
+    assert KVLayout.from_dict(a.to_dict()) == a
+    fingerprints = {a.fingerprint()}
+    for other in [LayerShape(2, 1, 4), LayerShape(1, 2, 4), LayerShape(1, 1, 8)]:
+        b = KVLayout("tiny", "float32", 4, (target, other), draft="d:none")
+        fingerprints.add(b.fingerprint())
+        (field,) = [f for f in ("num_layers", "num_kv_heads", "head_dim") if getattr(other, f) != getattr(draft, f)]
+        assert a.mismatch(b) == f"draft {field}: sender {getattr(draft, field)} != receiver {getattr(other, field)}"
+    assert len(fingerprints) == 4
+    plain = KVLayout("tiny", "float32", 4, (target,))
+    assert a.mismatch(plain) == ("draft models differ (sender d:none, receiver none): the draft's KV travels with the "
+                                 "target's, so prefill and decode workers need the same draft_model "
+                                 "--speculative-config; draft: sender d:none != receiver ; draft layers: sender 1 "
+                                 "layers x 1 KV heads x head_dim 4 != receiver none")
+    with pytest.raises(ValueError, match=r"shapes=.* is invalid: must be a tuple of 2 LayerShape, one per model "
+                                         r"\(target and draft\)"):
+        KVLayout("tiny", "float32", 4, (target,), draft="d:none")
+    target_caches, draft_caches = make_caches(0), make_draft_caches(1)
+    assert KVLayout.for_caches("tiny", target_caches, draft="d:none", draft_caches=draft_caches) == \
+        KVLayout("tiny", "float32", BS, (LayerShape(L, H, HD), LayerShape(DL, DH, DHD)), draft="d:none")
+    layout = KVLayout.for_caches("tiny", target_caches, draft="d:none", draft_caches=draft_caches)
+    layout.check_caches(target_caches + draft_caches)
+    with pytest.raises(ValueError, match=r"kv_caches has 3 layers: the layout has 5 \(3 target \+ 2 draft\)"):
+        layout.check_caches(target_caches)
+    wide = [tuple(torch.zeros(DH, N, BS, 2 * DHD) for _ in range(2)) for _ in range(DL)]
+    with pytest.raises(ValueError, match="kv_caches do not match the layout: draft head_dim: caches 8 != layout 4"):
+        layout.check_caches(target_caches + wide)
 
 
 # -- reservation table -----------------------------------------------------------------------------------
@@ -288,6 +345,44 @@ def test_round_trip(make_receiver, make_sender, transport, dtype):
     send_prompt(sender, receiver.address, table, r.reservation_id)
     assert table.wait_complete(r.reservation_id, 1.0) is r and table.pop(r.reservation_id) is r
     assert_transferred(recv_caches, before, send_caches)
+
+
+@pytest.mark.parametrize("transport,dtype", [("tcp", torch.float16), ("torch", torch.float32)])
+def test_a_draft_of_another_shape_travels_after_the_target(transport, dtype):
+    """Target layers [0, 3) and a smaller draft's [3, 5) in one numbering: a message of the target's last layer and
+    the draft's first (two shapes in one payload), then the draft's last, land byte for byte in the reserved
+    blocks of both models' caches; a receiver whose draft has another shape refuses the handshake, naming it."""
+    send_target, send_draft = make_caches(1, dtype), make_draft_caches(2, dtype)
+    recv_target, recv_draft = make_caches(3, dtype), make_draft_caches(4, dtype)
+    send_caches, recv_caches = send_target + send_draft, recv_target + recv_draft
+    layout = KVLayout.for_caches("tiny", recv_target, draft="d:none", draft_caches=recv_draft)
+    table = ReservationTable(layout.num_layers)
+    receiver = KVReceiver(layout, recv_caches, table)
+    receiver.start()
+    sender = KVSender(KVLayout.for_caches("tiny", send_target, draft="d:none", draft_caches=send_draft), send_caches,
+                      transport=transport, checksum=True)
+    narrow_caches = send_target + [tuple(t[:, :, :, :2].contiguous() for t in pair) for pair in send_draft]
+    narrow = KVSender(KVLayout.for_caches("tiny", send_target, draft="d:none", draft_caches=narrow_caches[L:]),
+                      narrow_caches)
+    try:
+        before = snapshot(recv_caches)
+        r = table.add("req", DST, 16, 30.0)
+        sender.send(receiver.address, r.reservation_id, 0, 2, 0, SRC).result(10)
+        sender.send(receiver.address, r.reservation_id, 2, 4, 0, SRC).result(10)
+        assert not r.complete
+        sender.send(receiver.address, r.reservation_id, 4, 5, 0, SRC).result(10)
+        assert r.complete
+        others = [b for b in range(N) if b not in DST]
+        for layer in range(L + DL):
+            for kv in range(2):
+                assert torch.equal(recv_caches[layer][kv][:, DST], send_caches[layer][kv][:, SRC])
+                assert torch.equal(recv_caches[layer][kv][:, others], before[layer][kv][:, others])
+        with pytest.raises(LayoutMismatch, match="draft head_dim: sender 2 != receiver 4"):
+            narrow.connect(receiver.address)
+    finally:
+        sender.close()
+        narrow.close()
+        receiver.close()
 
 
 def test_pipelined_sends_from_two_senders_at_once(make_receiver, make_sender):
@@ -551,7 +646,7 @@ def _child_stall_mid_gloo_payload(address: str, layout_dict: dict, ready) -> Non
     """Sends a WRITE header whose payload should follow over gloo, sends none of it, waits to be killed."""
     layout = KVLayout.from_dict(layout_dict)
     sock, group = raw_handshake(address, layout, "torch")
-    header = m.encode_frame_header(m.WRITE, _WRITE_ONE_BLOCK, 2 * layout.block_bytes(), out_of_band=True)
+    header = m.encode_frame_header(m.WRITE, _WRITE_ONE_BLOCK, layout.payload_bytes(0, 1, 1), out_of_band=True)
     m.send_all(sock, header, time.monotonic() + 5)
     ready.set()
     time.sleep(60)
@@ -564,7 +659,7 @@ def test_sender_process_killed_mid_payload(make_receiver, make_sender, transport
         layout = receiver.layout
         hello = {"layout": layout.to_dict(), "fingerprint": layout.fingerprint(), "transport": "tcp"}
         frames = [m.encode_frame_header(m.HELLO, hello),
-                  m.encode_frame_header(m.WRITE, _WRITE_ONE_BLOCK, 2 * layout.block_bytes()) + bytes(300)]
+                  m.encode_frame_header(m.WRITE, _WRITE_ONE_BLOCK, layout.payload_bytes(0, 1, 1)) + bytes(300)]
         child = subprocess.Popen([sys.executable, "-c", _RAW_SENDER, receiver.address, *(f.hex() for f in frames)],
                                  stdout=subprocess.PIPE, text=True)
         assert child.stdout.readline() == "ready\n"

@@ -37,6 +37,9 @@ for vLLM's `vllm:` and a `role` label (prefill | decode, so one query covers a p
     draft_computed_tokens_total     counter -                             tokens a draft model computed here (decode:
                                                                           guesses and catch-up; prefill: the prompts
                                                                           whose draft KV it ships)
+    draft_prompt_catch_up_tokens_total counter -                          decode: of those, prompt tokens fed while
+                                                                          guessing (0 while the draft's prompt KV
+                                                                          arrives with the target's)
     kv_events_dropped_total         counter -                             KV events dropped (Redis unreachable)
     prefix_index_resyncs_total      counter -
     kv_transfer_seconds             histogram -                           prefill: last forward pass -> the decode
@@ -84,6 +87,7 @@ COUNTERS = {
     "spec_decode_num_draft_tokens": "Speculative guesses verified",
     "spec_decode_num_accepted_tokens": "Speculative guesses accepted",
     "draft_computed_tokens": "Tokens the draft model computed on this worker",
+    "draft_prompt_catch_up_tokens": "Prompt tokens the draft model was fed on this worker while guessing",
 }
 PER_POSITION = "spec_decode_num_accepted_tokens_per_pos"  # a sequence of counts, one per guess position
 

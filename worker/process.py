@@ -125,8 +125,9 @@ class WorkerProcess:
         # loaded on a thread that ends, so that only the engine thread keeps an OpenMP pool (engine/cpu_threads.py)
         self.rt: Runtime = call_on_own_thread(build_runtime, model_dir, config.engine, tp_module, follower_argv)
         confine_to_one_cpu_thread()  # this thread only serves from here on
-        self.layout = KVLayout.for_caches(self.rt.model_id, self.rt.transfer_caches, self.tp_size, 0,
-                                          self.rt.drafter.draft_id if self.rt.draft_ships_kv else "")
+        self.layout = KVLayout.for_caches(self.rt.model_id, self.rt.kv_caches, self.tp_size, 0,
+                                          self.rt.drafter.draft_id if self.rt.draft_ships_kv else "",
+                                          self.rt.transfer_draft_caches)
         self.registry = WorkerRegistry.from_url(config.redis_url, ttl_s=config.heartbeat_ttl_s,
                                                 cluster_secret=self.cluster_secret)
         self.redis = self.registry.client
@@ -194,6 +195,8 @@ class WorkerProcess:
                 speculation.num_draft_tokens, "spec_decode_num_accepted_tokens": speculation.num_accepted_tokens,
             PER_POSITION: speculation.num_accepted_per_position,
             "draft_computed_tokens": self.rt.drafter.num_fed_tokens if self.rt.drafter is not None else 0,
+            "draft_prompt_catch_up_tokens":
+                self.rt.drafter.num_prompt_catch_up_tokens if self.rt.drafter is not None else 0,
             "num_requests_waiting": load.num_waiting, "num_requests_running": load.num_running,
             "num_waiting_tokens": load.num_waiting_tokens, "kv_cache_usage_perc": pool.usage(),
             "prefix_cache_queries": core.num_prefix_query_tokens, "prefix_cache_hits": core.num_prefix_hit_tokens,

@@ -123,8 +123,10 @@ class DecodeErrorInterceptor(grpc.ServerInterceptor):
 
 
 def make_server(max_workers: int, max_message_bytes: int, auth_token: str | None = None,
-                on_denied: Callable[[str], None] | None = None) -> grpc.Server:
-    """A server; with `auth_token`, calls without it are refused (`on_denied(method)` told of each)."""
+                on_denied: Callable[[str], None] | None = None,
+                keepalive_ms: int = SERVER_KEEPALIVE_MS) -> grpc.Server:
+    """A server; with `auth_token`, calls without it are refused (`on_denied(method)` told of each). A caller
+    that stops answering keepalive pings for ~2 x `keepalive_ms` has its calls cancelled."""
     interceptors = [DecodeErrorInterceptor()]
     if auth_token:
         interceptors.insert(0, BearerTokenInterceptor(auth_token, on_denied))
@@ -139,9 +141,9 @@ def make_server(max_workers: int, max_message_bytes: int, auth_token: str | None
             ("grpc.so_reuseport", 0),  # two servers must never share a port by accident
             ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_TIME_MS),
             ("grpc.http2.max_ping_strikes", 0),  # a peer's keepalive is never a reason to hang up on it
-            ("grpc.keepalive_time_ms", SERVER_KEEPALIVE_MS),
-            ("grpc.keepalive_timeout_ms", SERVER_KEEPALIVE_MS),
-            ("grpc.http2.ping_timeout_ms", SERVER_KEEPALIVE_MS),
+            ("grpc.keepalive_time_ms", keepalive_ms),
+            ("grpc.keepalive_timeout_ms", keepalive_ms),
+            ("grpc.http2.ping_timeout_ms", keepalive_ms),
         ],
     )
 

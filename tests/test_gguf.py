@@ -387,7 +387,10 @@ def test_smollm2_greedy_tokens_match_transformers_and_knows_paris(smollm2_hf):
 @pytest.mark.slow
 def test_smollm2_cluster_returns_the_offline_tokens():
     """The disaggregated cluster (router, one prefill and one decode worker as processes, KV over TCP) on the
-    real GGUF gives exactly the offline engine's greedy tokens, with every block back in its pool after."""
+    real GGUF gives exactly the offline engine's greedy tokens, with every block back in its pool after. The prefill
+    worker holds the GGUF dequantized (--quantization none), the decode worker decodes from the packed blocks (auto,
+    as offline): issue 18 part 5, the KV layout does not depend on how weights are held, and the weights are the
+    same numbers."""
     from cluster_helpers import wait_idle
 
     from deploy.local_cluster import ClusterConfig, LocalCluster
@@ -407,6 +410,7 @@ def test_smollm2_cluster_returns_the_offline_tokens():
                                                logit_bias={t: -100.0 for t in paris}))[0].outputs[0]
     assert "Paris" not in banned.text and not paris & set(banned.token_ids)
     config = ClusterConfig(model_dir=str(path), worker_args=["--max-model-len", "512", "--num-kv-blocks", "96"],
+                           prefill_args=["--quantization", "none"], decode_args=["--quantization", "auto"],
                            router_args=["--max-model-len", "512"], http_port=0)
     with LocalCluster(config).start() as cluster, Client(cluster.router_address) as client:
         served = [stream_to_record(client.generate(prompt, params, timeout_s=120)) for prompt in prompts]

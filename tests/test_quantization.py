@@ -238,29 +238,3 @@ def test_default_gguf_kept_quantized_equals_dequantized():
                 assert best[0].logprob - best[1].logprob < NEAR_TIE
                 break
             assert all(abs(la[t].logprob - lb[t].logprob) < GGUF_LOGPROB_ATOL for t in la if t in lb)
-
-
-@pytest.mark.slow
-def test_dense_prefill_worker_and_quantized_decode_worker_give_the_offline_tokens():
-    """issue 18 part 5: the KV layout does not depend on how weights are held, so a prefill worker on the GGUF
-    dequantized (none) hands its KV to a decode worker decoding from the packed blocks (auto); as the weights are
-    the same numbers, the cluster's greedy tokens equal the offline engine's on either setting."""
-    from cluster_helpers import wait_idle
-
-    from deploy.local_cluster import ClusterConfig, LocalCluster
-    from duet.client import Client, stream_to_record
-
-    path = default_model_path()
-    params = SamplingParams(max_tokens=16, temperature=0)
-    llm = LLM(path, max_model_len=512, quantization="auto")
-    prompts = [llm.tokenizer.apply_chat_template_ids([{"role": "user", "content": "What is the capital of France?"}]),
-               llm.tokenizer.encode("The quick brown fox")]
-    offline = [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
-    del llm
-    config = ClusterConfig(model_dir=str(path), worker_args=["--max-model-len", "512", "--num-kv-blocks", "96"],
-                           prefill_args=["--quantization", "none"], decode_args=["--quantization", "auto"],
-                           router_args=["--max-model-len", "512"], http_port=0)
-    with LocalCluster(config).start() as cluster, Client(cluster.router_address) as client:
-        served = [stream_to_record(client.generate(prompt, params, timeout_s=120)) for prompt in prompts]
-        assert [record["token_ids"] for record in served] == offline
-        wait_idle(cluster)

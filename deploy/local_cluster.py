@@ -68,12 +68,15 @@ _ROUTER_SERVING_LINE = b"router serving at "  # `duet router` prints it once its
 PORT_IN_USE_EXIT_CODE = 2  # run_up: a port the command line asked for is taken (as argparse's usage errors)
 # ClusterConfig's router ports and the `duet up` flags that set them
 _ROUTER_PORT_FLAGS = {"port": "--port", "http_port": "--http-port", "metrics_port": "--metrics-port"}
-# OpenMP threads of every component spin this many times (~10 us here) after a parallel region before they sleep
-# (libgomp's default is 300,000, ~6 ms). The workers of `duet up` share the host's cores, and a pool spinning in an
-# idle prefill worker takes them from a decoding one: on the 2-core VM with libgomp's default, 16 concurrent chats
-# decoded at 30-33 tok/s where 500 gave 192 (one chat at a time: 10.6 ms a token, as with 2,000; 2026-11-28,
-# `duet bench serve`, benchmarks/RESULTS.md). A decode step's regions follow each other within microseconds, so a
-# short spin still covers them. Deployments with one worker per host (the chart, Ray) keep libgomp's default.
+# OpenMP threads of co-located components spin this many times (~10 us here) after a parallel region before they
+# sleep (libgomp's default is 300,000, ~6 ms). The workers of `duet up` share the host's cores, and a pool spinning
+# in an idle prefill worker takes them from a decoding one: on the 2-core VM with libgomp's default everywhere, 16
+# concurrent chats decoded at 30-33 tok/s where 500 gave 192 (2026-11-28, `duet bench serve`, benchmarks/RESULTS.md).
+# A lone decode worker keeps the default: its pool is the one that should spin (it works step after step, and a
+# short spin makes each of a step's ~250 parallel regions start with a futex wake: one chat at a time, 9.2-9.4 ms a
+# token with 500 vs 7.4-7.9 with the default, default model), and 16 chats decode as fast either way (2026-11-28,
+# later). Two or more decode workers would take the cores from each other, so they get the short spin too.
+# Deployments with one worker per host (the chart, Ray) keep libgomp's default.
 CO_LOCATED_SPIN_COUNT = 500
 
 
@@ -288,7 +291,8 @@ class LocalCluster:
         log_path = log_dir / f"{name}.log"
         cmd = self.component_command(role, host, port, self.redis_url)
         env = dict(os.environ, PYTHONUNBUFFERED="1", **{ENV_VAR: self.cluster_secret})
-        env.setdefault("GOMP_SPINCOUNT", str(CO_LOCATED_SPIN_COUNT))  # a value the user set wins
+        if role != "decode" or self.config.num_decode > 1:  # see CO_LOCATED_SPIN_COUNT
+            env.setdefault("GOMP_SPINCOUNT", str(CO_LOCATED_SPIN_COUNT))  # a value the user set wins
         if self.internal_tls is not None:
             env.update(self.internal_tls.env())
         env.pop(AUTH_TOKEN_ENV_VAR, None)  # the config is the one source: the router gets its token or none

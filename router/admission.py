@@ -76,8 +76,10 @@ class Admission:
         )
 
     def first_token(self, ttft_s: float, prediction: TTFTPrediction) -> None:
-        """An admitted request's first token went out `ttft_s` after it arrived: the correction learns from it."""
-        self.correction.observe(ttft_s, prediction.model_s)
+        """An admitted request's first token went out `ttft_s` after it arrived: the correction learns from it when
+        the prediction stood on the worker's measured speed (router/ttft_correction.py)."""
+        if prediction.speed_measured:
+            self.correction.observe(ttft_s, prediction.model_s)
 
     def transferred(self, kv_transferred_tokens: int, transfer_s: float) -> None:
         """A prefill reply's KV transfer, for the measured rate."""

@@ -84,6 +84,7 @@ class TTFTPrediction:
     prefill_s: float
     transfer_s: float
     correction: float = 1.0  # observed / modelled TTFT lately (router/ttft_correction.py)
+    speed_measured: bool = True  # the worker's own measured prefill speed, not a stand-in (the median or default)
 
     def __post_init__(self) -> None:
         if not self.correction > 0:
@@ -142,7 +143,7 @@ def predict_prefill(prompt_tokens: int, workers: Sequence[PrefillQueue], transfe
         uncached_tokens = prompt_tokens - min(w.cached_tokens, prompt_tokens)
         predictions.append(TTFTPrediction(w.worker_id, config.fixed_s, queued_tokens(w, speed) / speed,
                                           uncached_tokens / speed, uncached_tokens / transfer_tokens_per_s,
-                                          correction))
+                                          correction, w.tokens_per_s is not None))
     return min(predictions, key=lambda p: (p.ttft_s, p.worker_id))
 
 
@@ -151,7 +152,7 @@ def predict_local(uncached_tokens: int, workers: Sequence[PrefillQueue], config:
     """A prefill on the decode worker itself: no prefill queue, no transfer. Decode workers report no prefill speed;
     the prefill workers' (same model, same kind of device in duet up) stands in for it."""
     speed = fallback_tokens_per_s(workers, config)
-    return TTFTPrediction("", config.fixed_s, 0.0, uncached_tokens / speed, 0.0, correction)
+    return TTFTPrediction("", config.fixed_s, 0.0, uncached_tokens / speed, 0.0, correction, False)
 
 
 def decide(prediction: TTFTPrediction, config: AdmissionConfig) -> AdmissionDecision:

@@ -18,7 +18,7 @@ from router.admission_policy import (
 )
 from router.kv_transfer_rate import DEFAULT_TOKENS_PER_S, KVTransferRate
 from router.metrics import RouterMetrics
-from router.ttft_correction import MAX_CORRECTION, MIN_CORRECTION, TTFTCorrection
+from router.ttft_correction import HALF_LIFE_S, MAX_CORRECTION, MIN_CORRECTION, TTFTCorrection
 
 # round numbers: 10,000 prefill tokens/s, 100,000 transferred tokens/s, 10 ms fixed, SLO 100 ms
 CONFIG = AdmissionConfig(slo_ttft_s=0.1, fixed_s=0.01, default_tokens_per_s=10_000.0)
@@ -100,20 +100,33 @@ def test_the_correction_multiplies_the_model_and_judges_the_idle_part_too():
         TTFTPrediction("p0", 0.01, 0.0, 0.0, 0.0, correction=0)
 
 
-def test_the_correction_is_the_decayed_ratio_of_observed_to_modelled_within_its_bounds():
-    c = TTFTCorrection()
+def test_the_correction_is_the_time_decayed_ratio_of_observed_to_modelled_within_its_bounds():
+    now = [0.0]
+    c = TTFTCorrection(clock=lambda: now[0])
     assert c.value == 1.0  # nothing observed yet
     c.observe(0.2, 0.1)
     assert c.value == pytest.approx(2.0)
-    c.observe(0.1, 0.1)  # (0.9 * 0.2 + 0.1) / (0.9 * 0.1 + 0.1) = 0.28 / 0.19
-    assert c.value == pytest.approx(0.28 / 0.19)
+    now[0] = HALF_LIFE_S  # the first observation weighs half now: (0.5 * 0.2 + 0.1) / (0.5 * 0.1 + 0.1)
+    c.observe(0.1, 0.1)
+    assert c.value == pytest.approx(0.2 / 0.15)
     c.observe(0.0, 0.1)  # no measurement: ignored
     c.observe(0.1, 0.0)
-    assert c.value == pytest.approx(0.28 / 0.19)
+    assert c.value == pytest.approx(0.2 / 0.15)
+    now[0] += 100 * HALF_LIFE_S  # a ratio learnt long ago keeps its value until a new one outweighs it
+    assert c.value == pytest.approx(0.2 / 0.15)
+    c.observe(0.1, 0.1)
+    assert c.value == pytest.approx(1.0)
     slow, fast = TTFTCorrection(), TTFTCorrection()
     slow.observe(100.0, 0.1)  # a restart's outlier cannot make admission refuse everything
     fast.observe(0.001, 0.1)
     assert (slow.value, fast.value) == (MAX_CORRECTION, MIN_CORRECTION)
+
+
+def test_only_predictions_on_a_measured_speed_mark_it():
+    measured = predict_prefill(500, [queue(speed=10_000.0)], TRANSFER, CONFIG)
+    stand_in = predict_prefill(500, [queue(speed=None)], TRANSFER, CONFIG)  # the policy's default speed
+    local = predict_local(20, [queue(speed=10_000.0)], CONFIG)  # a decode worker's speed is never measured
+    assert (measured.speed_measured, stand_in.speed_measured, local.speed_measured) == (True, False, False)
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [

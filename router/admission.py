@@ -16,7 +16,9 @@ checked before the SLO is turned on.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 
 import grpc
 
@@ -45,6 +47,8 @@ class Admission:
         self.config, self.metrics = config, metrics
         self.transfer_rate = KVTransferRate()
         self.correction = TTFTCorrection()
+        self._lock = threading.Lock()
+        self._awaiting_tokens: dict[str, int] = {}  # prefill worker id -> uncached tokens admitted, not answered
 
     def admit(self, request_id: str, num_prompt_tokens: int, prefills: Sequence[LiveWorker],
               inflight_tokens: Mapping[str, int], lookup: PrefixLookup | None,
@@ -75,6 +79,26 @@ class Admission:
             (("grpc-retry-pushback-ms", str(decision.retry_after_ms)),),
         )
 
+    @contextmanager
+    def awaiting_prefill(self, prediction: TTFTPrediction | None) -> Iterator[None]:
+        """While an admitted request reserves and is prefilled, its uncached tokens count as queued on the worker it
+        was predicted on, so the requests admitted just before it (still in Reserve, not yet sent) are seen."""
+        worker_id, tokens = (prediction.worker_id, prediction.uncached_tokens) if prediction else ("", 0)
+        if not worker_id:  # no prediction, or a local prefill: no prefill worker's queue
+            yield
+            return
+        with self._lock:
+            self._awaiting_tokens[worker_id] = self._awaiting_tokens.get(worker_id, 0) + tokens
+        try:
+            yield
+        finally:
+            with self._lock:
+                left = self._awaiting_tokens[worker_id] - tokens
+                if left:
+                    self._awaiting_tokens[worker_id] = left
+                else:
+                    del self._awaiting_tokens[worker_id]
+
     def first_token(self, ttft_s: float, prediction: TTFTPrediction) -> None:
         """An admitted request's first token went out `ttft_s` after it arrived: the correction learns from it when
         the prediction stood on the worker's measured speed (router/ttft_correction.py)."""
@@ -93,10 +117,11 @@ class Admission:
         fallback = fallback_tokens_per_s(queues, self.config)
         return sum(queued_tokens(q, q.tokens_per_s or fallback) / (q.tokens_per_s or fallback) for q in queues)
 
-    @staticmethod
-    def queues(prefills: Sequence[LiveWorker], inflight_tokens: Mapping[str, int],
+    def queues(self, prefills: Sequence[LiveWorker], inflight_tokens: Mapping[str, int],
                lookup: PrefixLookup | None) -> list[PrefillQueue]:
+        with self._lock:
+            awaiting = dict(self._awaiting_tokens)
         return [PrefillQueue(w.worker_id, lookup.cached_tokens(w.worker_id) if lookup is not None else 0,
-                             inflight_tokens.get(w.worker_id, 0), w.load.num_waiting_tokens, w.load_age_s,
-                             w.load.prefill_tokens_per_s or None)
+                             inflight_tokens.get(w.worker_id, 0), awaiting.get(w.worker_id, 0),
+                             w.load.num_waiting_tokens, w.load_age_s, w.load.prefill_tokens_per_s or None)
                 for w in prefills]

@@ -19,7 +19,8 @@ replies (router/kv_transfer_rate.py): KV streams out layer group by layer group 
 so only the tail after the last layer counts. The request's prediction is the best worker's: the prefill choice
 sends it to the cheapest one.
 
-    queued_tokens(w) = max(this router's tokens in flight on w,  reported waiting tokens - report age * speed)
+    queued_tokens(w) = max(this router's tokens in flight on w,  the uncached tokens it admitted for w and has not
+                           seen answered (those still in Reserve too),  reported waiting tokens - report age * speed)
 
 A load report is up to a heartbeat old and already counts this router's in-flight work, so summing the two would
 count it twice; the report still tells of other routers' work, drained at the worker's speed for as long as the
@@ -51,6 +52,7 @@ class PrefillQueue:
     worker_id: str
     cached_tokens: int  # leading prompt tokens it holds (from the index)
     inflight_tokens: int  # prefill work this router sent there and has not seen answered
+    awaiting_tokens: int  # uncached prompt tokens this router admitted for it, not answered: in Reserve too
     reported_waiting_tokens: int  # its last load report's uncached tokens queued
     report_age_s: float  # how old that report is
     tokens_per_s: float | None = None  # measured prefill speed; None: not known yet
@@ -85,6 +87,7 @@ class TTFTPrediction:
     transfer_s: float
     correction: float = 1.0  # observed / modelled TTFT lately (router/ttft_correction.py)
     speed_measured: bool = True  # the worker's own measured prefill speed, not a stand-in (the median or default)
+    uncached_tokens: int = 0  # the prompt's part to prefill there
 
     def __post_init__(self) -> None:
         if not self.correction > 0:
@@ -126,7 +129,7 @@ def fallback_tokens_per_s(workers: Sequence[PrefillQueue], config: AdmissionConf
 def queued_tokens(worker: PrefillQueue, tokens_per_s: float) -> float:
     """The work ahead of a new request on `worker` (see the module docstring)."""
     drained_report = worker.reported_waiting_tokens - worker.report_age_s * tokens_per_s
-    return max(float(worker.inflight_tokens), drained_report, 0.0)
+    return max(float(worker.inflight_tokens), float(worker.awaiting_tokens), drained_report, 0.0)
 
 
 def predict_prefill(prompt_tokens: int, workers: Sequence[PrefillQueue], transfer_tokens_per_s: float,
@@ -143,7 +146,7 @@ def predict_prefill(prompt_tokens: int, workers: Sequence[PrefillQueue], transfe
         uncached_tokens = prompt_tokens - min(w.cached_tokens, prompt_tokens)
         predictions.append(TTFTPrediction(w.worker_id, config.fixed_s, queued_tokens(w, speed) / speed,
                                           uncached_tokens / speed, uncached_tokens / transfer_tokens_per_s,
-                                          correction, w.tokens_per_s is not None))
+                                          correction, w.tokens_per_s is not None, uncached_tokens))
     return min(predictions, key=lambda p: (p.ttft_s, p.worker_id))
 
 
@@ -152,7 +155,7 @@ def predict_local(uncached_tokens: int, workers: Sequence[PrefillQueue], config:
     """A prefill on the decode worker itself: no prefill queue, no transfer. Decode workers report no prefill speed;
     the prefill workers' (same model, same kind of device in duet up) stands in for it."""
     speed = fallback_tokens_per_s(workers, config)
-    return TTFTPrediction("", config.fixed_s, 0.0, uncached_tokens / speed, 0.0, correction, False)
+    return TTFTPrediction("", config.fixed_s, 0.0, uncached_tokens / speed, 0.0, correction, False, uncached_tokens)
 
 
 def decide(prediction: TTFTPrediction, config: AdmissionConfig) -> AdmissionDecision:

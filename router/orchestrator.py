@@ -463,26 +463,27 @@ class RequestOrchestrator:
         reserve_start_s = time.monotonic()
         lookup = self.chooser.lookup([*request.prompt_token_ids, *history], request.cache_salt, [*prefills, *decodes])
         prediction = self.admit(request, prefills, decodes, lookup) if admit else None
-        reservation = self.reserve(request, decodes, live, history, lookup)
-        held = _HeldReservation(self, reservation)
-        helds.append(held)
-        num_prompt_tokens = len(request.prompt_token_ids)
-        if may_prefill_locally and prefills_locally(num_prompt_tokens, reservation.num_cached_tokens,
-                                                    self.local_prefill_tokens):
-            # conditional disaggregation: no plan, no prefill worker; D.Decode(prefill_locally) computes the rest
-            log.info("request=%s event=local_prefill decode=%s uncached_tokens=%d", request.request_id,
-                     reservation.decode.worker_id, num_prompt_tokens - min(reservation.num_cached_tokens,
-                                                                           num_prompt_tokens))
-            cached_tokens = min(reservation.num_cached_tokens, num_prompt_tokens)
-            return HandOffPlan(request.request_id, reservation, None, cached_tokens, 0,
-                               time.monotonic() - reserve_start_s, prediction), None
-        try:
-            plan = self.plan(request, prefills, reservation, time.monotonic() - reserve_start_s, history, lookup,
-                             prediction)
-            return plan, self.prefill(plan, request, live, history)
-        except WorkerLost:
-            held.release()
-            raise
+        with self.admission.awaiting_prefill(prediction):
+            reservation = self.reserve(request, decodes, live, history, lookup)
+            held = _HeldReservation(self, reservation)
+            helds.append(held)
+            num_prompt_tokens = len(request.prompt_token_ids)
+            if may_prefill_locally and prefills_locally(num_prompt_tokens, reservation.num_cached_tokens,
+                                                        self.local_prefill_tokens):
+                # conditional disaggregation: no plan, no prefill worker; D.Decode(prefill_locally) computes the rest
+                log.info("request=%s event=local_prefill decode=%s uncached_tokens=%d", request.request_id,
+                         reservation.decode.worker_id, num_prompt_tokens - min(reservation.num_cached_tokens,
+                                                                               num_prompt_tokens))
+                cached_tokens = min(reservation.num_cached_tokens, num_prompt_tokens)
+                return HandOffPlan(request.request_id, reservation, None, cached_tokens, 0,
+                                   time.monotonic() - reserve_start_s, prediction), None
+            try:
+                plan = self.plan(request, prefills, reservation, time.monotonic() - reserve_start_s, history, lookup,
+                                 prediction)
+                return plan, self.prefill(plan, request, live, history)
+            except WorkerLost:
+                held.release()
+                raise
 
     def decode(self, plan: HandOffPlan, first_token_id: int | None, live: Live, client: ClientStream,
                held: _HeldReservation) -> Iterator[pb.GenerateResponse]:

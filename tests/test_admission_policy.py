@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 from prometheus_client import generate_latest
 
+from cluster.registry import LiveWorker, WorkerInfo, WorkerLoad
+from router.admission import Admission
 from router.admission_policy import (
     AdmissionConfig,
     PrefillQueue,
@@ -25,8 +27,13 @@ CONFIG = AdmissionConfig(slo_ttft_s=0.1, fixed_s=0.01, default_tokens_per_s=10_0
 TRANSFER = 100_000.0
 
 
-def queue(worker_id="p0", cached=0, inflight=0, reported=0, age_s=0.0, speed=10_000.0):
-    return PrefillQueue(worker_id, cached, inflight, reported, age_s, speed)
+def live_worker(worker_id: str) -> LiveWorker:
+    return LiveWorker(WorkerInfo(worker_id, "prefill", "127.0.0.1:1", "m", block_size=16, num_kv_blocks=64),
+                      WorkerLoad(), 0.0)
+
+
+def queue(worker_id="p0", cached=0, inflight=0, reported=0, age_s=0.0, speed=10_000.0, awaiting=0):
+    return PrefillQueue(worker_id, cached, inflight, awaiting, reported, age_s, speed)
 
 
 def test_prediction_is_fixed_plus_queue_plus_uncached_prefill_plus_transfer():
@@ -120,6 +127,19 @@ def test_the_correction_is_the_time_decayed_ratio_of_observed_to_modelled_within
     slow.observe(100.0, 0.1)  # a restart's outlier cannot make admission refuse everything
     fast.observe(0.001, 0.1)
     assert (slow.value, fast.value) == (MAX_CORRECTION, MIN_CORRECTION)
+
+
+def test_tokens_admitted_and_still_in_reserve_count_as_queued():
+    # 3,000 uncached tokens admitted for p0 and not answered, 1,000 of them already sent to it: the larger counts
+    assert queued_tokens(queue(inflight=1_000, awaiting=3_000), 10_000.0) == 3_000
+    admission = Admission(CONFIG, RouterMetrics("m"))
+    first = predict_prefill(3_000, [queue()], TRANSFER, CONFIG)
+    with admission.awaiting_prefill(first):
+        with admission.awaiting_prefill(predict_local(20, [queue()], CONFIG)):  # a local prefill: no queue of p0's
+            (q,) = admission.queues([live_worker("p0")], {}, None)
+            assert (q.awaiting_tokens, q.inflight_tokens) == (3_000, 0)
+    (q,) = admission.queues([live_worker("p0")], {}, None)
+    assert q.awaiting_tokens == 0 and admission._awaiting_tokens == {}  # answered: nothing left behind
 
 
 def test_only_predictions_on_a_measured_speed_mark_it():

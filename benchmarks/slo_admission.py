@@ -9,8 +9,11 @@ Load: the Mooncake-format trace (../shared/data/traces), prompts scaled to `--tr
 `--request-rate`, seeded), `--num-requests` a run. Goodput = requests within the TTFT SLO (and completed) per second
 of the run; a refused request (429) counts as not good, as a missed one does.
 
-1. capacity: one server without admission, swept over `--rates`; capacity = the highest goodput seen (the rate
-   that gave it is the capacity rate);
+0. warm-up: each server first serves `--num-requests` of the trace's prompts under their own seed at 1 req/s, so
+   its prefill worker has measured its speed (a fresh one reports none, and the router's default is a guess);
+1. capacity: one server without admission, swept over `--rates`, each rate with prompts of its own (a seed each:
+   the same prompts again would be prefix-cache hits); capacity = the highest goodput seen (the rate that gave it
+   is the capacity rate);
 2. overload: 1.5x the capacity rate, `--repeats` times against that server (no admission), then as many times
    against a fresh one with `--slo-ttft-ms` (admission), seeds 1..repeats for both.
 Prints one line per run, then goodput / capacity (min / median / max) for each, and the admission's
@@ -55,6 +58,10 @@ def stop_server(process: subprocess.Popen) -> None:
         os.killpg(process.pid, 15)
     process.wait(timeout=60)
     time.sleep(2)
+
+
+WARM_UP_SEED = 1000  # prompts of their own for each server's warm-up, and for each rate of the sweep
+SWEEP_SEED = 100
 
 
 def bench(args: argparse.Namespace, rate: float, seed: int, out: Path) -> dict:
@@ -110,10 +117,12 @@ def main() -> None:
         logs.mkdir(parents=True, exist_ok=True)
         process = start_server(None, logs / "plain.log")
         try:
+            bench(args, 1.0, WARM_UP_SEED, Path(tmp) / "warm-up.json")  # the prefill speed measured, kernels warm
             sweep = {}
-            for rate in [float(r) for r in args.rates.split(",")]:
-                sweep[rate] = bench(args, rate, 0, Path(tmp) / f"sweep-{rate}.json")
-                print(line("sweep, no admission", rate, 0, sweep[rate]), flush=True)
+            for i, rate in enumerate(float(r) for r in args.rates.split(",")):
+                # each rate its own prompts: the trace's prompts again would all be prefix-cache hits
+                sweep[rate] = bench(args, rate, SWEEP_SEED + i, Path(tmp) / f"sweep-{rate}.json")
+                print(line("sweep, no admission", rate, SWEEP_SEED + i, sweep[rate]), flush=True)
             capacity_rate = max(sweep, key=lambda r: sweep[r]["goodput_rps"])
             capacity = sweep[capacity_rate]["goodput_rps"]
             overload_rate = 1.5 * capacity_rate
@@ -126,6 +135,7 @@ def main() -> None:
             stop_server(process)
         process = start_server(args.slo_ttft_ms, logs / "admission.log")
         try:
+            bench(args, 1.0, WARM_UP_SEED, Path(tmp) / "warm-up-admission.json")  # as the server without admission
             for seed in range(1, args.repeats + 1):
                 d = bench(args, overload_rate, seed, Path(tmp) / f"admission-{seed}.json")
                 goodput["admission"].append(d["goodput_rps"])

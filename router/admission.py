@@ -84,7 +84,7 @@ class Admission:
         """While an admitted request reserves and is prefilled, its uncached tokens count as queued on the worker it
         was predicted on, so the requests admitted just before it (still in Reserve, not yet sent) are seen."""
         worker_id, tokens = (prediction.worker_id, prediction.uncached_tokens) if prediction else ("", 0)
-        if not worker_id:  # no prediction, or a local prefill: no prefill worker's queue
+        if not worker_id or not tokens:  # no prediction, a local prefill (no prefill worker's queue), all cached
             yield
             return
         with self._lock:

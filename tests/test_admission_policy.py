@@ -138,6 +138,15 @@ def test_tokens_admitted_and_still_in_reserve_count_as_queued():
         with admission.awaiting_prefill(predict_local(20, [queue()], CONFIG)):  # a local prefill: no queue of p0's
             (q,) = admission.queues([live_worker("p0")], {}, None)
             assert (q.awaiting_tokens, q.inflight_tokens) == (3_000, 0)
+    # a request with nothing to prefill (all cached) counts nothing, and its answer, after the first request's,
+    # finds nothing to take back (it once raised KeyError: the entry had gone with the first request's tokens)
+    first_admitted = admission.awaiting_prefill(first)
+    all_cached = admission.awaiting_prefill(predict_prefill(3_000, [queue(cached=3_000)], TRANSFER, CONFIG))
+    first_admitted.__enter__()
+    all_cached.__enter__()
+    first_admitted.__exit__(None, None, None)
+    all_cached.__exit__(None, None, None)
+    assert admission._awaiting_tokens == {}
     (q,) = admission.queues([live_worker("p0")], {}, None)
     assert q.awaiting_tokens == 0 and admission._awaiting_tokens == {}  # answered: nothing left behind
 

@@ -60,6 +60,9 @@ def test_tp2_cluster_matches_tp1_offline_and_hf(arch, tiny_llama_dir, tiny_qwen2
         first = run(client, shared + [3, 4], short)
         second = run(client, shared + [5], short)
         assert second["cached_tokens"] == 64
+        # and on the decode worker's own prefix cache (issue 20): it still holds the first request's 4 shared blocks
+        # on both ranks, so only the new token's KV crosses, and the tokens stay the offline engine's
+        assert (second["decode_cached_tokens"], second["kv_transferred_tokens"]) == (64, 1)
         for got, prompt in [(first, shared + [3, 4]), (second, shared + [5])]:
             assert got["token_ids"] == offline.generate([prompt], short)[0].outputs[0].token_ids
         stats = wait_idle(cluster)  # every block back in rank 0's pool (followers hold none), integrity checked

@@ -408,14 +408,15 @@ def test_the_prefill_pool_can_scale_on_slo_headroom_and_the_router_gets_its_slos
     from duet.cli import build_parser
     from duet.cli_serving import slo_config
 
-    values = {"router": {"sloTtftMs": 500, "sloTpotMs": 50},
+    values = {"router": {"sloTtftMs": 500, "sloTpotMs": 50, "localPrefillTokens": 64},
               "prefill": {"autoscaling": {"enabled": True, "metrics": [{"name": "sloTtftQueue", "target": 0.5},
                                                                        {"name": "waitingTokens", "target": 8192}]}}}
     objs = [yaml.safe_load(doc) for _, doc in documents(render(values))]
     args = container(deployment(objs, "router"))["args"]
     assert "--slo-ttft-ms=500" in args and "--slo-tpot-ms=50" in args
-    assert slo_config(build_parser().parse_args([_expand_env(a) for a in args])) == {"slo_ttft_s": 0.5,
-                                                                                      "slo_tpot_s": 0.05}
+    parsed = build_parser().parse_args([_expand_env(a) for a in args])
+    assert slo_config(parsed) == {"slo_ttft_s": 0.5, "slo_tpot_s": 0.05}
+    assert "--local-prefill-tokens=64" in args and parsed.local_prefill_tokens == 64  # conditional disaggregation
     (scaled,) = find(objs, "ScaledObject")
     validate_object(scaled)
     slo, tokens = scaled["spec"]["triggers"]
@@ -426,7 +427,7 @@ def test_the_prefill_pool_can_scale_on_slo_headroom_and_the_router_gets_its_slos
     assert tokens["metadata"]["query"].startswith("sum(duet_num_waiting_tokens{")
     # off by default: no SLO flag, no SLO trigger
     default_args = container(deployment(objects("default"), "router"))["args"]
-    assert not [a for a in default_args if a.startswith("--slo")]
+    assert not [a for a in default_args if a.startswith(("--slo", "--local-prefill"))]
 
 
 
@@ -877,6 +878,7 @@ BAD_VALUES = [
     ({"decode": {"kvPort": 0}}, "/decode/kvPort"),
     ({"router": {"httpPort": 70000}}, "/router/httpPort"),
     ({"router": {"sloTtftMs": -1}}, "/router/sloTtftMs"),
+    ({"router": {"localPrefillTokens": -1}}, "/router/localPrefillTokens"),
     ({"decode": {"autoscaling": {"metrics": [{"name": "sloTtftQueue", "target": 0.5}]}}},
      "/decode/autoscaling/metrics/0/name"),
     ({"router": {"ingress": {"host": "LLM example"}}}, "/router/ingress/host"),

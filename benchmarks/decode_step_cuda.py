@@ -16,7 +16,9 @@ The model is made locally with random weights by engine.tiny_model.make_tiny_mod
                                           [--quantization none int8 int4]
 
 Each --quantization value is its own runtime over the same checkpoint (int8 / int4: round-to-nearest on load,
-decoded by the Triton weight-only kernels), against its own roofline (its own bytes of weights).
+decoded by the Triton weight-only kernels), against its own roofline (its own bytes of weights). With
+`--tiles BEST.json` (what `quant_triton_bench.py --sweep --best` writes), each quantized runtime is timed again
+with those launch settings of engine/kernels/quant_linear_triton.py, in the same run.
 
 Without CUDA it prints why and exits 0: it measures GPU steps only. Not part of CI.
 """
@@ -24,6 +26,7 @@ Without CUDA it prints why and exits 0: it measures GPU steps only. Not part of 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -107,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model-dir", type=Path, default=None, help="where the random model is made (reused if there)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quantization", nargs="+", default=["none"], choices=["none", "int8", "int4"])
+    p.add_argument("--tiles", type=Path, default=None, help="JSON of quant_linear_triton settings to time as well")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("decode_step_cuda: no CUDA device here; this benchmark times GPU decode steps only (skipped)")
@@ -128,15 +132,29 @@ def main(argv: list[str] | None = None) -> int:
     print("| quantization | batch | runner | min ms | median ms | max ms | roofline / median | graphs speedup |")
     print("|---|---:|---|---:|---:|---:|---:|---:|")
     notes = []
+    tiles = json.loads(args.tiles.read_text()) if args.tiles else None
     for quantization in args.quantization:
         notes.append(time_quantization(model_dir, args, quantization, bandwidth))
+        if tiles and quantization != "none":
+            from engine.kernels import quant_linear_triton as qlt
+
+            saved = {k: getattr(qlt, k) for k in tiles}
+            for k, v in tiles.items():
+                setattr(qlt, k, v)
+            try:
+                label = f"{quantization} {tiles}"
+                notes.append(time_quantization(model_dir, args, quantization, bandwidth, label=label))
+            finally:
+                for k, v in saved.items():
+                    setattr(qlt, k, v)
     print()
     print("\n".join(notes))
     return 0
 
 
-def time_quantization(model_dir: Path, args, quantization: str, bandwidth: float) -> str:
+def time_quantization(model_dir: Path, args, quantization: str, bandwidth: float, label: str | None = None) -> str:
     """Prints one table row per (batch, runner) for the runtime under `quantization`; returns its summary line."""
+    label = label or quantization
     from engine.config import EngineConfig
     from engine.cuda_graphs import make_graph_replayer
     from engine.model_runner import ModelRunner
@@ -166,11 +184,11 @@ def time_quantization(model_dir: Path, args, quantization: str, bandwidth: float
             times = time_steps(runner, chunks, args.warmup, args.repeats)
             medians[name] = statistics.median(times)
             speedup = f"{medians['eager'] / medians[name]:.2f}x" if name == "cuda graphs" else ""
-            print(f"| {quantization} | {batch} | {name} | {min(times) * 1e3:.3f} | {medians[name] * 1e3:.3f} | "
+            print(f"| {label} | {batch} | {name} | {min(times) * 1e3:.3f} | {medians[name] * 1e3:.3f} | "
                   f"{max(times) * 1e3:.3f} | {roofline_s / medians[name]:.0%} | {speedup} |", flush=True)
         same = eager.execute(chunks) == graphs.execute(chunks)
-        print(f"| {quantization} |  | (same greedy tokens: {'yes' if same else 'NO'}) | | | | | |")
-    summary = (f"{quantization}: weights read per step {weights / GiB:.3f} GiB -> roofline {roofline_s * 1e3:.3f} ms; "
+        print(f"| {label} |  | (same greedy tokens: {'yes' if same else 'NO'}) | | | | | |")
+    summary = (f"{label}: weights read per step {weights / GiB:.3f} GiB -> roofline {roofline_s * 1e3:.3f} ms; "
                f"graphs for batch {list(replayer.batch_sizes)} captured in {capture_s:.1f} s")
     del rt, eager, graphs, replayer
     torch.cuda.empty_cache()

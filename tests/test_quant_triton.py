@@ -120,6 +120,37 @@ def test_triton_split_k_partial_sums_add_up_with_the_bias(kind, dtype):
 
 
 @triton_here
+@pytest.mark.parametrize("dtype", TRITON_DTYPES)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("seed", range(3))
+def test_triton_dequantize_matches_the_twin(seed, kind, dtype):
+    """Every weight's value in the activation dtype: fp32 within one rounding of q * scale + min (the kernel
+    may fuse it), fp16 / bf16 then the same value or one ulp apart (a rounding on either side of a tie)."""
+    from engine.kernels.quant_linear_triton import dequantize_triton
+    from engine.quant_format import dequantize
+
+    w, _, _, _ = draw_case(200 + seed, kind, dtype, 1)
+    actual, expected = dequantize_triton(w, dtype), dequantize(w).to(dtype)
+    assert actual.dtype == dtype and actual.shape == (w.out_features, w.in_features)
+    torch.testing.assert_close(actual, expected, rtol=torch.finfo(dtype).eps, atol=1e-6)
+
+
+@triton_here
+@pytest.mark.parametrize("dtype", TRITON_DTYPES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_triton_prefill_row_counts_dequantize_then_run_a_dense_gemm(kind, dtype):
+    """From `dequantize_min_rows` rows on, the weight is dequantized for the call and multiplied by torch's
+    GEMM: the twin's result, with the bias, and exactly what `dequantized_linear_triton` gives."""
+    from engine.kernels import quant_linear_triton as qlt
+
+    w, _, _, _ = draw_case(300, kind, dtype, 1)
+    w, x, bias, _ = draw_case(300, kind, dtype, qlt.dequantize_min_rows(w))
+    y = qlt.quantized_linear_triton(x, w, bias)
+    check(y, quantized_linear_reference(x, w, bias), dtype)
+    assert torch.equal(y, qlt.dequantized_linear_triton(x, w, bias))
+
+
+@triton_here
 def test_triton_quantized_linear_takes_any_leading_shape_and_strided_rows():
     """x [2, 3, in] as a strided view (a slice of a wider activation): y [2, 3, out], x untouched."""
     from engine.kernels.quant_linear_triton import quantized_linear_triton
@@ -138,7 +169,12 @@ def test_triton_quantized_linear_takes_any_leading_shape_and_strided_rows():
 
 @triton_here
 def test_triton_quantized_linear_refuses_bad_input_by_name():
-    from engine.kernels.quant_linear_triton import MAX_SPLITS, quantized_gemv_triton, quantized_linear_triton
+    from engine.kernels.quant_linear_triton import (
+        GEMV_MAX_ROWS,
+        MAX_SPLITS,
+        quantized_gemv_triton,
+        quantized_linear_triton,
+    )
 
     g = torch.Generator().manual_seed(8)
     w = random_weight("int8", 7, 32, g).to(DEVICE)
@@ -151,8 +187,9 @@ def test_triton_quantized_linear_refuses_bad_input_by_name():
         quantized_linear_triton(x.double(), w)
     with pytest.raises(ValueError, match=f"num_splits 0 must be in \\[1, {MAX_SPLITS}\\]"):
         quantized_linear_triton(x, w, num_splits=0)
-    with pytest.raises(ValueError, match="2 rows; the GEMV takes 1..1"):
-        quantized_gemv_triton(x, w)
+    rows = GEMV_MAX_ROWS + 1
+    with pytest.raises(ValueError, match=f"{rows} rows; the GEMV takes 1..{GEMV_MAX_ROWS}"):
+        quantized_gemv_triton(torch.randn(rows, 32).to(DEVICE), w)
 
 
 def compile_for_h100(fn, types: dict[str, str], constexprs: dict, num_stages: int):
@@ -164,7 +201,8 @@ def compile_for_h100(fn, types: dict[str, str], constexprs: dict, num_stages: in
 
     names = fn.arg_names
     signature = {n: "constexpr" if n in constexprs else types[n] for n in names}
-    aligned = {"X", "QWeight", "Scales", "Mins", "Bias", "Out", "in_features", "k_per_split", "stride_xm", "stride_qn"}
+    aligned = {"X", "QWeight", "Scales", "Mins", "Bias", "Out", "in_features", "k_per_split", "stride_xm", "stride_qn",
+               "stride_on"}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in aligned}
     return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": 4, "num_stages": num_stages})
@@ -186,7 +224,7 @@ def test_kernels_compile_for_h100_without_a_gpu(kind):
              "HAS_BIAS": True}
     for rows in range(1, qlt.GEMV_MAX_ROWS + 1):
         gemv_types = {**types, "X": "*fp16", "Bias": "*fp16", "Out": "*fp16"}
-        tiles = {"BLOCK_M": rows, "BLOCK_N": qlt.GEMV_BLOCK_N, "BLOCK_K": qlt.GEMV_BLOCK_K}
+        tiles = {"BLOCK_M": qlt.next_power_of_2(rows), "BLOCK_N": qlt.GEMV_BLOCK_N, "BLOCK_K": qlt.GEMV_BLOCK_K}
         compiled = compile_for_h100(qlt._quantized_gemv_kernel, gemv_types, {**flags, **tiles}, 1)
         assert "cubin" in compiled.asm
     for dtype, precision, stages in (("fp16", "tf32", 3), ("fp32", "ieee", 1)):
@@ -195,6 +233,12 @@ def test_kernels_compile_for_h100_without_a_gpu(kind):
                                     {**flags, "BLOCK_M": 64, "BLOCK_N": qlt.GEMM_BLOCK_N, "BLOCK_K": qlt.GEMM_BLOCK_K,
                                      "DOT_PRECISION": precision}, stages)
         assert "cubin" in compiled.asm
+    dequantize_types = {n: "i32" for n in ("out_features", "in_features", "stride_qn", "stride_sn", "stride_on")}
+    dequantize_types.update(QWeight=types["QWeight"], Scales="*fp32", Mins="*fp32", Out="*bf16")
+    compiled = compile_for_h100(qlt._dequantize_kernel, dequantize_types,
+                                {**{k: flags[k] for k in ("IS_INT4", "SUB", "PER_CHANNEL")},
+                                 "BLOCK_N": qlt.DEQUANT_BLOCK_N, "BLOCK_K": qlt.DEQUANT_BLOCK_K}, 1)
+    assert "cubin" in compiled.asm
     summer_types = {"Partial": "*fp32", "Bias": "*bf16", "Out": "*bf16", "splits": "i32", "out_features": "i32",
                     "stride_ps": "i32", "stride_pm": "i32", "stride_om": "i32"}
     assert "cubin" in compile_for_h100(qlt._sum_splits_kernel, summer_types, {"HAS_BIAS": True, "BLOCK": 1024}, 1).asm

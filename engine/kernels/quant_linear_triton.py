@@ -7,19 +7,24 @@ int8 and int4 layouts. The twin is `quantized_linear_reference` (engine/quant_fo
           input 32g + j in its low nibble and input 32g + j + 16 in its high one (GGUF's order), so input k
           sits in byte 16 * (k // 32) + k % 16, nibble (k // 16) % 2
 
-Two kernels, picked by row count (`quantized_linear_triton`):
+Three paths, picked by row count (`quantized_linear_triton`), where they measured fastest on an H200
+(benchmarks/quant_triton_bench.py --sweep, benchmarks/RESULTS.md):
 
-    GEMV (one row: batch-1 decode): bound by the bytes of the weight. A program reads a [BLOCK_N, BLOCK_K]
-         weight tile as [BLOCK_N, groups, group] (16-byte loads), dots each group with x in fp32 and scales
-         the group's sum once (int4: plus the group's min times the group's sum of x), so scales and mins
-         are read once per group, not once per weight.
-    GEMM (2 rows and more: batched decode, prefill): a tiled tl.dot per group; the group's weights are
-         dequantized in registers with its [BLOCK_N] scales and cast to x's dtype (fp16 / bf16 tensor
-         cores, rows padded to 16; fp32 x takes an IEEE fp32 dot). From 2 rows on the tensor cores beat a
-         GEMV's FMAs per row (measured on an H200: benchmarks/RESULTS.md).
+    GEMV (1..GEMV_MAX_ROWS rows: decode at batch 1-2): bound by the bytes of the weight. A program reads a
+         [BLOCK_N, BLOCK_K] weight tile as [BLOCK_N, groups, group] (16-byte loads), converts it once, dots
+         each group with each row of x in fp32 and scales the group's sum once (int4: plus the group's min
+         times the group's sum of x), so scales and mins are read once per group, not once per weight. Past
+         2 rows its FMAs per row cost more than the GEMM's tensor cores.
+    GEMM (up to the dequantize threshold: batched decode, short prefill): a tiled tl.dot per group; the group's
+         weights are dequantized in registers with its [BLOCK_N] scales and cast to x's dtype (fp16 / bf16
+         tensor cores, rows padded to 16; fp32 x takes an IEEE fp32 dot).
+    DEQUANTIZE + cuBLAS (`dequantize_min_rows`: 128 rows, 256 for per-channel int8): at prefill row counts
+         the linear is compute-bound, and cuBLAS's dense GEMM beats a Triton GEMM that dequantizes every
+         weight tile once per row block; one pass writes the weight in x's dtype (`dequantize_triton`), used
+         by this call only (2.4-3.3x faster than the GEMM at 512 rows for grouped int8 and int4).
 
 Both split K over a grid axis when the output alone gives too few programs to fill the SMs (a 576-wide
-projection is 18 GEMV programs on a 132-SM GPU; the GEMV aims at GEMV_PROGRAMS_PER_SM small programs per SM
+projection is 36 GEMV programs on a 132-SM GPU; the GEMV aims at GEMV_PROGRAMS_PER_SM small programs per SM
 to keep enough loads in flight); the splits write fp32 partial sums [splits, rows, out]
 that a small kernel adds in a fixed order (deterministic, unlike atomics), with the bias and the cast.
 With one split the main kernel writes y itself.
@@ -35,23 +40,34 @@ import torch
 from engine.kernels.triton_jit import cdiv, dot_precision, jit, next_power_of_2, pipeline_stages, tl
 from engine.quant_format import QuantizedWeight
 
-GEMV_MAX_ROWS = 1  # from 2 rows on, the GEMM's tensor-core dot (rows padded to 16) beats FMAs per row
+# Tile sizes and launch shapes: module constants that the launchers read per call (benchmarks/
+# quant_triton_bench.py --sweep sets them to time each choice).
+GEMV_MAX_ROWS = 2  # the GEMV / GEMM time on Llama-3-8B's projections: 0.97 at 2 rows, 1.47 at 4, 2.49 at 8
+DEQUANT_MIN_ROWS = 128  # from here on, dequantize + cuBLAS (see the module docstring)
+PER_CHANNEL_DEQUANT_MIN_ROWS = 256  # the same for per-channel int8, whose GEMM (no group scales) stays ahead longer
 MAX_SPLITS = 16
-GEMV_BLOCK_N = 32
-GEMV_BLOCK_K = 256  # a multiple of every group size (32, 64) and of PER_CHANNEL_SUB
+GEMV_BLOCK_N = 16
+GEMV_BLOCK_K = 512  # a multiple of every group size (32, 64) and of PER_CHANNEL_SUB
 GEMV_PROGRAMS_PER_SM = 8  # small programs (4 warps, one tile in flight each): several per SM keep loads in flight
+GEMV_NUM_WARPS = 4
+GEMV_NUM_STAGES = 1
 PER_CHANNEL_SUB = 32
 GEMM_BLOCK_N = 128
 GEMM_BLOCK_K = 64
 GEMM_PROGRAMS_PER_SM = 2
+GEMM_NUM_WARPS = 4
+GEMM_NUM_STAGES = 3
+DEQUANT_BLOCK_N = 16
+DEQUANT_BLOCK_K = 256
 
 
 def quantized_linear_triton(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None,
                             num_splits: int | None = None) -> torch.Tensor:
     """x [..., in] (fp32 / fp16 / bf16, on w's device) -> [..., out] in x's dtype: the GEMV kernel for at
-    most GEMV_MAX_ROWS rows, the GEMM beyond. `num_splits` (1..MAX_SPLITS) overrides the split-K count
-    (default: enough programs for about two per SM on CUDA, 1 elsewhere); tests use it to reach both
-    the split and the direct path under the interpreter. x is not modified; y is a new tensor."""
+    most GEMV_MAX_ROWS rows, the GEMM below `dequantize_min_rows(w)`, dequantize + cuBLAS from there. `num_splits`
+    (1..MAX_SPLITS) overrides the GEMV's and GEMM's split-K count (default: enough programs for about
+    *_PROGRAMS_PER_SM per SM on CUDA, 1 elsewhere); tests use it to reach both the split and the direct path
+    under the interpreter. x is not modified; y is a new tensor."""
     if x.shape[-1] != w.in_features:
         raise ValueError(f"quantized_linear: x's last dim {x.shape[-1]} must equal in_features {w.in_features}")
     if bias is not None and bias.shape != (w.out_features,):
@@ -63,8 +79,17 @@ def quantized_linear_triton(x: torch.Tensor, w: QuantizedWeight, bias: torch.Ten
         return torch.empty((*x.shape[:-1], w.out_features), dtype=x.dtype, device=x.device)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    launch = quantized_gemv_triton if rows.shape[0] <= GEMV_MAX_ROWS else quantized_gemm_triton
-    return launch(rows, w, bias, num_splits).view(*x.shape[:-1], w.out_features)
+    if rows.shape[0] >= dequantize_min_rows(w):
+        y = dequantized_linear_triton(rows, w, bias)
+    else:
+        launch = quantized_gemv_triton if rows.shape[0] <= GEMV_MAX_ROWS else quantized_gemm_triton
+        y = launch(rows, w, bias, num_splits)
+    return y.view(*x.shape[:-1], w.out_features)
+
+
+def dequantize_min_rows(w: QuantizedWeight) -> int:
+    """From how many rows on a call takes dequantize + cuBLAS."""
+    return PER_CHANNEL_DEQUANT_MIN_ROWS if _per_channel(w) else DEQUANT_MIN_ROWS
 
 
 def default_num_splits(output_programs: int, k_tiles: int, device: torch.device, programs_per_sm: int) -> int:
@@ -121,7 +146,7 @@ def _sum_splits(partial: torch.Tensor, bias: torch.Tensor | None, y: torch.Tenso
 
 def quantized_gemv_triton(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None,
                           num_splits: int | None = None) -> torch.Tensor:
-    """x [1, in] (unit column stride) -> [1, out]: the decode kernel."""
+    """x [rows, in] (1..GEMV_MAX_ROWS rows, unit column stride) -> [rows, out]: the decode kernel."""
     _checked(x, w)
     rows = x.shape[0]
     if not 1 <= rows <= GEMV_MAX_ROWS:
@@ -137,7 +162,8 @@ def quantized_gemv_triton(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tenso
         target.stride(0) if split.count > 1 else 0,
         IS_INT4=w.kind == "int4", SUB=_sub_block(w), PER_CHANNEL=_per_channel(w),
         HAS_BIAS=bias is not None and split.count == 1,
-        BLOCK_M=1, BLOCK_N=GEMV_BLOCK_N, BLOCK_K=GEMV_BLOCK_K, num_warps=4,
+        BLOCK_M=next_power_of_2(rows), BLOCK_N=GEMV_BLOCK_N, BLOCK_K=GEMV_BLOCK_K,
+        num_warps=GEMV_NUM_WARPS, num_stages=GEMV_NUM_STAGES,
     )  # fmt: skip
     if split.count > 1:
         _sum_splits(target, bias, y)
@@ -162,11 +188,32 @@ def quantized_gemm_triton(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tenso
         IS_INT4=w.kind == "int4", SUB=_sub_block(w), PER_CHANNEL=_per_channel(w),
         HAS_BIAS=bias is not None and split.count == 1,
         BLOCK_M=block_m, BLOCK_N=GEMM_BLOCK_N, BLOCK_K=GEMM_BLOCK_K, DOT_PRECISION=dot_precision(x.dtype),
-        num_warps=4, num_stages=pipeline_stages(x.dtype, 3),
+        num_warps=GEMM_NUM_WARPS, num_stages=pipeline_stages(x.dtype, GEMM_NUM_STAGES),
     )  # fmt: skip
     if split.count > 1:
         _sum_splits(target, bias, y)
     return y
+
+
+def dequantized_linear_triton(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [rows, in] (unit column stride) -> [rows, out]: the weight dequantized to x's dtype for this call
+    (`dequantize_triton`), then torch's dense GEMM (cuBLAS). The prefill path; no copy outlives the call."""
+    _checked(x, w)
+    return torch.nn.functional.linear(x, dequantize_triton(w, x.dtype), bias)
+
+
+def dequantize_triton(w: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
+    """The weight's values [out, in] in `dtype` (a new tensor): the twin is `dequantize(w).to(dtype)`
+    (engine/quant_format.py), equal up to one rounding of q * scale + min (fused or not)."""
+    out = torch.empty((w.out_features, w.in_features), dtype=dtype, device=w.qweight.device)
+    grid = (cdiv(w.out_features, DEQUANT_BLOCK_N), cdiv(w.in_features, DEQUANT_BLOCK_K))
+    _dequantize_kernel[grid](
+        w.qweight, w.scales, w.mins if w.mins is not None else w.scales, out,
+        w.out_features, w.in_features, w.qweight.stride(0), w.scales.stride(0), out.stride(0),
+        IS_INT4=w.kind == "int4", SUB=_sub_block(w), PER_CHANNEL=_per_channel(w),
+        BLOCK_N=DEQUANT_BLOCK_N, BLOCK_K=DEQUANT_BLOCK_K,
+    )  # fmt: skip
+    return out
 
 
 def _sub_block(w: QuantizedWeight) -> int:
@@ -209,41 +256,52 @@ def _quantized_gemv_kernel(
     IS_INT4: tl.constexpr, SUB: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """One row of x: a [BLOCK_N, TG, W] weight tile (W = SUB, int4: 16 bytes) times x's [TG, W] inputs, each
-    group's partial dot then scaled (int4: plus its min times the group's sum of x)."""
+    """BLOCK_M rows of x (a few): a [BLOCK_N, TG, W] weight tile (W = SUB, int4: 16 bytes) read and converted
+    once, times each row's [TG, W] inputs, each group's partial dot then scaled (int4: plus its min times the
+    group's sum of x); row r's sums land in acc's row r."""
     TG: tl.constexpr = BLOCK_K // SUB
     W: tl.constexpr = SUB // 2 if IS_INT4 else SUB
     n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < out_features
+    m = tl.arange(0, BLOCK_M)
     split = tl.program_id(1)
     k_start = split * k_per_split
     k_end = tl.minimum(k_start + k_per_split, in_features)
     g = tl.arange(0, TG)
-    acc = tl.zeros([BLOCK_N], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for tile in range(k_start, k_end, BLOCK_K):
         k = tile + g[:, None] * SUB + tl.arange(0, W)[None, :]  # [TG, W]: int4's low-nibble inputs
         k_mask = k < k_end  # whole groups: an int4 input k + 16 is in range whenever k is
         w_mask = n_mask[:, None, None] & k_mask[None, :, :]
-        x = tl.load(X + k, mask=k_mask, other=0.0).to(tl.float32)
         group_mask = n_mask[:, None] & (tile + g * SUB < k_end)[None, :]
         group_offsets = n[:, None] * stride_sn + (tile // SUB + g)[None, :]
         if IS_INT4:
             byte = tile // 2 + g[:, None] * W + tl.arange(0, W)[None, :]
             packed = tl.load(QWeight + n[:, None, None] * stride_qn + byte[None, :, :], mask=w_mask,
                              other=0).to(tl.int32)
-            x_hi = tl.load(X + k + W, mask=k_mask, other=0.0).to(tl.float32)
-            part = tl.sum((packed & 0xF).to(tl.float32) * x[None, :, :]
-                          + (packed >> 4).to(tl.float32) * x_hi[None, :, :], axis=2)  # [BLOCK_N, TG]
+            q_low, q_high = (packed & 0xF).to(tl.float32), (packed >> 4).to(tl.float32)
+            scales = tl.load(Scales + group_offsets, mask=group_mask, other=0.0)
             mins = tl.load(Mins + group_offsets, mask=group_mask, other=0.0)
-            part = part * tl.load(Scales + group_offsets, mask=group_mask, other=0.0) \
-                + mins * tl.sum(x + x_hi, axis=1)[None, :]
         else:
-            q = tl.load(QWeight + n[:, None, None] * stride_qn + k[None, :, :], mask=w_mask, other=0)
-            part = tl.sum(q.to(tl.float32) * x[None, :, :], axis=2)
+            q = tl.load(QWeight + n[:, None, None] * stride_qn + k[None, :, :], mask=w_mask, other=0).to(tl.float32)
             if not PER_CHANNEL:
-                part = part * tl.load(Scales + group_offsets, mask=group_mask, other=0.0)
-        acc += tl.sum(part, axis=1)
-    _finish(acc[None, :], Scales, Bias, Out + split * stride_os, tl.arange(0, BLOCK_M), n, rows, out_features,
+                scales = tl.load(Scales + group_offsets, mask=group_mask, other=0.0)
+        for r in tl.static_range(BLOCK_M):
+            x_mask = k_mask & (tl.zeros_like(k) + r < rows)
+            x = tl.load(X + r * stride_xm + k, mask=x_mask, other=0.0).to(tl.float32)
+            if IS_INT4:
+                x_high = tl.load(X + r * stride_xm + k + W, mask=x_mask, other=0.0).to(tl.float32)
+                part = tl.sum(q_low * x[None, :, :] + q_high * x_high[None, :, :], axis=2)  # [BLOCK_N, TG]
+                part = part * scales + mins * tl.sum(x + x_high, axis=1)[None, :]
+            else:
+                part = tl.sum(q * x[None, :, :], axis=2)
+                if not PER_CHANNEL:
+                    part = part * scales
+            if BLOCK_M == 1:
+                acc += tl.sum(part, axis=1)[None, :]
+            else:
+                acc += tl.where(m[:, None] == r, tl.sum(part, axis=1)[None, :], 0.0)
+    _finish(acc, Scales, Bias, Out + split * stride_os, m, n, rows, out_features,
             stride_sn, stride_om, PER_CHANNEL, HAS_BIAS)
 
 
@@ -296,6 +354,39 @@ def _quantized_gemm_kernel(
                 acc = tl.dot(x, w.to(X.dtype.element_ty), acc, input_precision=DOT_PRECISION)
     _finish(acc, Scales, Bias, Out + split * stride_os, m, n, rows, out_features,
             stride_sn, stride_om, PER_CHANNEL, HAS_BIAS)
+
+
+@jit
+def _dequantize_kernel(
+    QWeight, Scales, Mins, Out, out_features, in_features, stride_qn, stride_sn, stride_on,
+    IS_INT4: tl.constexpr, SUB: tl.constexpr, PER_CHANNEL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """A [BLOCK_N, BLOCK_K] tile of the weight's values, walked as the GEMV walks it ([BLOCK_N, TG, W]: a
+    scale (and min) per sub-block row, int4's low and high nibbles stored W inputs apart)."""
+    TG: tl.constexpr = BLOCK_K // SUB
+    W: tl.constexpr = SUB // 2 if IS_INT4 else SUB
+    n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    tile = tl.program_id(1) * BLOCK_K
+    g = tl.arange(0, TG)
+    k = tile + g[:, None] * SUB + tl.arange(0, W)[None, :]  # [TG, W]: int4's low-nibble inputs
+    n_mask = n < out_features
+    mask = n_mask[:, None, None] & (k < in_features)[None, :, :]
+    out = Out + n[:, None, None] * stride_on + k[None, :, :]
+    if PER_CHANNEL:
+        scale = tl.load(Scales + n * stride_sn, mask=n_mask, other=0.0)[:, None, None]
+    else:
+        group_offsets = n[:, None] * stride_sn + (tile // SUB + g)[None, :]
+        group_mask = n_mask[:, None] & (tile + g * SUB < in_features)[None, :]
+        scale = tl.load(Scales + group_offsets, mask=group_mask, other=0.0)[:, :, None]
+    if IS_INT4:
+        byte = tile // 2 + g[:, None] * W + tl.arange(0, W)[None, :]
+        packed = tl.load(QWeight + n[:, None, None] * stride_qn + byte[None, :, :], mask=mask, other=0).to(tl.int32)
+        low = tl.load(Mins + group_offsets, mask=group_mask, other=0.0)[:, :, None]
+        tl.store(out, ((packed & 0xF).to(tl.float32) * scale + low).to(Out.dtype.element_ty), mask=mask)
+        tl.store(out + W, ((packed >> 4).to(tl.float32) * scale + low).to(Out.dtype.element_ty), mask=mask)
+    else:
+        q = tl.load(QWeight + n[:, None, None] * stride_qn + k[None, :, :], mask=mask, other=0)
+        tl.store(out, (q.to(tl.float32) * scale).to(Out.dtype.element_ty), mask=mask)
 
 
 @jit

@@ -2,8 +2,8 @@
 # The CUDA checks in one run, for a machine with an NVIDIA GPU (CI has none): the engine end to end on the GPU
 # (tests/test_cuda_engine.py), the Triton kernels against their torch twins (tests/test_kernels.py,
 # tests/test_quant_triton.py), CUDA graphs against the eager runner (tests/test_cuda_graphs.py), then the decode
-# step of a 1.1B random Llama (dense, int8, int4), the quantized linears against the memory roofline, and their
-# tile sizes.
+# step of a 1.1B random Llama (dense, int8, int4), the quantized linears against the memory roofline, their launch
+# settings (a sweep), and the decode step again with the sweep's choices.
 #
 #   bash benchmarks/cuda_checks.sh            # logs under $OUT (default /tmp/duet-cuda-checks)
 #
@@ -35,6 +35,14 @@ timeout "${BENCH_TIMEOUT:-200}" python3 benchmarks/quant_triton_bench.py --dtype
     --repeats 20 >"$OUT/quant_triton.log" 2>&1 || status=1
 tail -40 "$OUT/quant_triton.log"
 
-timeout "${BENCH_TIMEOUT:-200}" python3 benchmarks/quant_triton_bench.py --dtype bfloat16 --sweep --repeats 20 \
-    >"$OUT/quant_sweep.log" 2>&1 || status=1
+timeout "${BENCH_TIMEOUT:-200}" python3 benchmarks/quant_triton_bench.py --dtype bfloat16 --sweep --repeats 10 \
+    --best "$OUT/best.json" >"$OUT/quant_sweep.log" 2>&1 || status=1
+grep -A10 "geometric\|by rows\|best:" "$OUT/quant_sweep.log"
+
+# the decode step again with the sweep's choices, next to the tree's own settings
+if [ -f "$OUT/best.json" ]; then
+    timeout "${BENCH_TIMEOUT:-200}" python3 benchmarks/decode_step_cuda.py --quantization int8 int4 --batch 1 8 32 \
+        --repeats 20 --tiles "$OUT/best.json" >"$OUT/decode_step_tiles.log" 2>&1 || status=1
+    grep "cuda graphs" "$OUT/decode_step_tiles.log"
+fi
 exit $status

@@ -52,12 +52,12 @@ def random_weight(kind: str, out: int, in_features: int, g: torch.Generator) -> 
 
 
 def in_width(kind: str, rng: random.Random) -> int:
-    """Odd widths where the layout allows them (per-channel int8), else 1..10 groups: up to 2 of the GEMV's
-    256-wide K tiles and 5 of the GEMM's 64-wide ones, so several splits of K happen."""
+    """Odd widths where the layout allows them (per-channel int8), else 1..20 groups of 32 (1..10 of 64): up to
+    2 of the GEMV's 512-wide K tiles and 10 of the GEMM's 64-wide ones, so several splits of K happen."""
     if kind == "int8":
-        return rng.choice((1, 17, 45, 96, 131, 200, 300))
+        return rng.choice((1, 17, 45, 96, 131, 200, 300, 555))
     group = 64 if kind == "int8_g64" else 32
-    return group * rng.randint(1, 10 if group == 32 else 5)
+    return group * rng.randint(1, 20 if group == 32 else 10)
 
 
 def check(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
@@ -105,49 +105,32 @@ def test_triton_each_kernel_on_the_others_row_counts(seed, kind, dtype):
 
 @triton_here
 @pytest.mark.parametrize("dtype", TRITON_DTYPES)
+def test_triton_per_channel_gemm_over_k_tiles_of_any_width(dtype, monkeypatch):
+    """Per-channel int8's own GEMM (one dot per K tile): odd input widths across 1-3 tiles of 64 and 128 inputs,
+    split and not, 3 and 20 rows."""
+    from engine.kernels import quant_linear_triton as qlt
+
+    for block_k in (64, 128):
+        monkeypatch.setattr(qlt, "PER_CHANNEL_GEMM_BLOCK_K", block_k)
+        for seed, rows in ((400, 3), (401, 20), (402, 20), (403, 3)):
+            w, x, bias, num_splits = draw_case(seed, "int8", dtype, rows)
+            check(qlt.quantized_gemm_triton(x, w, bias, num_splits), quantized_linear_reference(x, w, bias), dtype)
+
+
+@triton_here
+@pytest.mark.parametrize("dtype", TRITON_DTYPES)
 @pytest.mark.parametrize("kind", KINDS)
 def test_triton_split_k_partial_sums_add_up_with_the_bias(kind, dtype):
-    """in = 320: 2 GEMV K tiles and 5 GEMM ones, so num_splits=3 gives 2 splits in the GEMV and 3 in the GEMM
-    (the partial sums, then the summing kernel adds the bias)."""
+    """in = 1088: 3 GEMV K tiles (512 wide), 17 GEMM ones (64; per-channel int8's: 9 of 128), so num_splits=3
+    gives 3 splits in each kernel (the partial sums, then the summing kernel adds the bias)."""
     from engine.kernels.quant_linear_triton import quantized_linear_triton
 
     g = torch.Generator().manual_seed(9)
-    w = random_weight(kind, 65, 320, g).to(DEVICE)
+    w = random_weight(kind, 65, 1088, g).to(DEVICE)
     bias = torch.randn(65, generator=g).to(DEVICE, dtype)
     for rows in (1, 3, 20):
-        x = torch.randn(rows, 320, generator=g).to(DEVICE, dtype)
+        x = torch.randn(rows, 1088, generator=g).to(DEVICE, dtype)
         check(quantized_linear_triton(x, w, bias, num_splits=3), quantized_linear_reference(x, w, bias), dtype)
-
-
-@triton_here
-@pytest.mark.parametrize("dtype", TRITON_DTYPES)
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("seed", range(3))
-def test_triton_dequantize_matches_the_twin(seed, kind, dtype):
-    """Every weight's value in the activation dtype: fp32 within one rounding of q * scale + min (the kernel
-    may fuse it), fp16 / bf16 then the same value or one ulp apart (a rounding on either side of a tie)."""
-    from engine.kernels.quant_linear_triton import dequantize_triton
-    from engine.quant_format import dequantize
-
-    w, _, _, _ = draw_case(200 + seed, kind, dtype, 1)
-    actual, expected = dequantize_triton(w, dtype), dequantize(w).to(dtype)
-    assert actual.dtype == dtype and actual.shape == (w.out_features, w.in_features)
-    torch.testing.assert_close(actual, expected, rtol=torch.finfo(dtype).eps, atol=1e-6)
-
-
-@triton_here
-@pytest.mark.parametrize("dtype", TRITON_DTYPES)
-@pytest.mark.parametrize("kind", KINDS)
-def test_triton_prefill_row_counts_dequantize_then_run_a_dense_gemm(kind, dtype):
-    """From `dequantize_min_rows` rows on, the weight is dequantized for the call and multiplied by torch's
-    GEMM: the twin's result, with the bias, and exactly what `dequantized_linear_triton` gives."""
-    from engine.kernels import quant_linear_triton as qlt
-
-    w, _, _, _ = draw_case(300, kind, dtype, 1)
-    w, x, bias, _ = draw_case(300, kind, dtype, qlt.dequantize_min_rows(w))
-    y = qlt.quantized_linear_triton(x, w, bias)
-    check(y, quantized_linear_reference(x, w, bias), dtype)
-    assert torch.equal(y, qlt.dequantized_linear_triton(x, w, bias))
 
 
 @triton_here
@@ -229,9 +212,10 @@ def test_kernels_compile_for_h100_without_a_gpu(kind):
         assert "cubin" in compiled.asm
     for dtype, precision, stages in (("fp16", "tf32", 3), ("fp32", "ieee", 1)):
         gemm_types = {**types, "X": f"*{dtype}", "Bias": f"*{dtype}", "Out": "*fp32"}  # Out: split partials
-        compiled = compile_for_h100(qlt._quantized_gemm_kernel, gemm_types,
-                                    {**flags, "BLOCK_M": 64, "BLOCK_N": qlt.GEMM_BLOCK_N, "BLOCK_K": qlt.GEMM_BLOCK_K,
-                                     "DOT_PRECISION": precision}, stages)
+        kernel, block_k = ((qlt._per_channel_gemm_kernel, qlt.PER_CHANNEL_GEMM_BLOCK_K) if per_channel
+                           else (qlt._quantized_gemm_kernel, qlt.GEMM_BLOCK_K))
+        compiled = compile_for_h100(kernel, gemm_types, {**flags, "BLOCK_M": 64, "BLOCK_N": qlt.GEMM_BLOCK_N,
+                                                         "BLOCK_K": block_k, "DOT_PRECISION": precision}, stages)
         assert "cubin" in compiled.asm
     dequantize_types = {n: "i32" for n in ("out_features", "in_features", "stride_qn", "stride_sn", "stride_on")}
     dequantize_types.update(QWeight=types["QWeight"], Scales="*fp32", Mins="*fp32", Out="*bf16")

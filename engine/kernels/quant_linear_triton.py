@@ -17,7 +17,8 @@ Three paths, picked by row count (`quantized_linear_triton`), where they measure
          2 rows its FMAs per row cost more than the GEMM's tensor cores.
     GEMM (up to the dequantize threshold: batched decode, short prefill): a tiled tl.dot per group; the group's
          weights are dequantized in registers with its [BLOCK_N] scales and cast to x's dtype (fp16 / bf16
-         tensor cores, rows padded to 16; fp32 x takes an IEEE fp32 dot).
+         tensor cores, rows padded to 16; fp32 x takes an IEEE fp32 dot). Per-channel int8, with no group
+         scales, dots a whole K tile of raw q at once instead (`_per_channel_gemm_kernel`).
     DEQUANTIZE + cuBLAS (`dequantize_min_rows`: 128 rows, 256 for per-channel int8): at prefill row counts
          the linear is compute-bound, and cuBLAS's dense GEMM beats a Triton GEMM that dequantizes every
          weight tile once per row block; one pass writes the weight in x's dtype (`dequantize_triton`), used
@@ -57,6 +58,7 @@ GEMM_BLOCK_K = 64
 GEMM_PROGRAMS_PER_SM = 2
 GEMM_NUM_WARPS = 4
 GEMM_NUM_STAGES = 3
+PER_CHANNEL_GEMM_BLOCK_K = 128  # per-channel int8's GEMM: one dot per K tile (see `_per_channel_gemm_kernel`)
 DEQUANT_BLOCK_N = 16
 DEQUANT_BLOCK_K = 256
 
@@ -176,18 +178,22 @@ def quantized_gemm_triton(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tenso
     _checked(x, w)
     rows = x.shape[0]
     block_m = min(128, max(16, next_power_of_2(rows)))
+    # per-channel int8 has no group scales to apply inside the K loop: one dot per K tile (1.1-1.6x the grouped
+    # kernel on an H200 at 8-32 rows); a K tile spanning groups needs a scale per weight, gathered: 3-6x slower
+    kernel, block_k = ((_per_channel_gemm_kernel, PER_CHANNEL_GEMM_BLOCK_K) if _per_channel(w)
+                       else (_quantized_gemm_kernel, GEMM_BLOCK_K))
     m_blocks, n_blocks = cdiv(rows, block_m), cdiv(w.out_features, GEMM_BLOCK_N)
-    split = _SplitK(w.in_features, GEMM_BLOCK_K, m_blocks * n_blocks, num_splits, x.device, GEMM_PROGRAMS_PER_SM)
+    split = _SplitK(w.in_features, block_k, m_blocks * n_blocks, num_splits, x.device, GEMM_PROGRAMS_PER_SM)
     y, target = _outputs(x, w, split.count)
-    _quantized_gemm_kernel[(m_blocks, n_blocks, split.count)](
+    kernel[(m_blocks, n_blocks, split.count)](
         x, w.qweight, w.scales, w.mins if w.mins is not None else w.scales,
         bias if bias is not None and split.count == 1 else y, target,
-        rows, w.out_features, w.in_features, split.tiles_per_split * GEMM_BLOCK_K,
+        rows, w.out_features, w.in_features, split.tiles_per_split * block_k,
         x.stride(0), w.qweight.stride(0), w.scales.stride(0), target.stride(-2),
         target.stride(0) if split.count > 1 else 0,
         IS_INT4=w.kind == "int4", SUB=_sub_block(w), PER_CHANNEL=_per_channel(w),
         HAS_BIAS=bias is not None and split.count == 1,
-        BLOCK_M=block_m, BLOCK_N=GEMM_BLOCK_N, BLOCK_K=GEMM_BLOCK_K, DOT_PRECISION=dot_precision(x.dtype),
+        BLOCK_M=block_m, BLOCK_N=GEMM_BLOCK_N, BLOCK_K=block_k, DOT_PRECISION=dot_precision(x.dtype),
         num_warps=GEMM_NUM_WARPS, num_stages=pipeline_stages(x.dtype, GEMM_NUM_STAGES),
     )  # fmt: skip
     if split.count > 1:
@@ -352,6 +358,33 @@ def _quantized_gemm_kernel(
                     w = w * tl.load(Scales + group, mask=group_mask, other=0.0)[None, :]
                 x = tl.load(X + m[:, None] * stride_xm + k[None, :], mask=x_mask, other=0.0)
                 acc = tl.dot(x, w.to(X.dtype.element_ty), acc, input_precision=DOT_PRECISION)
+    _finish(acc, Scales, Bias, Out + split * stride_os, m, n, rows, out_features,
+            stride_sn, stride_om, PER_CHANNEL, HAS_BIAS)
+
+
+@jit
+def _per_channel_gemm_kernel(
+    X, QWeight, Scales, Mins, Bias, Out,
+    rows, out_features, in_features, k_per_split,
+    stride_xm, stride_qn, stride_sn, stride_om, stride_os,
+    IS_INT4: tl.constexpr, SUB: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """The GEMM for per-channel int8 (the same arguments; IS_INT4 and SUB unused): with no group scales, a whole
+    [BLOCK_K, BLOCK_N] tile of raw q (exact in fp16 / bf16) goes into one dot, and `_finish` scales the rows."""
+    m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask, n_mask = m < rows, n < out_features
+    split = tl.program_id(2)
+    k_start = split * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, in_features)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for tile in range(k_start, k_end, BLOCK_K):
+        k = tile + tl.arange(0, BLOCK_K)
+        k_mask = k < k_end
+        q = tl.load(QWeight + n[None, :] * stride_qn + k[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0)
+        x = tl.load(X + m[:, None] * stride_xm + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        acc = tl.dot(x, q.to(X.dtype.element_ty), acc, input_precision=DOT_PRECISION)
     _finish(acc, Scales, Bias, Out + split * stride_os, m, n, rows, out_features,
             stride_sn, stride_om, PER_CHANNEL, HAS_BIAS)
 

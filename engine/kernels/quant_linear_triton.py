@@ -319,10 +319,11 @@ def _quantized_gemm_kernel(
     IS_INT4: tl.constexpr, SUB: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Per sub-block: its [W, BLOCK_N] weights (transposed, so the dot needs no tl.trans) dequantized in
-    registers with the sub-block's [BLOCK_N] scales (and mins), in x's dtype for the tensor cores (exact for
-    per-channel int8's raw q, which is scaled after the dot; one rounding of each weight otherwise), times x's
-    [BLOCK_M, W] inputs."""
+    """Grouped kinds (per-channel int8 takes `_per_channel_gemm_kernel`). Per sub-block: its [W, BLOCK_N]
+    weights (transposed, so the dot needs no tl.trans) dequantized in registers with the sub-block's [BLOCK_N]
+    scales (and mins), in x's dtype for the tensor cores (one rounding of each weight), times x's [BLOCK_M, W]
+    inputs."""
+    tl.static_assert(not PER_CHANNEL)
     TG: tl.constexpr = BLOCK_K // SUB
     W: tl.constexpr = SUB // 2 if IS_INT4 else SUB
     m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -354,8 +355,7 @@ def _quantized_gemm_kernel(
                 acc = tl.dot(x, w.to(X.dtype.element_ty), acc, input_precision=DOT_PRECISION)
             else:
                 w = tl.load(QWeight + n[None, :] * stride_qn + k[:, None], mask=w_mask, other=0).to(tl.float32)
-                if not PER_CHANNEL:
-                    w = w * tl.load(Scales + group, mask=group_mask, other=0.0)[None, :]
+                w = w * tl.load(Scales + group, mask=group_mask, other=0.0)[None, :]
                 x = tl.load(X + m[:, None] * stride_xm + k[None, :], mask=x_mask, other=0.0)
                 acc = tl.dot(x, w.to(X.dtype.element_ty), acc, input_precision=DOT_PRECISION)
     _finish(acc, Scales, Bias, Out + split * stride_os, m, n, rows, out_features,

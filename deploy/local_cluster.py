@@ -51,7 +51,7 @@ from cluster.internal_tls import InternalTLS
 from deploy.redis_server import RedisServer, tail_file
 from deploy.restarts import RestartBackoff, death_line, describe_returncode, restarted_line, signal_name
 from deploy.startup_progress import StartupProgress
-from engine.child_process import parent_death_preexec
+from engine.child_process import die_with_parent
 from engine.ports import is_port_free, pick_free_ports
 
 log = logging.getLogger(__name__)
@@ -300,8 +300,8 @@ class LocalCluster:
             env[AUTH_TOKEN_ENV_VAR] = self.config.auth_token
         with open(log_path, "ab") as log_file:
             log_start_bytes = log_file.tell()
-            popen = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
-                                     env=env, start_new_session=True, preexec_fn=parent_death_preexec())
+            popen = subprocess.Popen(die_with_parent(cmd), stdin=subprocess.DEVNULL, stdout=log_file,
+                                     stderr=subprocess.STDOUT, env=env, start_new_session=True)
         log.info("local_cluster: started %s pid=%d address=%s:%d log=%s", name, popen.pid, host, port, log_path)
         return _Process(name, f"{host}:{port}", log_path, popen, log_start_bytes)
 

@@ -19,7 +19,7 @@ from urllib.parse import quote
 
 import redis
 
-from engine.child_process import parent_death_preexec
+from engine.child_process import die_with_parent
 from engine.ports import pick_free_port
 
 log = logging.getLogger(__name__)
@@ -109,9 +109,9 @@ class RedisServer:
         log_path = self.log_path
         self._log_file = open(log_path, "ab")
         self._port = port
-        self._proc = subprocess.Popen([exe, str(conf_path)], stdin=subprocess.DEVNULL, stdout=self._log_file,
-                                      stderr=subprocess.STDOUT, cwd=self._dir, start_new_session=True,
-                                      preexec_fn=parent_death_preexec())
+        self._proc = subprocess.Popen(die_with_parent([exe, str(conf_path)]), stdin=subprocess.DEVNULL,
+                                      stdout=self._log_file, stderr=subprocess.STDOUT, cwd=self._dir,
+                                      start_new_session=True)
         client = redis.Redis(host=_HOST, port=port, password=self._password, socket_timeout=1.0,
                              socket_connect_timeout=1.0, retry=None)
         deadline = time.monotonic() + timeout_s

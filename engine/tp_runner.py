@@ -222,13 +222,13 @@ def spawn_followers(size: int, init_method: str, model_dir: str | Path, settings
     """Start ranks 1..size-1 as `python -m <module>` processes (they die with this process). Each gets its
     rank, the group's rendezvous, the checkpoint and the resolved engine settings as one JSON argument
     (engine/tp_worker.py's `engine_arg_parser` reads them), then `extra_argv` (what `module` adds)."""
-    from engine.child_process import parent_death_preexec
+    from engine.child_process import die_with_parent
 
     procs = []
     for rank in range(1, size):
         cmd = [sys.executable, "-m", module, "--rank", str(rank), "--size", str(size), "--init-method", init_method,
                "--model", str(model_dir), "--engine-config", settings.to_json(), *extra_argv]
-        procs.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL, preexec_fn=parent_death_preexec()))
+        procs.append(subprocess.Popen(die_with_parent(cmd), stdin=subprocess.DEVNULL))
     return procs
 
 

@@ -21,7 +21,7 @@ import ray
 from cluster.grpc_plumbing import LIVENESS_SERVICE, health_check
 from cluster.internal_tls import InternalTLS
 from deploy.redis_server import tail_file
-from engine.child_process import parent_death_preexec
+from engine.child_process import die_with_parent
 from engine.ports import pick_free_port
 
 log = logging.getLogger(__name__)
@@ -87,10 +87,9 @@ class ComponentActor:
 
     def _spawn(self) -> None:
         with open(self.log_path, "ab") as log_file:
-            self.popen = subprocess.Popen(self._cmd, stdin=subprocess.DEVNULL, stdout=log_file,
+            self.popen = subprocess.Popen(die_with_parent(self._cmd), stdin=subprocess.DEVNULL, stdout=log_file,
                                           stderr=subprocess.STDOUT, env=self._env, cwd=_PROJECT_ROOT,
-                                          start_new_session=True,
-                                          preexec_fn=parent_death_preexec())  # dies with this actor's process
+                                          start_new_session=True)  # dies with this actor's process
 
     def relaunch(self) -> int:
         """Start the command of start() again (same port, same environment, same log file) and return the new

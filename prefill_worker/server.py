@@ -75,9 +75,9 @@ class PrefillWorker(WorkerProcess, wpb_grpc.PrefillWorkerServicer):
                              "first token (give it to `duet decode`, or to `duet up`, which passes it there); only a "
                              "draft_model one is taken here, to compute and ship the draft's prompt KV")
         super().__init__(config)
-        # a prefill samples one token: no guesses, ever. A step that computes a request's last token alone (a
-        # re-prefill after migration whose history is cached but its newest token) looks like a decode step to the
-        # scheduler, which would give it guesses and the step would return several tokens.
+        # a prefill samples one token: no guesses, ever. A step that computes a request's last token alone looks like
+        # a decode step to the scheduler, which then gives it guesses and the step returns several tokens (seen with
+        # the re-prefill of a migrated request, which carries its history: the engine thread died on them).
         self.rt.scheduler.speculator = None
         if self.rt.draft_ships_kv:
             self.rt.drafter.shadows = True  # every chunk's draft KV, shipped after the target's layers

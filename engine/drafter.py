@@ -12,10 +12,11 @@ scheduler's allocation, trimming and freeing cover the draft too and the drafter
 Each request remembers the tokens its draft KV holds (`_DraftedPrefix`). To guess, the drafter feeds the draft
 every known token from the first one its KV lacks through t_n (usually t_n alone, or with the last accepted guess:
 prompt chunks are fed right after the target computes them, `shadow`), then its own guesses one at a time, each
-drawn as the request samples: a greedy request's is the draft's argmax (a single candidate, which the sampler
-verifies by drawing each position plainly: seeded requests then draw exactly the plain tokens), a sampled
-request's is drawn from the draft's distribution under the request's own parameters, which travels with the
-guess for speculative sampling (engine/proposal_verifier.py). A rejection needs no rollback: the next guess
+drawn as the request samples: a greedy request's is the draft's argmax and a seeded one's the draft's draw under
+the request's own (seed, step) noise (single candidates, which the sampler verifies by drawing each position
+plainly: those requests then get exactly the plain tokens), an unseeded sampled request's is drawn from the
+draft's distribution under the request's own parameters, which travels with the guess for speculative sampling
+(engine/proposal_verifier.py). A rejection needs no rollback: the next guess
 re-feeds from the first token that differs. Draft KV in blocks the request gave back is never trusted: a
 preempted request is forgotten (its blocks may have held others' KV before it gets them back), and the prefix
 counts only while the block table under it is unchanged (a block trimmed after a rejection may come back as

@@ -8,9 +8,17 @@ greedy draft (which engine/sampler.py verifies by drawing each position plainly)
     all k accepted: one more token from p_k
 
 Each emitted token is distributed exactly as p at its position, so the output is the target's distribution; a
-draft equal to the target is accepted every time. A seeded request's uniforms come from its own (seed, step)
-generators (a draft's draw and the verifier's under different salts), so it is reproducible, though not the token
-sequence plain decoding would draw (the draws are different random variables).
+draft equal to the target is accepted every time.
+
+Seeded requests take another road, because their promise is stronger: a seeded token is a pure function of its
+position's logits and the request (engine/sampler.py's contract), so a request migrated or recomputed draws the
+same tokens. Speculative sampling cannot keep that: which positions are verified guesses and which are plain
+draws depends on where verification windows fell, and a request resumed on another worker (whose first token
+there is a plain draw) falls out of step. So a seeded row's guess is the draft's own draw under the request's
+(seed, step) Gumbel noise, the very noise the target's plain draw at that step uses (Gumbel-max coupling): the
+guess is the draft's argmax of log q + G, the target then draws argmax of log p + G plainly and keeps the guess
+when they agree. The output is exactly plain seeded decoding's, and a draft equal to the target still agrees at
+every position.
 """
 
 from __future__ import annotations
@@ -19,37 +27,30 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.sampler import SampledTokens, Sampler, SamplingRow, compute_logprobs, splitmix64, step_seed
-
-DRAFT_SALT = 0x5EED_D4AF  # a seeded request's draft draws: a stream apart from the target's
-VERIFY_SALT = 0x5EED_7E51  # ... and its acceptance uniforms
+from engine.sampler import SampledTokens, Sampler, SamplingRow, compute_logprobs
 
 
 class ProposalSampler(Sampler):
-    """The draft model's sampler: each row's token drawn from its processed distribution, which comes back with
-    it (`SampledTokens.probs`) for the verifier; greedy rows give their argmax and no distribution."""
+    """The draft model's sampler. An unseeded sampled row's token is drawn from its processed distribution, which
+    comes back with it (`SampledTokens.probs`) for the verifier; greedy and seeded rows give their plain token
+    (argmax; the draw under the row's (seed, step) noise) and no distribution: a single candidate, which the target
+    verifies by drawing plainly (module docstring)."""
 
     def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledTokens]:
-        probs = self.probabilities(logits, rows)
-        out = []
-        for i, row in enumerate(rows):
-            if row.params.greedy:
-                out.append(SampledTokens([int(probs[i].argmax())], None))
-                continue
-            token = draw(probs[i], self._row_generator(row, DRAFT_SALT))
-            out.append(SampledTokens([token], None, probs=probs[i]))
+        coupled = [i for i, row in enumerate(rows) if row.params.greedy or row.params.seed is not None]
+        out: list[SampledTokens | None] = [None] * len(rows)
+        if coupled:
+            index = torch.tensor(coupled, device=logits.device)
+            plain = super().sample(logits.index_select(0, index), [rows[i] for i in coupled])
+            for i, sampled in zip(coupled, plain, strict=True):
+                out[i] = SampledTokens(sampled.token_ids, None, sampled.error)
+        drawn = [i for i in range(len(rows)) if out[i] is None]
+        if drawn:
+            index = torch.tensor(drawn, device=logits.device)
+            probs = self.probabilities(logits.index_select(0, index), [rows[i] for i in drawn])
+            for i, q in zip(drawn, probs, strict=True):
+                out[i] = SampledTokens([draw(q, self._generator(torch.device("cpu")))], None, probs=q)
         return out
-
-    def _row_generator(self, row: SamplingRow, salt: int) -> torch.Generator:
-        if row.params.seed is None:
-            return self._generator(torch.device("cpu"))
-        return seeded_generator(row, salt)
-
-
-def seeded_generator(row: SamplingRow, salt: int) -> torch.Generator:
-    own = torch.Generator()
-    own.manual_seed(step_seed(splitmix64(row.params.seed) ^ salt, row.step))
-    return own
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
@@ -92,8 +93,8 @@ def verify_with_proposal_probs(sampler: Sampler, logits: torch.Tensor, rows: Seq
 def _verify_row(sampler: Sampler, logits: torch.Tensor, row: SamplingRow) -> SampledTokens:
     positions = row.positions()
     p = sampler.probabilities(logits, positions)
-    generator = seeded_generator(row, VERIFY_SALT) if row.params.seed is not None else \
-        sampler._generator(torch.device("cpu"))
+    assert row.params.seed is None, "a seeded row's guesses are single candidates (module docstring)"
+    generator = sampler._generator(torch.device("cpu"))
     token_ids: list[int] = []
     for j, (guess, q) in enumerate(zip(row.proposed_token_ids, row.proposal_probs, strict=True)):
         q = q.to(p.device)

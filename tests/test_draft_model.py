@@ -114,25 +114,43 @@ def test_the_target_drafting_for_itself_quantized(tmp_path):
     spec.engine.check_integrity()
 
 
-def test_sampled_guesses_from_a_draft_equal_to_the_target_are_always_accepted(tiny_llama_dir):
-    """Speculative sampling (engine/proposal_verifier.py): a guess drawn from q is kept with probability
-    min(1, p/q), so with q = p (the target as its own draft, fp32) every guess is accepted, at any temperature and
-    filter; and a seeded request draws the same tokens on every run."""
+@pytest.mark.parametrize("seeded", [False, True], ids=["unseeded", "seeded"])
+def test_sampled_guesses_from_a_draft_equal_to_the_target_are_always_accepted(tiny_llama_dir, seeded):
+    """With the target as its own draft (fp32) every sampled guess is accepted, at any temperature and filter:
+    an unseeded guess drawn from q is kept with probability min(1, p/q) = 1 (engine/proposal_verifier.py), a
+    seeded guess is the draft's draw under the very noise the target's plain draw uses. And a seeded request
+    draws exactly the tokens it draws without speculation."""
     prompts = repetitive_prompts()
-    params = [SamplingParams(max_tokens=24, temperature=0.8, top_k=30, top_p=0.95, min_p=0.01, seed=11 + i,
-                             repetition_penalty=1.1, frequency_penalty=0.2, logprobs=2, ignore_eos=True)
+    params = [SamplingParams(max_tokens=24, temperature=0.8, top_k=30, top_p=0.95, min_p=0.01,
+                             seed=11 + i if seeded else None, repetition_penalty=1.1, frequency_penalty=0.2,
+                             logprobs=2, ignore_eos=True)
               for i in range(len(prompts))]
-    runs = []
-    for _ in range(2):
-        spec = LLM(tiny_llama_dir, max_model_len=256, speculative_config=draft_config(tiny_llama_dir))
-        runs.append(spec.generate(prompts, params, use_tqdm=False))
-        stats = spec.engine.core.speculation
-        assert stats.num_draft_tokens > 50
-        assert stats.num_accepted_tokens >= 0.97 * stats.num_draft_tokens  # p/q = 1 up to float noise
-        spec.engine.check_integrity()
-    for a, b in zip(*runs):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids and len(a.outputs[0].logprobs) == 24
-        assert [next(iter(x)) for x in a.outputs[0].logprobs] == a.outputs[0].token_ids
+    spec = LLM(tiny_llama_dir, max_model_len=256, speculative_config=draft_config(tiny_llama_dir))
+    outputs = spec.generate(prompts, params, use_tqdm=False)
+    stats = spec.engine.core.speculation
+    assert stats.num_draft_tokens > 50
+    assert stats.num_accepted_tokens >= 0.97 * stats.num_draft_tokens  # p/q = 1 up to float noise
+    spec.engine.check_integrity()
+    for out in outputs:
+        assert len(out.outputs[0].logprobs) == 24
+        assert [next(iter(x)) for x in out.outputs[0].logprobs] == out.outputs[0].token_ids
+    if seeded:
+        plain = LLM(tiny_llama_dir, max_model_len=256).generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in plain]
+
+
+def test_seeded_requests_with_another_draft_draw_the_plain_tokens(tiny_llama_dir, other_draft_dir):
+    """A draft that is often wrong: seeded sampled requests still draw exactly their plain tokens, whatever the
+    verification windows (which is what lets a migrated request go on with the undisturbed tokens)."""
+    prompts = repetitive_prompts()
+    params = [SamplingParams(max_tokens=30, temperature=0.9, top_p=0.95, seed=40 + i, ignore_eos=True)
+              for i in range(len(prompts))]
+    want = [o.outputs[0].token_ids for o in LLM(tiny_llama_dir, max_model_len=256).generate(prompts, params,
+                                                                                             use_tqdm=False)]
+    spec = LLM(tiny_llama_dir, max_model_len=256, speculative_config=draft_config(other_draft_dir, k=3))
+    assert list(run_stepwise(spec, prompts, params).values()) == want
+    stats = spec.engine.core.speculation
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
 
 
 def test_speculative_sampling_draws_the_targets_distribution():

@@ -164,7 +164,7 @@ def test_one_row_reads_four_runs_a_thread_and_the_rest_alone(kind, in_features, 
     """Batch-1 decode's path (AVX2 / AVX-512: four output rows per call, one from each of four runs of the thread's
     rows, interleaved block by block; a slice's last rows one by one; a group of 96 puts two int8 blocks of one VNNI
     step, and of one AVX-512 pair, under different scales). Every row's sum is bit for bit that row multiplied
-    alone, whichever run or thread read it."""
+    alone, whichever run or thread read it, with float or int8 activations."""
     for n, out in enumerate([1, 4, 9, 301]):
         w = random_weight(kind, out, in_features, group, seed=40 + n)
         g = torch.Generator().manual_seed(50 + n)
@@ -175,9 +175,13 @@ def test_one_row_reads_four_runs_a_thread_and_the_rest_alone(kind, in_features, 
             if in_features % 32 == 0:
                 assert_int8_activations_match_twin(x, w, bias)
         if out == 301:  # on two threads from 65536 weights
-            whole = cpu_native.quantized_linear_native(x, w)
-            alone = torch.cat([cpu_native.quantized_linear_native(x, w.rows(o, o + 1)) for o in range(out)], dim=1)
-            assert torch.equal(whole, alone)
+            linears = [cpu_native.quantized_linear_native]
+            if in_features % 32 == 0:
+                linears.append(cpu_native.quantized_linear_int8_activations_native)
+            for linear in linears:
+                whole = linear(x, w)
+                alone = torch.cat([linear(x, w.rows(o, o + 1)) for o in range(out)], dim=1)
+                assert torch.equal(whole, alone), linear.__name__
 
 
 @pytest.mark.usefixtures("build")

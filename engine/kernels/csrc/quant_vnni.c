@@ -25,6 +25,9 @@
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
 
 #define BLOCK 32
 #define TILE 4 /* rows of x sharing one unpacked weight step */
@@ -36,6 +39,7 @@ typedef struct { /* rows of x in the layout of one weight kind (see the top of t
     int32_t *xneg; /* int8 only: [rows][steps * 16], -128 * Σ of each lane's four qx */
     float *dxe;    /* [rows][steps * 16]: dx of each lane's group / block */
     float *sxc;    /* int4 only: [rows][steps * 4], sx per group, zero past the last */
+    float *dxe4;   /* int4 only: [rows][steps * 4], dx per group, zero past the last */
 } vnni_x;
 
 static void prepare_int4(const int8_t *qx, const float *dx, const float *sx, int64_t rows, int64_t k_in, vnni_x *v) {
@@ -46,6 +50,7 @@ static void prepare_int4(const int8_t *qx, const float *dx, const float *sx, int
     v->xq = calloc((size_t)(rows * v->row_bytes), 1);
     v->dxe = calloc((size_t)(rows * v->row_lanes), sizeof(float));
     v->sxc = calloc((size_t)(rows * v->steps * 4), sizeof(float));
+    v->dxe4 = calloc((size_t)(rows * v->steps * 4), sizeof(float));
     v->xneg = NULL;
     for (int64_t r = 0; r < rows; r++)
         for (int64_t g = 0; g < groups; g++) {
@@ -58,6 +63,7 @@ static void prepare_int4(const int8_t *qx, const float *dx, const float *sx, int
             }
             for (int j = 0; j < 4; j++) v->dxe[r * v->row_lanes + step * 16 + lane * 4 + j] = dx[r * groups + g];
             v->sxc[r * v->steps * 4 + g] = sx[r * groups + g];
+            v->dxe4[r * v->steps * 4 + g] = dx[r * groups + g];
         }
 }
 
@@ -69,7 +75,7 @@ static void prepare_int8(const int8_t *qx, const float *dx, int64_t rows, int64_
     v->xq = calloc((size_t)(rows * v->row_bytes), 1);
     v->xneg = calloc((size_t)(rows * v->row_lanes), sizeof(int32_t));
     v->dxe = calloc((size_t)(rows * v->row_lanes), sizeof(float));
-    v->sxc = NULL;
+    v->sxc = v->dxe4 = NULL;
     for (int64_t r = 0; r < rows; r++) {
         int8_t *dst = v->xq + r * v->row_bytes;
         for (int64_t k = 0; k < k_in; k++) dst[k] = qx[r * k_in + k];
@@ -86,6 +92,7 @@ static void release(vnni_x *v) {
     free(v->xneg);
     free(v->dxe);
     free(v->sxc);
+    free(v->dxe4);
 }
 
 /* which group's scale each lane takes: lanes 4k..4k+3 take element k of a 4-float vector */
@@ -167,6 +174,121 @@ static inline __attribute__((always_inline)) void int8_row(const vnni_x *v, int6
     for (int r = 0; r < rt; r++) sums[r] = _mm512_reduce_add_ps(acc[r]);
 }
 
+/* ---- one row of x (batch-1 decode): four output rows a step, x's vectors loaded once for them, the four sums
+ * reduced together. The per-row loop above reduces a row's 16 lanes alone and reloads x for each output row: at
+ * K = 576 (4.5 steps a row) that overhead was as large as the dot products (SmolLM2's int4 gate_up from cache:
+ * 46 -> 19 us). Each thread reads its slice of W's rows as four runs side by side (step j: rows lo + j, lo + run + j,
+ * ...), each run's next row prefetched: four sequential streams keep more reads in flight than adjacent rows (the
+ * same layers from DRAM: int4 28 -> 32-40 GB/s, int8 18 -> 33-41; csrc/gemv.c found the same for dense rows). A
+ * row's sum is `int4_row` / `int8_row`'s arithmetic with rt = 1, up to the order of the final 16-lane reduction. */
+
+#define GEMV_ROWS 4
+
+/* out[i] = sum of acc[i]'s 16 lanes, for i < 4 */
+static inline void reduce4(const __m512 acc[GEMV_ROWS], float *out) {
+    __m256 h[GEMV_ROWS];
+    for (int i = 0; i < GEMV_ROWS; i++)
+        h[i] = _mm256_add_ps(_mm512_castps512_ps256(acc[i]), _mm512_extractf32x8_ps(acc[i], 1));
+    __m256 a = _mm256_hadd_ps(h[0], h[1]), b = _mm256_hadd_ps(h[2], h[3]);
+    __m256 c = _mm256_hadd_ps(a, b); /* lanes: r0 r1 r2 r3 (low 128) | r0 r1 r2 r3 (high 128), partial */
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(c), _mm256_extractf128_ps(c, 1)));
+}
+
+static inline __attribute__((always_inline)) void int4_gemv_step(const vnni_x *v, int64_t step,
+                                                                 const uint8_t *const *q, const float *const *s,
+                                                                 const float *const *m, int64_t row_bytes,
+                                                                 __mmask64 byte_mask, __mmask8 group_mask,
+                                                                 __m512 acc[GEMV_ROWS], __m128 macc[GEMV_ROWS]) {
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    const int8_t *xr = v->xq + step * 128;
+    const __m512i xlo = _mm512_loadu_si512(xr), xhi = _mm512_loadu_si512(xr + 64);
+    const __m128 dx = _mm_maskz_loadu_ps(group_mask, v->dxe4 + step * 4);
+    const __m128 sx = _mm_maskz_loadu_ps(group_mask, v->sxc + step * 4);
+    for (int i = 0; i < GEMV_ROWS; i++) {
+        _mm_prefetch((const char *)(q[i] + row_bytes + step * 64), _MM_HINT_T0); /* the run's next row */
+        __m512i raw = _mm512_maskz_loadu_epi8(byte_mask, q[i] + step * 64);
+        __m512i lo = _mm512_and_si512(raw, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
+        __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xlo), hi, xhi);
+        __m512 dscale = spread4(_mm_mul_ps(_mm_maskz_loadu_ps(group_mask, s[i] + step * 4), dx));
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), dscale, acc[i]);
+        macc[i] = _mm_fmadd_ps(_mm_maskz_loadu_ps(group_mask, m[i] + step * 4), sx, macc[i]);
+    }
+}
+
+static inline __attribute__((always_inline)) void int4_gemv(const vnni_x *v, int64_t groups,
+                                                            const uint8_t *const *q, const float *const *s,
+                                                            const float *const *m, float *out) {
+    __m512 acc[GEMV_ROWS];
+    __m128 macc[GEMV_ROWS];
+    for (int i = 0; i < GEMV_ROWS; i++) {
+        acc[i] = _mm512_setzero_ps();
+        macc[i] = _mm_setzero_ps();
+    }
+    int64_t full = groups / 4, row_bytes = groups * BLOCK / 2;
+    for (int64_t step = 0; step < full; step++) int4_gemv_step(v, step, q, s, m, row_bytes, ~0ULL, 0x0F, acc, macc);
+    if (groups % 4) {
+        int left = (int)(groups % 4);
+        int4_gemv_step(v, full, q, s, m, row_bytes, (1ULL << (16 * left)) - 1, (__mmask8)((1 << left) - 1), acc,
+                       macc);
+    }
+    for (int i = 0; i < GEMV_ROWS; i++) acc[i] = _mm512_add_ps(acc[i], _mm512_zextps128_ps512(macc[i]));
+    reduce4(acc, out);
+}
+
+static inline __attribute__((always_inline)) void int8_gemv(const vnni_x *v, int64_t blocks,
+                                                            const int8_t *const *q, const float *const *s,
+                                                            int64_t group, float *out) {
+    __m512 acc[GEMV_ROWS];
+    for (int i = 0; i < GEMV_ROWS; i++) acc[i] = _mm512_setzero_ps();
+    const __m512i offset = _mm512_set1_epi8((char)0x80);
+    int64_t steps = (blocks + 1) / 2, row_bytes = blocks * BLOCK;
+    for (int64_t step = 0; step < steps; step++) {
+        int whole = 2 * step + 1 < blocks; /* else the last block alone: lanes 8-15 masked to zero */
+        __mmask64 byte_mask = whole ? ~0ULL : 0xFFFFFFFFULL;
+        const __m512i xq = _mm512_loadu_si512(v->xq + step * 64), xneg = _mm512_loadu_si512(v->xneg + step * 16);
+        const __m512 dx = _mm512_loadu_ps(v->dxe + step * 16);
+        for (int i = 0; i < GEMV_ROWS; i++) {
+            _mm_prefetch((const char *)(q[i] + row_bytes + step * 64), _MM_HINT_T0); /* the run's next row */
+            __m512i w = _mm512_xor_si512(_mm512_maskz_loadu_epi8(byte_mask, q[i] + step * 64), offset);
+            __m512 scale = _mm512_insertf32x8(_mm512_set1_ps(s[i][2 * step * BLOCK / group]),
+                                              _mm256_set1_ps(whole ? s[i][(2 * step + 1) * BLOCK / group] : 0.0f), 1);
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(xneg, w, xq)), _mm512_mul_ps(scale, dx),
+                                     acc[i]);
+        }
+    }
+    reduce4(acc, out);
+}
+
+/* the one-row pass over this thread's slice of W's rows; call inside an OpenMP parallel region (or none) */
+static void gemv_rows(const vnni_x *v, int kind, int64_t k_in, const void *qweight, const float *scales,
+                      const float *mins, int64_t group, float *sums, int64_t n_out) {
+    int64_t t = 0, threads = 1;
+#if defined(_OPENMP)
+    t = omp_get_thread_num(), threads = omp_get_num_threads();
+#endif
+    int64_t lo = n_out * t / threads, hi = n_out * (t + 1) / threads, groups = k_in / group;
+    int64_t row_bytes = kind == 4 ? k_in / 2 : k_in;
+    int64_t run = (hi - lo) / GEMV_ROWS, steps = run + (hi - lo) % GEMV_ROWS;
+    for (int64_t j = 0; j < steps; j++) {
+        int64_t row_of[GEMV_ROWS];
+        int n = j < run ? GEMV_ROWS : 1; /* a leftover row goes alone, repeated in the unused places */
+        for (int i = 0; i < GEMV_ROWS; i++) row_of[i] = j < run ? lo + i * run + j : lo + GEMV_ROWS * run + (j - run);
+        const void *q[GEMV_ROWS];
+        const float *s[GEMV_ROWS], *m[GEMV_ROWS];
+        for (int i = 0; i < GEMV_ROWS; i++) {
+            q[i] = (const uint8_t *)qweight + row_of[i] * row_bytes;
+            s[i] = scales + row_of[i] * groups;
+            m[i] = kind == 4 ? mins + row_of[i] * groups : NULL;
+        }
+        float out[GEMV_ROWS];
+        if (kind == 4)
+            int4_gemv(v, k_in / BLOCK, (const uint8_t *const *)q, s, m, out);
+        else
+            int8_gemv(v, k_in / BLOCK, (const int8_t *const *)q, s, group, out);
+        for (int i = 0; i < n; i++) sums[row_of[i]] = out[i];
+    }
+}
+
 static void tile(const vnni_x *v, int kind, int64_t k_in, int rt, const void *q, const float *s, const float *m,
                  int64_t group, float *sums) {
 #define ROW(n) (kind == 4 ? int4_row(v, k_in / BLOCK, n, q, s, m, sums) : int8_row(v, k_in / BLOCK, n, q, s, group, sums))
@@ -190,6 +312,12 @@ void duet_q8_linear_vnni(const int8_t *qx, const float *dx, const float *sx, int
     else
         prepare_int8(qx, dx, rows, k_in, &v);
     int64_t row_bytes = kind == 4 ? k_in / 2 : k_in, groups = k_in / group;
+    if (rows == 1) {
+#pragma omp parallel if (n_out * k_in >= PARALLEL_MIN_WEIGHTS)
+        gemv_rows(&v, kind, k_in, qweight, scales, mins, group, sums, n_out);
+        release(&v);
+        return;
+    }
 #pragma omp parallel for schedule(static) if (n_out * k_in >= PARALLEL_MIN_WEIGHTS)
     for (int64_t o = 0; o < n_out; o++) {
         for (int64_t r0 = 0; r0 < rows; r0 += TILE) {

@@ -1,4 +1,4 @@
-"""An OpenAI request's choices: one gRPC Generate per (prompt, sample), run together (their JSON is
+"""An OpenAI request's choices: one Generate call per (prompt, sample), run together (their JSON is
 openai_reply.py's).
 
 Choice k = prompt_index * n + sample (vLLM's numbering). Sample 0 of each prompt starts at once; its n - 1
@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import grpc
 
@@ -58,13 +59,22 @@ def make_choices(templates: list[pb.GenerateRequest], n: int, request_id: str) -
     return choices
 
 
-async def run_choices(start: Callable[[pb.GenerateRequest], grpc.aio.UnaryStreamCall], choices: list[Choice],
+class StreamCall(Protocol):
+    """A Generate call as grpc.aio's stream calls behave (router/local_generation.py's `LocalCall` too): its
+    messages by async iteration, which raises a grpc.aio.AioRpcError with the status that ended it; `cancel()`."""
+
+    def __aiter__(self) -> AsyncIterator[pb.GenerateResponse]: ...
+
+    def cancel(self) -> object: ...
+
+
+async def run_choices(start: Callable[[pb.GenerateRequest], StreamCall], choices: list[Choice],
                       n: int) -> AsyncIterator[tuple[Choice, pb.GenerateResponse]]:
     """Each choice's messages as they arrive, all choices interleaved (`choices` as `make_choices` made them, n per
     prompt); `start` makes a choice's call. The first error (a grpc.aio.AioRpcError) is raised here; closing the
     iterator, or an error, cancels every call."""
     queue: asyncio.Queue = asyncio.Queue()  # (choice, message | None at its end | the error that ended it)
-    calls: list[grpc.aio.UnaryStreamCall] = []
+    calls: list[StreamCall] = []
     tasks: list[asyncio.Task] = []
 
     async def run(choice: Choice, siblings: list[Choice]) -> None:

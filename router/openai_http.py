@@ -1,12 +1,14 @@
 """OpenAI-compatible HTTP on the router: /v1/completions, /v1/chat/completions (JSON or SSE streaming),
 /v1/models, and vLLM's /tokenize, /detokenize and /version, plus /health (GET and HEAD) and /metrics. Each choice
-of a request (prompts x n) is one call of the router's own gRPC Generate (`openai_choices.py`), so both APIs
-share validation, routing, deadlines and cancellation: a client that disconnects, streaming or not, cancels the
-calls at once, and the router aborts them on every worker. The JSON sent back is built in `openai_reply.py`.
+of a request (prompts x n) is one call of the router's own Generate, made in the process
+(`router/local_generation.py`, no loopback gRPC hop; `openai_choices.py` runs a request's choices), so both APIs
+share validation, routing, deadlines, statuses and cancellation: a client that disconnects, streaming or not,
+cancels the calls at once, and the router aborts them on every worker. The JSON sent back is built in `openai_reply.py`.
 
-The stack is FastAPI on uvicorn (h11), as vLLM's API server: one event loop, no thread per connection, the
-router reached through grpc.aio. Request bodies are pydantic models (`openai_schema.py`): types and the wire's
-integer ranges are judged there, value ranges once, by the engine's `SamplingParams` behind Generate.
+The stack is FastAPI on uvicorn (h11), as vLLM's API server: one event loop, no thread per connection (a
+request's routing work runs on the router's threads, as a gRPC call's does). Request bodies are pydantic models
+(`openai_schema.py`): types and the wire's integer ranges are judged there, value ranges once, by the engine's
+`SamplingParams` behind Generate.
 
 Errors follow OpenAI's shape: {"error": {"message", "type", "param", "code"}} with HTTP 400 for bad input
 (naming the field and the value), 401 without the bearer token when one is required, 404/405 for an unknown
@@ -27,7 +29,6 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
-from contextlib import asynccontextmanager
 from importlib.metadata import version as package_version
 
 import grpc
@@ -41,9 +42,9 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from cluster import grpc_plumbing
 from duet.v1 import generation_pb2 as pb
-from duet.v1 import generation_pb2_grpc as pb_grpc
 from engine.errors import InvalidRequestError
 from engine.validation import check_token_ids
+from router.local_generation import LocalGeneration
 from router.metrics import RouterMetrics
 from router.openai_choices import Choice, make_choices, run_choices
 from router.openai_reply import Reply, TokenTexts
@@ -223,14 +224,13 @@ class OpenAIHTTPServer:
     and idle keep-alive connections closed at once, requests in flight cut after `shutdown_grace_s` (+
     HTTP_CUT_AFTER_S)."""
 
-    def __init__(self, grpc_address: str, model_id: str, builder: RequestBuilder, metrics: RouterMetrics, host: str,
-                 port: int, auth_token: str | None = None,
+    def __init__(self, generation: LocalGeneration, model_id: str, builder: RequestBuilder, metrics: RouterMetrics,
+                 host: str, port: int, auth_token: str | None = None,
                  max_body_bytes: int = grpc_plumbing.PUBLIC_MAX_MESSAGE_BYTES, read_timeout_s: float = READ_TIMEOUT_S,
                  *, shutdown_grace_s: float):
         self.model_id, self.builder, self.registry = model_id, builder, metrics.registry
         self.token_texts = TokenTexts(builder.tokenizer.decode)
-        self._grpc_address = grpc_address
-        self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
+        self._generation = generation
         self._expected = f"Bearer {auth_token}".encode() if auth_token else None
         app = self._build_app()
         routes = {route.path for route in app.routes if "{" not in route.path}
@@ -269,18 +269,7 @@ class OpenAIHTTPServer:
 
     def _build_app(self) -> FastAPI:
         server = self
-        stub: dict[str, pb_grpc.GenerationStub] = {}
-
-        @asynccontextmanager
-        async def lifespan(app):
-            channel = grpc.aio.insecure_channel(server._grpc_address, options=[
-                ("grpc.max_receive_message_length", grpc_plumbing.PUBLIC_MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", grpc_plumbing.PUBLIC_MAX_MESSAGE_BYTES)])
-            stub["generate"] = pb_grpc.GenerationStub(channel)
-            yield
-            await channel.close()
-
-        app = FastAPI(lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None)
+        app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
 
         @app.exception_handler(StarletteHTTPException)
         async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
@@ -313,11 +302,11 @@ class OpenAIHTTPServer:
 
         @app.post("/v1/completions")
         async def completions(request: Request) -> Response:
-            return await server._generate(request, stub["generate"], CompletionRequest)
+            return await server._generate(request, CompletionRequest)
 
         @app.post("/v1/chat/completions")
         async def chat_completions(request: Request) -> Response:
-            return await server._generate(request, stub["generate"], ChatCompletionRequest)
+            return await server._generate(request, ChatCompletionRequest)
 
         @app.post("/tokenize")
         async def tokenize(request: Request) -> Response:
@@ -361,8 +350,7 @@ class OpenAIHTTPServer:
             return _unknown_model(parsed.model)
         return parsed
 
-    async def _generate(self, request: Request, stub: pb_grpc.GenerationStub,
-                        kind: type[CompletionRequest | ChatCompletionRequest]) -> Response:
+    async def _generate(self, request: Request, kind: type[CompletionRequest | ChatCompletionRequest]) -> Response:
         body = await self._parse(request, kind)
         if isinstance(body, Response):
             return body
@@ -377,8 +365,7 @@ class OpenAIHTTPServer:
             return error_response(400, "invalid_request_error", e.field, str(e))
         choices = make_choices(templates, body.n, request_id)
         reply = Reply(body, request_id, self.model_id, self.token_texts, tool_plan)
-        events = run_choices(lambda msg: stub.Generate(msg, timeout=body.timeout, metadata=self._metadata),
-                             choices, body.n)
+        events = run_choices(lambda msg: self._generation.call(msg, body.timeout), choices, body.n)
         if body.stream:
             return await self._stream(events, reply, choices)
         return await self._complete(request, events, reply, choices)

@@ -10,8 +10,6 @@
 from __future__ import annotations
 
 import logging
-import shutil
-import tempfile
 import threading
 import time
 import uuid
@@ -139,39 +137,55 @@ class Router(pb_grpc.GenerationServicer):
     # -- public RPCs -----------------------------------------------------------------------------
 
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
+        try:
+            routed, live = self.admit(request, context.time_remaining())
+        except Failed as f:
+            context.abort(f.code, f.message)
+        if not context.add_callback(lambda: live.cancel(abort=False)):
+            live.cancel(abort=False)  # the client is gone already
+        try:
+            yield from self.stream(routed, live)
+        except Failed as f:
+            if f.trailers:
+                context.set_trailing_metadata(f.trailers)
+            context.abort(f.code, f.message)
+
+    def admit(self, request: pb.GenerateRequest, time_remaining_s: float | None) -> tuple[RoutedRequest, Live]:
+        """Judge and register a Generate request (`time_remaining_s`: what is left of the client's deadline, None:
+        none). Raises `Failed` for one refused before routing (counted by status). The caller must then run
+        `stream(routed, live)`, which unregisters it, and cancel `live` when its client goes away."""
         received_s = time.monotonic()
         try:
-            built = self.builder.build(request, context.time_remaining())
+            built = self.builder.build(request, time_remaining_s)
         except InvalidRequestError as e:
-            self.reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            raise self.refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         except TokenizeTimeout as e:
-            self.reject(context, grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
+            raise self.refused(grpc.StatusCode.DEADLINE_EXCEEDED, str(e)) from None
         request_id = request.request_id or f"req-{uuid.uuid4().hex}"
-        remaining_s = context.time_remaining()  # None, or a huge number, when the client set no deadline
-        live = Live(request_id, None if remaining_s is None else received_s + remaining_s)
+        # None, or a huge number, when the client set no deadline
+        live = Live(request_id, None if time_remaining_s is None else received_s + time_remaining_s)
         with self._lock:
             duplicate = request_id in self._live
             if not duplicate:
                 self._live[request_id] = live
         if duplicate:
-            self.reject(context, grpc.StatusCode.INVALID_ARGUMENT,
-                        f"request_id={request_id!r} is invalid: must not be the id of a live request")
-        if not context.add_callback(lambda: live.cancel(abort=False)):
-            live.cancel(abort=False)  # the client is gone already
+            raise self.refused(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"request_id={request_id!r} is invalid: must not be the id of a live request")
+        return RoutedRequest(request_id, built, request.cache_salt, received_s), live
+
+    def stream(self, routed: RoutedRequest, live: Live) -> Iterator[pb.GenerateResponse]:
+        """An admitted request's messages (`RequestOrchestrator.run`: raises `Failed` with the status to end it);
+        unregisters it when it ends."""
         try:
-            yield from self.orchestrator.run(RoutedRequest(request_id, built, request.cache_salt, received_s), live)
-        except Failed as f:
-            if f.trailers:
-                context.set_trailing_metadata(f.trailers)
-            context.abort(f.code, f.message)
+            yield from self.orchestrator.run(routed, live)
         finally:
             with self._lock:
-                self._live.pop(request_id, None)
+                self._live.pop(routed.request_id, None)
 
-    def reject(self, context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> None:
-        """End a Generate call refused before routing (counted by status); never returns."""
+    def refused(self, code: grpc.StatusCode, message: str) -> Failed:
+        """A Generate call refused before routing, counted by status."""
         self.metrics.request_ended(code.name)
-        context.abort(code, message)
+        return Failed(code, message)
 
     def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext) -> pb.AbortResponse:
         with self._lock:
@@ -229,23 +243,16 @@ class RouterServer:
                                        grpc_plumbing.public_tls_credentials(config.tls_cert, config.tls_key))
         self.address = f"{config.host}:{self.port}"
         self.metrics_port = None
-        self._bridge_dir: Path | None = None
         if config.metrics_port is not None:
             self.metrics_port = self.router.metrics.serve(config.metrics_port, config.host)
         self.http = None
+        self.local = None
         if config.http_port is not None:
+            from router.local_generation import LocalGeneration
             from router.openai_http import OpenAIHTTPServer
 
-            local = f"127.0.0.1:{self.port}" if config.host in ("0.0.0.0", "::") else self.address
-            if config.tls_cert is not None:
-                # The HTTP API calls this gRPC server from inside the process; over the TLS port it would have to
-                # verify a certificate whose CA and names it need not know, so it gets a plaintext unix socket in
-                # a directory only this user can enter (who can read the key anyway). Bearer tokens still apply.
-                self._bridge_dir = Path(tempfile.mkdtemp(prefix="duet-router-"))
-                local = f"unix:{self._bridge_dir / 'grpc.sock'}"
-                if self.server.add_insecure_port(local) == 0:
-                    raise OSError(f"cannot listen on {local} for the HTTP API's calls")
-            self.http = OpenAIHTTPServer(local, self.router.model_id, self.router.builder, self.router.metrics,
+            self.local = LocalGeneration(self.router, config.max_concurrent_streams)
+            self.http = OpenAIHTTPServer(self.local, self.router.model_id, self.router.builder, self.router.metrics,
                                          config.host, config.http_port, config.auth_token,
                                          shutdown_grace_s=config.shutdown_grace_s)
 
@@ -297,14 +304,15 @@ class RouterServer:
         with self._health_lock:
             self._stopping.set()
             grpc_plumbing.set_serving(self.health, [SERVICE_NAME, grpc_plumbing.LIVENESS_SERVICE], False)
-        # returns at once, so both APIs' graces run side by side; HTTP requests are gRPC calls in flight here
+        # both return at once, so both APIs' graces run side by side
         stopped = self.server.stop(grace_s)
+        if self.local is not None:
+            self.local.stop(grace_s)
         if self.http is not None:
             self.http.stop()
+            self.local.close()
         stopped.wait(grace_s + 1)
         if self._health_watch.is_alive():
             self._health_watch.join(HEALTH_POLL_S + 1)
         self.router.close()
-        if self._bridge_dir is not None:
-            shutil.rmtree(self._bridge_dir, ignore_errors=True)
 

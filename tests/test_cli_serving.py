@@ -233,8 +233,8 @@ def test_router_with_http_exits_within_its_grace_on_sigterm_with_a_stream_in_fli
         finally:
             os.kill(pids["decode-0"], signal.SIGCONT)
         events = [json.loads(line[len(b"data: "):]) for line in lines if line.startswith(b"data: {")]
-        # gRPC's own words for the calls its stopping server cuts; UNAVAILABLE: the client may retry elsewhere
-        assert events[-1] == {"error": {"message": "Cancelling all calls", "type": "service_unavailable",
+        # UNAVAILABLE, as the stopping gRPC server cuts its own calls: the client may retry elsewhere
+        assert events[-1] == {"error": {"message": "the router is stopping", "type": "service_unavailable",
                                         "param": None, "code": "UNAVAILABLE"}}, lines[-3:]
         assert all("choices" in e for e in events[:-1])  # the tokens sent before the decode worker stopped
         assert status is not None, f"the router still runs {exit_s:.1f} s after SIGTERM"

@@ -1,0 +1,85 @@
+"""The HTTP API's in-process Generate calls (router/local_generation.py) keep gRPC's contract: the body's timeout
+ends a call with DEADLINE_EXCEEDED (HTTP 504), calls past the router's concurrency limit are RESOURCE_EXHAUSTED
+(HTTP 429), and nothing leaks on the workers. A real cluster (redis, a prefill and a decode worker); the router runs
+in this process so its limit can be set; requests are held by stopping the decode worker."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+from cluster_helpers import wait_idle
+
+from deploy.local_cluster import ClusterConfig, LocalCluster
+from engine import LLM, SamplingParams
+from router.server import RouterConfig, RouterServer
+
+PROMPT = [5, 6, 7, 8, 9]
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_llama_dir):
+    config = ClusterConfig(model_dir=str(tiny_llama_dir), worker_args=["--num-kv-blocks", "64"])
+    with LocalCluster(config).start() as c:
+        yield c
+
+
+@pytest.fixture
+def router(cluster, tiny_llama_dir):
+    server = RouterServer(RouterConfig(redis_url=cluster.redis_url, model_dir=tiny_llama_dir, port=0, http_port=0,
+                                       max_concurrent_streams=1, shutdown_grace_s=1.0))
+    server.start()
+    server.base = f"http://127.0.0.1:{server.http.port}"
+    try:
+        yield server
+    finally:
+        server.stop()
+        wait_idle(cluster)
+
+
+def decode_pid(cluster) -> int:
+    return next(c.pid for c in cluster.components if c.name == "decode-0")
+
+
+def test_the_body_timeout_ends_the_call_with_504_and_nothing_leaks(cluster, router):
+    os.kill(decode_pid(cluster), signal.SIGSTOP)  # Reserve waits on it: no first message
+    try:
+        start_s = time.monotonic()
+        response = httpx.post(router.base + "/v1/completions", timeout=30, json={
+            "prompt": PROMPT, "max_tokens": 4, "stream": True, "timeout": 1.0})
+        elapsed_s = time.monotonic() - start_s
+    finally:
+        os.kill(decode_pid(cluster), signal.SIGCONT)
+    assert response.status_code == 504
+    assert response.json()["error"] == {"message": "Deadline Exceeded", "type": "timeout", "param": None,
+                                        "code": 504}
+    assert 1.0 <= elapsed_s < 10.0
+
+
+def test_calls_past_the_concurrency_limit_are_429_and_the_held_one_finishes(cluster, router, tiny_llama_dir):
+    want = LLM(tiny_llama_dir).generate([PROMPT], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
+                                        use_tqdm=False)[0].outputs[0].text
+    body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    held: dict[str, httpx.Response] = {}
+    os.kill(decode_pid(cluster), signal.SIGSTOP)
+    try:
+        first = threading.Thread(target=lambda: held.update(r=httpx.post(router.base + "/v1/completions", json=body,
+                                                                         timeout=60)))
+        first.start()
+        deadline = time.monotonic() + 10
+        while not router.local._calls:  # the first call holds the one place
+            assert time.monotonic() < deadline, "the first call never started"
+            time.sleep(0.01)
+        refused = httpx.post(router.base + "/v1/completions", json=body, timeout=30)
+    finally:
+        os.kill(decode_pid(cluster), signal.SIGCONT)
+    first.join(60)
+    assert refused.status_code == 429
+    assert refused.json()["error"]["message"] == "the router serves at most 1 requests at once"
+    assert held["r"].status_code == 200 and held["r"].json()["choices"][0]["text"] == want
+    again = httpx.post(router.base + "/v1/completions", json=body, timeout=60)  # the place is free again
+    assert again.status_code == 200 and again.json()["choices"][0]["text"] == want

@@ -35,15 +35,20 @@ from engine.kv_cache_manager import cdiv
 from engine.request import Request, RequestStatus
 from engine.runtime import Runtime
 from engine.sampler import TokenLogprobs
+from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledChunk
 from kvtransfer.layout import KVLayout
 from prefill_worker.follower_acks import FollowerAcks
-from prefill_worker.prefill_speed import PrefillSpeed
+from prefill_worker.prefill_speed import MIN_MEASURED_TOKENS, PrefillSpeed
 from prefill_worker.tp_ops import KVSendEntry, PrefillFollowers
 from prefill_worker.tp_rank import layer_group_callback
 from worker.engine_thread import EngineThread
 
 log = logging.getLogger("duet.prefill")
+# The start-up measurement of the prefill speed (`PrefillLoop.measure_speed`): one prompt this long, timed this many
+# times (the first pass is its warm-up). ~0.5 s for the default model on a 2-core CPU.
+MEASURE_TOKENS = 256
+MEASURE_PASSES = 3
 
 
 class RequestAborted(Exception):
@@ -129,6 +134,33 @@ class PrefillLoop(StepHooks):
 
     def start(self) -> None:
         self.thread.start()
+
+    def measure_speed(self, passes: int = MEASURE_PASSES, num_tokens: int = MEASURE_TOKENS) -> None:
+        """Before `start`: time `passes` prefill forwards of one synthetic prompt into `speed`, as served steps are
+        timed (the first is its warm-up), so the router prices this worker by its own speed from its first
+        heartbeat rather than by a default (router/prefix_policy.py). The forwards go straight to the model
+        runner into blocks taken from the pool and given back unhashed: no request, no scheduler or prefix-cache
+        statistics, no KV event. The prompt is cut to the worker's limits (its step budget, context, pool); under
+        MIN_MEASURED_TOKENS nothing is measured (the speed stays unknown)."""
+        rt = self.rt
+        num_tokens = min(num_tokens, rt.scheduler.config.max_num_batched_tokens, rt.max_model_len - 1,
+                         (rt.block_pool.num_free_blocks - 1) * rt.block_size)
+        if num_tokens < MIN_MEASURED_TOKENS:
+            return
+        vocab_size = rt.model_config.vocab_size
+        token_ids = [(i * 7919 + 13) % vocab_size for i in range(num_tokens)]  # fixed, spread over the vocabulary
+        block_ids = rt.block_pool.allocate(cdiv(num_tokens, rt.block_size))
+        try:
+            for _ in range(passes):
+                chunk = ScheduledChunk("prefill-speed", token_ids, 0, block_ids, False, SamplingParams(max_tokens=1),
+                                       token_ids, [])
+                start_s = time.monotonic()
+                rt.runner.execute([chunk])
+                self.speed.observe(num_tokens, time.monotonic() - start_s)
+        finally:
+            rt.block_pool.free(reversed(block_ids))
+        log.info("event=prefill_speed_measured tokens=%d passes=%d tokens_per_s=%.1f", num_tokens, passes,
+                 self.speed.tokens_per_s)
 
     def stop(self) -> None:
         self.thread.stop()

@@ -10,6 +10,9 @@ for many steps, and the router would then send a prefix away from the worker tha
   the step's fixed cost (scheduling, the first decode, KV hand-off), which the policy's `fixed_s` stands for,
   and one noisy such step sets the estimate. A worker that has measured nothing reports 0 (unknown: the router
   uses the other workers' median).
+
+A worker measures itself once before it serves (`PrefillLoop.measure_speed`: synthetic forwards observed here as
+steps are), so even a fresh cluster's first requests are priced by a measured speed.
 """
 
 from __future__ import annotations

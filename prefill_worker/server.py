@@ -92,6 +92,7 @@ class PrefillWorker(WorkerProcess, wpb_grpc.PrefillWorkerServicer):
         wpb_grpc.add_PrefillWorkerServicer_to_server(self, server)
 
     def start_engine(self) -> None:
+        self.loop.measure_speed()  # before serving: a fresh worker reports its speed from its first heartbeat
         self.loop.start()
 
     def stop_engine(self) -> None:

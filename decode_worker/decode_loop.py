@@ -161,10 +161,8 @@ class DecodeLoop:
         return CachedReservation(reservation, len(hit_block_ids))
 
     def _cached_prefix_blocks(self, request: ReservedRequest) -> list[int]:
-        """The request's leading blocks (prompt, then a migrated request's output) cached here. None with a
-        draft model: its KV of those tokens is not kept with the target's, and it must arrive with them."""
-        if self.rt.drafter is not None:
-            return []
+        """The request's leading blocks (prompt, then a migrated request's output) cached here. With a draft
+        model, the draft's KV in them is used where the drafter knows it holds these tokens (`Drafter.adopt`)."""
         token_ids = [*request.prompt_token_ids, *request.output_token_ids]
         return self.rt.kv_cache.cached_prefix_blocks(token_ids, request.cache_salt)
 
@@ -212,7 +210,8 @@ class DecodeLoop:
             raise ReservationExpired(f"reservation {reservation_id}: the KV shard of a tensor-parallel rank is "
                                      "incomplete or failed")
         try:
-            self.core.add_transferred(request, self._reserved[reservation_id])
+            block_table = self._reserved[reservation_id]  # this pool's cached hits, then what the transfer wrote
+            self.core.add_transferred(request, block_table, len(block_table) - len(reservation.block_ids))
         except ValueError:
             self._free(reservation)
             raise

@@ -222,9 +222,17 @@ class Drafter:
             self.num_fed_tokens += sum(len(f.token_ids) for f in feeds)
             self.runner.execute(feeds, on_layer_done)
 
-    def adopt(self, request_id: str, token_ids: list[int], block_ids: list[int]) -> None:
-        """The draft KV of `token_ids` (from position 0) arrived in `block_ids` with the target's."""
-        self._wrote(request_id, list(token_ids), block_ids, 0)
+    def adopt(self, request_id: str, token_ids: list[int], block_ids: list[int], num_local_blocks: int = 0) -> None:
+        """The draft KV of `token_ids` (from position 0) arrived in `block_ids` with the target's, except in the
+        first `num_local_blocks`, which this worker's prefix cache supplied: their draft KV is whatever this drafter
+        last wrote there, so the request's drafted prefix stops at the first of them not known to hold its tokens
+        (the draft is fed the rest as a catch-up)."""
+        valid = len(token_ids)
+        if num_local_blocks:
+            known_blocks = self._valid_length(request_id, list(token_ids), block_ids) // self.block_size
+            if known_blocks < num_local_blocks:
+                valid = known_blocks * self.block_size
+        self._wrote(request_id, list(token_ids[:valid]), block_ids, 0)
 
     @property
     def num_layers(self) -> int:

@@ -105,14 +105,15 @@ class EngineCore:
         self._attach_grammar(request)
         self.scheduler.add_request(request)
 
-    def add_transferred(self, request: Request, block_ids: list[int]) -> None:
+    def add_transferred(self, request: Request, block_ids: list[int], num_local_blocks: int = 0) -> None:
         """KV arrived: a request whose KV for all but its last token is in `block_ids` (allocated from this
-        pool) joins the running batch; its next step computes the last token and samples the one after.
+        pool; the first `num_local_blocks` are this pool's own cached blocks, the rest were written by the
+        transfer) joins the running batch; its next step computes the last token and samples the one after.
         Raises as `add_request` (nothing is taken then)."""
         self._attach_grammar(request)
         self.scheduler.add_transferred(request, block_ids)
         if self.drafter is not None and self.drafter.receives_kv:  # the draft's KV of the same tokens came too
-            self.drafter.adopt(request.request_id, request.all_token_ids[:-1], block_ids)
+            self.drafter.adopt(request.request_id, request.all_token_ids[:-1], block_ids, num_local_blocks)
 
     def _attach_grammar(self, request: Request) -> None:
         """A structured request's grammar state, having replayed the tokens it generated elsewhere (the

@@ -282,6 +282,61 @@ def test_a_cluster_ships_the_drafts_prompt_kv_with_the_targets(tiny_llama_dir, n
     assert scraped["decode"]["duet_spec_decode_num_draft_tokens_total"] > 0
 
 
+def test_adopted_kv_trusts_local_blocks_only_where_the_drafter_wrote_those_tokens(tiny_llama_dir):
+    """`Drafter.adopt` with blocks from the worker's own prefix cache (pure bookkeeping, no forward): the drafted
+    prefix covers them only if the drafter knows their draft KV holds the same tokens; else it stops at the first
+    unknown one, and the draft is fed the rest."""
+    llm = LLM(tiny_llama_dir, max_model_len=256, speculative_config=draft_config(tiny_llama_dir))
+    drafter = llm.engine.core.drafter
+    tokens = list(range(3, 43))  # 40 tokens: blocks 0 and 1 full
+    drafter.adopt("earlier", tokens, [4, 9, 2])  # all shipped: blocks 4 and 9 now hold these tokens' draft KV
+    drafter.forget(["earlier"])
+    longer = [*tokens, *range(50, 80)]  # 70 tokens
+    drafter.adopt("hit", longer, [4, 9, 11, 12, 13], num_local_blocks=2)
+    assert drafter._valid_length("hit", longer, [4, 9, 11, 12, 13]) == 70
+    drafter.adopt("unknown", longer, [4, 10, 11, 12, 13], num_local_blocks=2)  # block 10's draft KV: not these
+    assert drafter._valid_length("unknown", longer, [4, 10, 11, 12, 13]) == 16
+    other = [7, *longer[1:]]
+    drafter.adopt("other", other, [4, 9, 11, 12, 13], num_local_blocks=2)  # block 4 holds another prefix
+    assert drafter._valid_length("other", other, [4, 9, 11, 12, 13]) == 0
+
+
+def test_a_drafting_decode_worker_takes_decode_side_hits_with_their_draft_kv(tiny_llama_dir):
+    """Multi-turn with a draft (the target itself, fp32): turn 2 reuses the decode worker's cached blocks of turn 1's
+    prompt and answer (only the rest is sent), and their draft KV, which that worker's drafter knows it wrote for
+    these tokens: no prompt token is fed to the draft, every guess is accepted, the tokens are plain decoding's."""
+    from cluster_helpers import wait_idle
+    from test_engine_vs_hf import prompts_for
+
+    from deploy.local_cluster import ClusterConfig, LocalCluster
+    from duet.client import Client, stream_to_record
+    from engine.ports import pick_free_port
+
+    port = pick_free_port()
+    spec = draft_config(tiny_llama_dir, k=3)
+    args = ["--max-model-len", "512", "--num-kv-blocks", "64", "--speculative-config", json.dumps(spec)]
+    config = ClusterConfig(model_dir=str(tiny_llama_dir), worker_args=args,
+                           decode_args=["--metrics-port", str(port)], router_args=["--max-model-len", "512"])
+    plain = LLM(tiny_llama_dir, max_model_len=512)
+    params = greedy(16)
+    first = prompts_for(plain.engine.model_config.vocab_size, [40], seed=51)[0]
+    with LocalCluster(config).start() as cluster, Client(cluster.router_address) as client:
+        turn1 = stream_to_record(client.generate(first, params, timeout_s=60, cache_salt="draft-chat"))
+        assert turn1["token_ids"] == plain.generate([first], params, use_tqdm=False)[0].outputs[0].token_ids
+        second = first + turn1["token_ids"] + [7, 8, 9, 10, 11, 12, 13, 14, 15, 16]  # 66 tokens
+        before = scrape(port)
+        turn2 = stream_to_record(client.generate(second, params, timeout_s=60, cache_salt="draft-chat"))
+        after = scrape(port)
+        assert turn2["token_ids"] == plain.generate([second], params, use_tqdm=False)[0].outputs[0].token_ids
+        # turn 1 left 55 tokens with KV on the decode worker: 3 full blocks
+        assert (turn2["decode_cached_tokens"], turn2["kv_transferred_tokens"]) == (48, 66 - 48)
+        wait_idle(cluster)
+    delta = {name: after[name] - before.get(name, 0.0) for name in after}
+    assert delta["duet_draft_prompt_catch_up_tokens_total"] == 0
+    assert delta["duet_spec_decode_num_draft_tokens_total"] > 0
+    assert delta["duet_spec_decode_num_accepted_tokens_total"] == delta["duet_spec_decode_num_draft_tokens_total"]
+
+
 @pytest.mark.slow
 def test_a_tp2_cluster_ships_the_drafts_kv_from_rank_0(tiny_llama_dir, narrow_draft_dir):
     """TP=2 prefill and decode workers: the draft runs whole on each rank 0, so its KV travels rank 0 to rank 0 after

@@ -40,9 +40,10 @@ prediction - SLO, rounded up to a millisecond, within [min_retry_ms, max_retry_m
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from router import prefix_policy
 
 
 @dataclass(frozen=True)
@@ -122,14 +123,14 @@ class AdmissionDecision:
 
 
 def fallback_tokens_per_s(workers: Sequence[PrefillQueue], config: AdmissionConfig) -> float:
-    known = [w.tokens_per_s for w in workers if w.tokens_per_s]
-    return statistics.median(known) if known else config.default_tokens_per_s
+    return prefix_policy.fallback_tokens_per_s([w.tokens_per_s for w in workers], config.default_tokens_per_s)
 
 
 def queued_tokens(worker: PrefillQueue, tokens_per_s: float) -> float:
     """The work ahead of a new request on `worker` (see the module docstring)."""
-    drained_report = worker.reported_waiting_tokens - worker.report_age_s * tokens_per_s
-    return max(float(worker.inflight_tokens), float(worker.awaiting_tokens), drained_report, 0.0)
+    ahead = prefix_policy.work_ahead_tokens(worker.inflight_tokens, worker.reported_waiting_tokens,
+                                            worker.report_age_s, tokens_per_s)
+    return max(ahead, float(worker.awaiting_tokens))
 
 
 def predict_prefill(prompt_tokens: int, workers: Sequence[PrefillQueue], transfer_tokens_per_s: float,

@@ -29,7 +29,14 @@ from cluster.prefix_index import PrefixIndex
 from cluster.registry import LiveWorker, WorkerInfo
 from engine.hashing import hash_blocks, root_hash
 from router.metrics import RouterMetrics
-from router.prefix_policy import PolicyConfig, RouteDecision, WorkerState, choose_prefill
+from router.prefix_policy import (
+    PolicyConfig,
+    RouteDecision,
+    WorkerState,
+    choose_prefill,
+    fallback_tokens_per_s,
+    work_ahead_tokens,
+)
 from router.speculative_writer import SpeculativeWriter
 
 log = logging.getLogger("duet.router")
@@ -102,11 +109,14 @@ class PrefillChooser:
         if lookup is None:
             lookup = self.lookup(prompt_token_ids, cache_salt, prefills)
         hashes, held, lookup_s, block_size = lookup.block_hashes, lookup.held, lookup.lookup_s, lookup.block_size
+        fallback = fallback_tokens_per_s([w.load.prefill_tokens_per_s for w in prefills],
+                                         self.policy.default_tokens_per_s)
         states = [
             WorkerState(
                 worker_id=w.worker_id,
                 cached_tokens=lookup.cached_tokens(w.worker_id),
-                queued_tokens=w.load.num_waiting_tokens + inflight_tokens.get(w.worker_id, 0),
+                queued_tokens=round(work_ahead_tokens(inflight_tokens.get(w.worker_id, 0), w.load.num_waiting_tokens,
+                                                      w.load_age_s, w.load.prefill_tokens_per_s or fallback)),
                 tokens_per_s=w.load.prefill_tokens_per_s or None,
             )
             for w in prefills

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 class WorkerState:
     worker_id: str
     cached_tokens: int  # leading prompt tokens this worker holds in its prefix cache (from the index)
-    queued_tokens: int  # prefill tokens waiting or running there (load report + this router's in-flight)
+    queued_tokens: int  # prefill tokens waiting or running there (`work_ahead_tokens`)
     tokens_per_s: float | None = None  # measured prefill speed; None: not known yet
 
 
@@ -55,9 +55,24 @@ class RouteDecision:
     estimates: list[Estimate] = field(default_factory=list)  # every worker, cheapest first
 
 
+def fallback_tokens_per_s(speeds: Sequence[float | None], default_tokens_per_s: float) -> float:
+    """The speed a worker that has not measured one is priced at: the median of the measured `speeds`, else the
+    default."""
+    known = [s for s in speeds if s]
+    return statistics.median(known) if known else default_tokens_per_s
+
+
+def work_ahead_tokens(inflight_tokens: int, reported_waiting_tokens: int, report_age_s: float,
+                      tokens_per_s: float) -> float:
+    """The prefill work ahead of a new request on a worker: this router's own tokens in flight there, or the
+    worker's last load report drained at its speed for as long as the report is old, whichever is more. A report
+    already counts this router's in-flight work, so adding the two would count it twice; it also tells of other
+    routers' work, which only it shows."""
+    return max(float(inflight_tokens), reported_waiting_tokens - report_age_s * tokens_per_s, 0.0)
+
+
 def estimate(prompt_tokens: int, workers: Sequence[WorkerState], config: PolicyConfig) -> list[Estimate]:
-    known = [w.tokens_per_s for w in workers if w.tokens_per_s]
-    fallback = statistics.median(known) if known else config.default_tokens_per_s
+    fallback = fallback_tokens_per_s([w.tokens_per_s for w in workers], config.default_tokens_per_s)
     out = []
     for w in workers:
         speed = w.tokens_per_s or fallback

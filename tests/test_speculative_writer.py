@@ -143,3 +143,23 @@ def test_redis_down_is_logged_not_raised(caplog):
         assert writer.flush(5.0) and writer.num_failed == 2
     finally:
         writer.close()
+
+
+def test_the_queue_estimate_counts_the_routers_inflight_work_once(counted):
+    """A worker's load report already counts this router's in-flight prefills: the queue estimate is the larger
+    of the two (the report drained at the worker's speed for its age), not their sum (prefix_policy's
+    `work_ahead_tokens`, as admission's). Real index, nothing cached: the choice is by queued work alone."""
+    index = PrefixIndex(counted, MODEL)
+    writer = SpeculativeWriter(index)
+    chooser = PrefillChooser(index, MODEL, RouterMetrics(MODEL), writer)
+    a, b = live("prefill-a"), live("prefill-b")
+    reported = LiveWorker(a.info, WorkerLoad(num_waiting_tokens=1_000, prefill_tokens_per_s=10_000.0), 0.05)
+    other = LiveWorker(b.info, WorkerLoad(prefill_tokens_per_s=10_000.0), 0.0)
+    try:
+        choice = chooser.choose(list(range(2, 2 + BLOCK)), "", [reported, other], {"prefill-a": 300, "prefill-b": 600},
+                                speculate=False)
+        queued = {e.worker_id: e.queued_tokens for e in choice.decision.estimates}
+        assert queued == {"prefill-a": 500, "prefill-b": 600}  # a: 1000 reported - 0.05 s x 10k/s; b: its in-flight
+        assert choice.worker.worker_id == "prefill-a"
+    finally:
+        writer.close()

@@ -7,7 +7,7 @@ serve --workload chat --concurrency 16` (48 chats x 64 tokens) is run `--repeats
 process's CPU seconds (utime + stime from /proc) over each run are divided by the run's output tokens. The trees
 alternate `--rounds` times so the machine's drift hits both. The first repeat of each start warms the cluster and
 is printed but not summarized. Prints each run, then min / median / max per tree of router ms a token, output
-tok/s and ITL p50.
+tok/s, ITL p50 and TTFT p50.
 """
 
 from __future__ import annotations
@@ -65,7 +65,8 @@ def run_tree(tree: str, repeats: int, tmp: Path) -> list[dict]:
                 d = json.loads(out.read_text())
                 tokens = d["output_tokens_per_s"] * d["duration_s"]
                 rows.append({"tree": tree, "repeat": repeat, "router_ms_per_token": 1000 * used_s / tokens,
-                             "tok_s": d["output_tokens_per_s"], "itl_p50_ms": d["itl_ms"]["p50"]})
+                             "tok_s": d["output_tokens_per_s"], "itl_p50_ms": d["itl_ms"]["p50"],
+                             "ttft_p50_ms": d["ttft_ms"]["p50"]})
                 print(json.dumps(rows[-1]), flush=True)
         finally:
             os.killpg(up.pid, 15)
@@ -88,7 +89,7 @@ def main() -> None:
     for tree in args.trees:
         kept = [r for r in rows if r["tree"] == tree and r["repeat"] > 0]
         summary = []
-        for key in ("router_ms_per_token", "tok_s", "itl_p50_ms"):
+        for key in ("router_ms_per_token", "tok_s", "itl_p50_ms", "ttft_p50_ms"):
             values = [r[key] for r in kept]
             summary.append(f"{key} {min(values):.3f} / {statistics.median(values):.3f} / {max(values):.3f}")
         print(f"{tree}: " + "; ".join(summary))

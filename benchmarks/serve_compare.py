@@ -1,12 +1,17 @@
 """The same OpenAI-API load against `duet up` (1 prefill + 1 decode, 1 prefill + 2 decode, and 1 + 1 without the
-decode-side prefix cache) and vLLM's OpenAI server, one after another, through `duet bench serve` (issue 20 part 7).
+decode-side prefix cache), vLLM's OpenAI server and llama.cpp's, one after another, through `duet bench serve`
+(issue 20 part 7).
 
     .venv/bin/python benchmarks/serve_compare.py                       # vLLM from $DUET_VLLM_VENV
     .venv/bin/python benchmarks/serve_compare.py --servers duet-1p1d,vllm --repeats 2
+    .venv/bin/python benchmarks/serve_compare.py --servers duet-1p1d-gguf,llama.cpp   # llama.cpp from $DUET_LLAMA_VENV
 
-Every server serves the dense copy of the default model (offline_throughput.dense_copy: the GGUF file's weights,
-dequantized) in `--dtype`, so both engines compute the same numbers. Workloads, each a `duet bench serve` run
-(greedy, `ignore_eos`, `--max-tokens` each; a ~300-token system prompt shared by every request):
+duet and vLLM serve the dense copy of the default model (offline_throughput.dense_copy: the GGUF file's weights,
+dequantized) in `--dtype`, so both engines compute the same numbers. `duet-1p1d-gguf` and `llama.cpp` serve the
+GGUF file itself, kept quantized (duet's `--quantization auto`; llama-cpp-python's server, `pip install
+'llama-cpp-python[server]'` in its own venv, see llama_cpp_worker.py; one request at a time, as that server
+runs). Workloads, each a `duet bench serve` run (greedy, `ignore_eos`, `--max-tokens` each; a ~300-token system prompt
+shared by every request):
 
     chat-c1     `--chat-requests` chats, one at a time (latency: TTFT, TPOT)
     chat-c16    3x as many chats, 16 in flight (throughput)
@@ -39,10 +44,21 @@ ROOT = Path(__file__).resolve().parents[1]
 PORT = 18400
 
 
-def server_command(name: str, model: Path, dtype: str, venv: str) -> tuple[list[str], dict[str, str]]:
+SERVERS = ("duet-1p1d", "duet-1p2d", "duet-1p1d-no-decode-cache", "vllm", "duet-1p1d-gguf", "llama.cpp")
+
+
+def server_command(name: str, model: Path, dtype: str, venv: str, llama_venv: str = "/work/llama-venv"
+                   ) -> tuple[list[str], dict[str, str]]:
     env = dict(os.environ)
     duet = [sys.executable, "-m", "duet", "up", "--model", str(model), "--dtype", dtype, "--quantization", "none",
             "--port", str(PORT + 1), "--http-port", str(PORT)]
+    if name == "duet-1p1d-gguf":
+        return [sys.executable, "-m", "duet", "up", "--model", str(default_model_path()), "--dtype", dtype,
+                "--port", str(PORT + 1), "--http-port", str(PORT)], env
+    if name == "llama.cpp":
+        return [f"{llama_venv}/bin/python", "-m", "llama_cpp.server", "--model", str(default_model_path()),
+                "--host", "127.0.0.1", "--port", str(PORT), "--n_threads", str(os.cpu_count()), "--n_ctx", "4096",
+                "--seed", "0", "--interrupt_requests", "False"], env  # its default cuts a stream when the next arrives
     if name == "duet-1p1d":
         return duet, env
     if name == "duet-1p2d":
@@ -53,7 +69,7 @@ def server_command(name: str, model: Path, dtype: str, venv: str) -> tuple[list[
         env.update(VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="WARNING")
         return [f"{venv}/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                 "--dtype", dtype, "--max-model-len", "2048", "--port", str(PORT), "--seed", "0"], env
-    raise SystemExit(f"--servers: {name!r} is not one of duet-1p1d, duet-1p2d, duet-1p1d-no-decode-cache, vllm")
+    raise SystemExit(f"--servers: {name!r} is not one of {', '.join(SERVERS)}")
 
 
 def wait_ready(process: subprocess.Popen, timeout_s: float = 300.0) -> None:
@@ -101,6 +117,7 @@ def main() -> None:
     p.add_argument("--conversations", type=int, default=8)
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--vllm-venv", default=os.environ.get("DUET_VLLM_VENV", str(Path.home() / ".cache/duet/vllm-venv")))
+    p.add_argument("--llama-venv", default=os.environ.get("DUET_LLAMA_VENV", "/work/llama-venv"))
     args = p.parse_args()
     model = dense_copy(default_model_path())
     print(f"config: {vars(args)} model={model}", flush=True)
@@ -109,7 +126,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(args.repeats):
             for name in args.servers.split(","):
-                cmd, env = server_command(name, model, args.dtype, args.vllm_venv)
+                cmd, env = server_command(name, model, args.dtype, args.vllm_venv, args.llama_venv)
                 log = open(Path(tmp) / f"{name}-{repeat}.log", "w")
                 process = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp,
                                            start_new_session=True)

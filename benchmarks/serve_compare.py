@@ -10,7 +10,9 @@ duet and vLLM serve the dense copy of the default model (offline_throughput.dens
 dequantized) in `--dtype`, so both engines compute the same numbers. `duet-1p1d-gguf` and `llama.cpp` serve the
 GGUF file itself, kept quantized (duet's `--quantization auto`; llama-cpp-python's server, `pip install
 'llama-cpp-python[server]'` in its own venv, see llama_cpp_worker.py; one request at a time, as that server
-runs). Workloads, each a `duet bench serve` run (greedy, `ignore_eos`, `--max-tokens` each; a ~300-token system prompt
+runs); `llama-server` is llama.cpp's native server on the same file (`--llama-server PATH` or $DUET_LLAMA_SERVER;
+built with cmake from the llama.cpp tree vendored in llama-cpp-python's sdist), 16 slots, continuous batching.
+Workloads, each a `duet bench serve` run (greedy, `ignore_eos`, `--max-tokens` each; a ~300-token system prompt
 shared by every request):
 
     chat-c1     `--chat-requests` chats, one at a time (latency: TTFT, TPOT)
@@ -44,17 +46,23 @@ ROOT = Path(__file__).resolve().parents[1]
 PORT = 18400
 
 
-SERVERS = ("duet-1p1d", "duet-1p2d", "duet-1p1d-no-decode-cache", "vllm", "duet-1p1d-gguf", "llama.cpp")
+SERVERS = ("duet-1p1d", "duet-1p2d", "duet-1p1d-no-decode-cache", "vllm", "duet-1p1d-gguf", "llama.cpp",
+           "llama-server")
+LLAMA_SLOTS = 16  # llama-server's parallel sequences (continuous batching): as many as chat-c16 has in flight
 
 
-def server_command(name: str, model: Path, dtype: str, venv: str, llama_venv: str = "/work/llama-venv"
-                   ) -> tuple[list[str], dict[str, str]]:
+def server_command(name: str, model: Path, dtype: str, venv: str, llama_venv: str = "/work/llama-venv",
+                   llama_server: str = "llama-server") -> tuple[list[str], dict[str, str]]:
     env = dict(os.environ)
     duet = [sys.executable, "-m", "duet", "up", "--model", str(model), "--dtype", dtype, "--quantization", "none",
             "--port", str(PORT + 1), "--http-port", str(PORT)]
     if name == "duet-1p1d-gguf":
         return [sys.executable, "-m", "duet", "up", "--model", str(default_model_path()), "--dtype", dtype,
                 "--port", str(PORT + 1), "--http-port", str(PORT)], env
+    if name == "llama-server":  # llama.cpp's native server, built with cmake (llama_cpp_worker.py's recipe)
+        return [llama_server, "-m", str(default_model_path()), "--host", "127.0.0.1", "--port", str(PORT),
+                "-t", str(os.cpu_count()), "-c", str(LLAMA_SLOTS * 512), "--parallel", str(LLAMA_SLOTS),
+                "--seed", "0"], env
     if name == "llama.cpp":
         return [f"{llama_venv}/bin/python", "-m", "llama_cpp.server", "--model", str(default_model_path()),
                 "--host", "127.0.0.1", "--port", str(PORT), "--n_threads", str(os.cpu_count()), "--n_ctx", "4096",
@@ -118,6 +126,8 @@ def main() -> None:
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--vllm-venv", default=os.environ.get("DUET_VLLM_VENV", str(Path.home() / ".cache/duet/vllm-venv")))
     p.add_argument("--llama-venv", default=os.environ.get("DUET_LLAMA_VENV", "/work/llama-venv"))
+    p.add_argument("--llama-server", default=os.environ.get("DUET_LLAMA_SERVER", "llama-server"),
+                   help="llama.cpp's native server binary (for --servers llama-server)")
     args = p.parse_args()
     model = dense_copy(default_model_path())
     print(f"config: {vars(args)} model={model}", flush=True)
@@ -126,7 +136,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(args.repeats):
             for name in args.servers.split(","):
-                cmd, env = server_command(name, model, args.dtype, args.vllm_venv, args.llama_venv)
+                cmd, env = server_command(name, model, args.dtype, args.vllm_venv, args.llama_venv, args.llama_server)
                 log = open(Path(tmp) / f"{name}-{repeat}.log", "w")
                 process = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp,
                                            start_new_session=True)

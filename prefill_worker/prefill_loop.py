@@ -46,7 +46,8 @@ from worker.engine_thread import EngineThread
 
 log = logging.getLogger("duet.prefill")
 # The start-up measurement of the prefill speed (`PrefillLoop.measure_speed`): one prompt this long, timed this many
-# times (the first pass is its warm-up). ~0.5 s for the default model on a 2-core CPU.
+# times (the first pass is its warm-up): ~1.3 s of a worker's start-up for the default model on a 2-core CPU (fp32,
+# ~600 tokens/s).
 MEASURE_TOKENS = 256
 MEASURE_PASSES = 3
 

@@ -39,11 +39,11 @@ class ProposalSampler(Sampler):
     def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledTokens]:
         coupled = [i for i, row in enumerate(rows) if row.params.greedy or row.params.seed is not None]
         out: list[SampledTokens | None] = [None] * len(rows)
-        if coupled:
+        if coupled:  # plain tokens, without the logprobs nobody reads for a guess
             index = torch.tensor(coupled, device=logits.device)
-            plain = super().sample(logits.index_select(0, index), [rows[i] for i in coupled])
-            for i, sampled in zip(coupled, plain, strict=True):
-                out[i] = SampledTokens(sampled.token_ids, None, sampled.error)
+            token_ids = self.tokens(logits.index_select(0, index), [rows[i] for i in coupled]).tolist()
+            for i, token_id in zip(coupled, token_ids, strict=True):
+                out[i] = SampledTokens([token_id], None)
         drawn = [i for i in range(len(rows)) if out[i] is None]
         if drawn:
             index = torch.tensor(drawn, device=logits.device)

@@ -201,10 +201,15 @@ class Sampler:
             raise ValueError(f"logits dtype {logits.dtype} is invalid: must be torch.float32")
         if not rows:
             return SamplerOutput([], [])
+        token_ids = self.tokens(logits, rows)
+        return SamplerOutput(token_ids.tolist(), compute_logprobs(logits, rows, token_ids))
+
+    def tokens(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """`__call__`'s token ids [B] without the logprobs (checked inside the vocabulary)."""
         constrained = apply_grammar_masks(logits, [row.grammar for row in rows])  # logits itself if none
         token_ids = self._select(apply_penalties(apply_logit_bias(constrained, rows), rows), rows)
         check_token_ids(token_ids, logits.shape[1])
-        return SamplerOutput(token_ids.tolist(), compute_logprobs(logits, rows, token_ids))
+        return token_ids
 
     def _select(self, penalized: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """Token ids [B]: argmax for greedy rows, a draw from the shaped distribution for the rest."""

@@ -39,7 +39,6 @@ typedef struct { /* rows of x in the layout of one weight kind (see the top of t
     int32_t *xneg; /* int8 only: [rows][steps * 16], -128 * Σ of each lane's four qx */
     float *dxe;    /* [rows][steps * 16]: dx of each lane's group / block */
     float *sxc;    /* int4 only: [rows][steps * 4], sx per group, zero past the last */
-    float *dxe4;   /* int4 only: [rows][steps * 4], dx per group, zero past the last */
 } vnni_x;
 
 static void prepare_int4(const int8_t *qx, const float *dx, const float *sx, int64_t rows, int64_t k_in, vnni_x *v) {
@@ -50,7 +49,6 @@ static void prepare_int4(const int8_t *qx, const float *dx, const float *sx, int
     v->xq = calloc((size_t)(rows * v->row_bytes), 1);
     v->dxe = calloc((size_t)(rows * v->row_lanes), sizeof(float));
     v->sxc = calloc((size_t)(rows * v->steps * 4), sizeof(float));
-    v->dxe4 = calloc((size_t)(rows * v->steps * 4), sizeof(float));
     v->xneg = NULL;
     for (int64_t r = 0; r < rows; r++)
         for (int64_t g = 0; g < groups; g++) {
@@ -63,7 +61,6 @@ static void prepare_int4(const int8_t *qx, const float *dx, const float *sx, int
             }
             for (int j = 0; j < 4; j++) v->dxe[r * v->row_lanes + step * 16 + lane * 4 + j] = dx[r * groups + g];
             v->sxc[r * v->steps * 4 + g] = sx[r * groups + g];
-            v->dxe4[r * v->steps * 4 + g] = dx[r * groups + g];
         }
 }
 
@@ -75,7 +72,7 @@ static void prepare_int8(const int8_t *qx, const float *dx, int64_t rows, int64_
     v->xq = calloc((size_t)(rows * v->row_bytes), 1);
     v->xneg = calloc((size_t)(rows * v->row_lanes), sizeof(int32_t));
     v->dxe = calloc((size_t)(rows * v->row_lanes), sizeof(float));
-    v->sxc = v->dxe4 = NULL;
+    v->sxc = NULL;
     for (int64_t r = 0; r < rows; r++) {
         int8_t *dst = v->xq + r * v->row_bytes;
         for (int64_t k = 0; k < k_in; k++) dst[k] = qx[r * k_in + k];
@@ -92,7 +89,6 @@ static void release(vnni_x *v) {
     free(v->xneg);
     free(v->dxe);
     free(v->sxc);
-    free(v->dxe4);
 }
 
 /* which group's scale each lane takes: lanes 4k..4k+3 take element k of a 4-float vector */
@@ -106,20 +102,31 @@ static inline float hsum128(__m128 v) {
     return _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)));
 }
 
+/* One step of four int4 groups of a weight row (64 bytes, masked past the row's end): low and high nibbles */
+static inline void int4_unpack(const uint8_t *q, __mmask64 byte_mask, __m512i *lo, __m512i *hi) {
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    __m512i raw = _mm512_maskz_loadu_epi8(byte_mask, q);
+    *lo = _mm512_and_si512(raw, nibble);
+    *hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
+}
+
+/* ... against the same step of one row of x's int4 layout: group k's dot product in lanes 4k..4k+3 */
+static inline __m512i int4_dot(__m512i lo, __m512i hi, const int8_t *xr) {
+    return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xr)), hi,
+                               _mm512_loadu_si512(xr + 64));
+}
+
 /* One step of four int4 groups of one output row against rt rows of x (masks: the row's last, partial step) */
 static inline __attribute__((always_inline)) void int4_step(const vnni_x *v, int64_t step, const int rt,
                                                             const uint8_t *q, const float *s, const float *m,
                                                             __mmask64 byte_mask, __mmask8 group_mask,
                                                             __m512 acc[TILE], __m128 macc[TILE]) {
-    const __m512i nibble = _mm512_set1_epi8(0x0F);
-    __m512i raw = _mm512_maskz_loadu_epi8(byte_mask, q + step * 64);
-    __m512i lo = _mm512_and_si512(raw, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
+    __m512i lo, hi;
+    int4_unpack(q + step * 64, byte_mask, &lo, &hi);
     __m512 scale = spread4(_mm_maskz_loadu_ps(group_mask, s + step * 4));
     __m128 min = _mm_maskz_loadu_ps(group_mask, m + step * 4);
     for (int r = 0; r < rt; r++) {
-        const int8_t *xr = v->xq + r * v->row_bytes + step * 128;
-        __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xr));
-        dot = _mm512_dpbusd_epi32(dot, hi, _mm512_loadu_si512(xr + 64));
+        __m512i dot = int4_dot(lo, hi, v->xq + r * v->row_bytes + step * 128);
         __m512 dscale = _mm512_mul_ps(scale, _mm512_loadu_ps(v->dxe + r * v->row_lanes + step * 16));
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), dscale, acc[r]);
         macc[r] = _mm_fmadd_ps(min, _mm_loadu_ps(v->sxc + r * v->steps * 4 + step * 4), macc[r]);
@@ -199,17 +206,15 @@ static inline __attribute__((always_inline)) void int4_gemv_step(const vnni_x *v
                                                                  const float *const *m, int64_t row_bytes,
                                                                  __mmask64 byte_mask, __mmask8 group_mask,
                                                                  __m512 acc[GEMV_ROWS], __m128 macc[GEMV_ROWS]) {
-    const __m512i nibble = _mm512_set1_epi8(0x0F);
     const int8_t *xr = v->xq + step * 128;
-    const __m512i xlo = _mm512_loadu_si512(xr), xhi = _mm512_loadu_si512(xr + 64);
-    const __m128 dx = _mm_maskz_loadu_ps(group_mask, v->dxe4 + step * 4);
+    const __m512 dx = _mm512_loadu_ps(v->dxe + step * 16);
     const __m128 sx = _mm_maskz_loadu_ps(group_mask, v->sxc + step * 4);
     for (int i = 0; i < GEMV_ROWS; i++) {
         _mm_prefetch((const char *)(q[i] + row_bytes + step * 64), _MM_HINT_T0); /* the run's next row */
-        __m512i raw = _mm512_maskz_loadu_epi8(byte_mask, q[i] + step * 64);
-        __m512i lo = _mm512_and_si512(raw, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
-        __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xlo), hi, xhi);
-        __m512 dscale = spread4(_mm_mul_ps(_mm_maskz_loadu_ps(group_mask, s[i] + step * 4), dx));
+        __m512i lo, hi;
+        int4_unpack(q[i] + step * 64, byte_mask, &lo, &hi);
+        __m512i dot = int4_dot(lo, hi, xr);
+        __m512 dscale = _mm512_mul_ps(spread4(_mm_maskz_loadu_ps(group_mask, s[i] + step * 4)), dx);
         acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), dscale, acc[i]);
         macc[i] = _mm_fmadd_ps(_mm_maskz_loadu_ps(group_mask, m[i] + step * 4), sx, macc[i]);
     }

@@ -1,7 +1,8 @@
 """The HTTP API's in-process Generate calls (router/local_generation.py) keep gRPC's contract: the body's timeout
 ends a call with DEADLINE_EXCEEDED (HTTP 504), calls past the router's concurrency limit are RESOURCE_EXHAUSTED
-(HTTP 429), and nothing leaks on the workers. A real cluster (redis, a prefill and a decode worker); the router runs
-in this process so its limit can be set; requests are held by stopping the decode worker."""
+(HTTP 429), a decode worker killed mid-stream costs the stream a pause (migration), and nothing leaks on the
+workers. Real clusters (redis, prefill and decode workers); for the first two tests the router runs in this process
+so its limit can be set, and requests are held by stopping the decode worker."""
 
 from __future__ import annotations
 
@@ -83,3 +84,36 @@ def test_calls_past_the_concurrency_limit_are_429_and_the_held_one_finishes(clus
     assert held["r"].status_code == 200 and held["r"].json()["choices"][0]["text"] == want
     again = httpx.post(router.base + "/v1/completions", json=body, timeout=60)  # the place is free again
     assert again.status_code == 200 and again.json()["choices"][0]["text"] == want
+
+
+def test_an_http_stream_survives_its_decode_worker_killed_mid_stream(tiny_llama_dir):
+    """The in-process HTTP path keeps the router's migration: SIGKILL the decode worker serving an SSE stream after
+    its first tokens, and the stream goes on, from the other decode worker, with exactly the offline text."""
+    import json
+
+    from cluster_helpers import worker_components, worker_stats
+    from test_migration import migrated_from
+
+    max_tokens = 600  # long enough to be still decoding when the kill lands
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    want = LLM(tiny_llama_dir, max_model_len=1024).generate([PROMPT], params, use_tqdm=False)[0].outputs[0].text
+    config = ClusterConfig(model_dir=str(tiny_llama_dir), num_decode=2, http_port=0,
+                           worker_args=["--num-kv-blocks", "128", "--max-model-len", "1024"],
+                           router_args=["--max-model-len", "1024"])
+    with LocalCluster(config).start() as cluster:
+        body = {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+        texts, victim = [], None
+        with httpx.stream("POST", cluster.http_url + "/v1/completions", json=body, timeout=120) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                texts.append(json.loads(line[len("data: "):])["choices"][0]["text"])
+                if len(texts) == 4:  # mid-stream: kill the decode worker that runs it
+                    decodes = [c for c in worker_components(cluster) if c.name.startswith("decode")]
+                    victim, victim_id = next((c, s.worker_id) for c in decodes
+                                             if (s := worker_stats(c.address, "decode", check=False)).num_running)
+                    os.kill(victim.pid, signal.SIGKILL)
+        assert victim is not None and "".join(texts) == want
+        assert migrated_from(cluster, victim_id) == 1
+        wait_idle(cluster, skip=(victim.name,))

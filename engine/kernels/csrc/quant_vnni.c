@@ -30,7 +30,6 @@
 #endif
 
 #define BLOCK 32
-#define TILE 4 /* rows of x sharing one unpacked weight step */
 #define PARALLEL_MIN_WEIGHTS 65536 /* as quant_kernels.c */
 
 typedef struct { /* rows of x in the layout of one weight kind (see the top of the file) */
@@ -97,11 +96,6 @@ static inline __m512 spread4(__m128 s4) {
     return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(s4));
 }
 
-static inline float hsum128(__m128 v) {
-    v = _mm_add_ps(v, _mm_movehl_ps(v, v));
-    return _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)));
-}
-
 /* One step of four int4 groups of a weight row (64 bytes, masked past the row's end): low and high nibbles */
 static inline void int4_unpack(const uint8_t *q, __mmask64 byte_mask, __m512i *lo, __m512i *hi) {
     const __m512i nibble = _mm512_set1_epi8(0x0F);
@@ -116,78 +110,14 @@ static inline __m512i int4_dot(__m512i lo, __m512i hi, const int8_t *xr) {
                                _mm512_loadu_si512(xr + 64));
 }
 
-/* One step of four int4 groups of one output row against rt rows of x (masks: the row's last, partial step) */
-static inline __attribute__((always_inline)) void int4_step(const vnni_x *v, int64_t step, const int rt,
-                                                            const uint8_t *q, const float *s, const float *m,
-                                                            __mmask64 byte_mask, __mmask8 group_mask,
-                                                            __m512 acc[TILE], __m128 macc[TILE]) {
-    __m512i lo, hi;
-    int4_unpack(q + step * 64, byte_mask, &lo, &hi);
-    __m512 scale = spread4(_mm_maskz_loadu_ps(group_mask, s + step * 4));
-    __m128 min = _mm_maskz_loadu_ps(group_mask, m + step * 4);
-    for (int r = 0; r < rt; r++) {
-        __m512i dot = int4_dot(lo, hi, v->xq + r * v->row_bytes + step * 128);
-        __m512 dscale = _mm512_mul_ps(scale, _mm512_loadu_ps(v->dxe + r * v->row_lanes + step * 16));
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), dscale, acc[r]);
-        macc[r] = _mm_fmadd_ps(min, _mm_loadu_ps(v->sxc + r * v->steps * 4 + step * 4), macc[r]);
-    }
-}
-
-static inline __attribute__((always_inline)) void int4_row(const vnni_x *v, int64_t groups, const int rt,
-                                                           const uint8_t *q, const float *s, const float *m,
-                                                           float *sums) {
-    __m512 acc[TILE];
-    __m128 macc[TILE];
-    for (int r = 0; r < rt; r++) {
-        acc[r] = _mm512_setzero_ps();
-        macc[r] = _mm_setzero_ps();
-    }
-    int64_t full = groups / 4;
-    for (int64_t step = 0; step < full; step++) int4_step(v, step, rt, q, s, m, ~0ULL, 0x0F, acc, macc);
-    if (groups % 4) {
-        int left = (int)(groups % 4);
-        int4_step(v, full, rt, q, s, m, (1ULL << (16 * left)) - 1, (__mmask8)((1 << left) - 1), acc, macc);
-    }
-    for (int r = 0; r < rt; r++) sums[r] = _mm512_reduce_add_ps(acc[r]) + hsum128(macc[r]);
-}
-
-/* One step of two int8 blocks of one output row against rt rows of x */
-static inline __attribute__((always_inline)) void int8_step(const vnni_x *v, int64_t step, const int rt,
-                                                            const int8_t *q, __m512 scale, __mmask64 byte_mask,
-                                                            __m512 acc[TILE]) {
-    __m512i w = _mm512_xor_si512(_mm512_maskz_loadu_epi8(byte_mask, q + step * 64), _mm512_set1_epi8((char)0x80));
-    for (int r = 0; r < rt; r++) {
-        __m512i dot = _mm512_dpbusd_epi32(_mm512_loadu_si512(v->xneg + r * v->row_lanes + step * 16), w,
-                                          _mm512_loadu_si512(v->xq + r * v->row_bytes + step * 64));
-        __m512 dscale = _mm512_mul_ps(scale, _mm512_loadu_ps(v->dxe + r * v->row_lanes + step * 16));
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), dscale, acc[r]);
-    }
-}
-
-static inline __attribute__((always_inline)) void int8_row(const vnni_x *v, int64_t blocks, const int rt,
-                                                           const int8_t *q, const float *s, int64_t group,
-                                                           float *sums) {
-    __m512 acc[TILE];
-    for (int r = 0; r < rt; r++) acc[r] = _mm512_setzero_ps();
-    int64_t full = blocks / 2;
-    for (int64_t step = 0; step < full; step++) {
-        __m512 scale = _mm512_insertf32x8(_mm512_set1_ps(s[2 * step * BLOCK / group]),
-                                          _mm256_set1_ps(s[(2 * step + 1) * BLOCK / group]), 1);
-        int8_step(v, step, rt, q, scale, ~0ULL, acc);
-    }
-    if (blocks % 2) /* the last block alone: lanes 8-15 masked to zero */
-        int8_step(v, full, rt, q, _mm512_maskz_mov_ps(0x00FF, _mm512_set1_ps(s[2 * full * BLOCK / group])),
-                  0xFFFFFFFFULL, acc);
-    for (int r = 0; r < rt; r++) sums[r] = _mm512_reduce_add_ps(acc[r]);
-}
-
 /* ---- one row of x (batch-1 decode): four output rows a step, x's vectors loaded once for them, the four sums
- * reduced together. The per-row loop above reduces a row's 16 lanes alone and reloads x for each output row: at
- * K = 576 (4.5 steps a row) that overhead was as large as the dot products (SmolLM2's int4 gate_up from cache:
- * 46 -> 19 us). Each thread reads its slice of W's rows as four runs side by side (step j: rows lo + j, lo + run + j,
- * ...), each run's next row prefetched: four sequential streams keep more reads in flight than adjacent rows (the
- * same layers from DRAM: int4 28 -> 32-40 GB/s, int8 18 -> 33-41; csrc/gemv.c found the same for dense rows). A
- * row's sum is `int4_row` / `int8_row`'s arithmetic with rt = 1, up to the order of the final 16-lane reduction. */
+ * reduced together (a loop that reduced each output row's 16 lanes alone and reloaded x for each one cost, at
+ * K = 576 (4.5 steps a row), as much as the dot products: SmolLM2's int4 gate_up from cache 46 -> 19 us). Each
+ * thread reads its slice of W's rows as four runs side by side (step j: rows lo + j, lo + run + j, ...), each run's
+ * next row prefetched: four sequential streams keep more reads in flight than adjacent rows (the same layers from
+ * DRAM: int4 28 -> 32-40 GB/s, int8 18 -> 33-41; csrc/gemv.c found the same for dense rows). A row's sum is the
+ * many-row tiles' arithmetic (below) up to float32 summation order (where the mins' share enters the lanes, and the
+ * final reduction's tree). */
 
 #define GEMV_ROWS 4
 
@@ -294,16 +224,103 @@ static void gemv_rows(const vnni_x *v, int kind, int64_t k_in, const void *qweig
     }
 }
 
-static void tile(const vnni_x *v, int kind, int64_t k_in, int rt, const void *q, const float *s, const float *m,
-                 int64_t group, float *sums) {
-#define ROW(n) (kind == 4 ? int4_row(v, k_in / BLOCK, n, q, s, m, sums) : int8_row(v, k_in / BLOCK, n, q, s, group, sums))
-    switch (rt) {
-    case 1: ROW(1); break;
-    case 2: ROW(2); break;
-    case 3: ROW(3); break;
-    default: ROW(4); break;
+/* ---- many rows of x (batched decode, verification, prefill chunks): register tiles of TILE_ROWS rows of x against
+ * TILE_OUTS output rows, one float32 accumulator a pair. Each weight step is unpacked once for the tile's rows and
+ * each x step loaded once for its outputs, so a pair costs only its dot products, the conversion and the scaling;
+ * the mins' share (int4) goes into the same lanes at the end, and each pair's 16 lanes are reduced with the others
+ * in `reduce4`. A pair's sum is the same arithmetic whichever rows and outputs share its tile (a repeated row or
+ * output fills a partial tile, its sums discarded). Before, each output row took x's rows four at a time and
+ * reduced each pair's lanes alone: ~60 GMAC/s at 8-32 rows, slower than dense bf16. */
+
+#define TILE_ROWS 4
+#define TILE_OUTS GEMV_ROWS /* one reduce4 a tile row (3 x 4 and 4 x 3 tiles measured no faster) */
+
+/* One step of four int4 groups (128 inputs) of the tile's outputs against its rt rows */
+static inline __attribute__((always_inline)) void int4_tile_step(const vnni_x *v, int64_t step, const int rt,
+                                                                 const uint8_t *const *q, const float *const *s,
+                                                                 __mmask64 byte_mask, __mmask8 group_mask,
+                                                                 __m512 acc[TILE_ROWS][TILE_OUTS]) {
+    __m512i lo[TILE_OUTS], hi[TILE_OUTS];
+    __m512 scale[TILE_OUTS];
+    for (int i = 0; i < TILE_OUTS; i++) {
+        int4_unpack(q[i] + step * 64, byte_mask, &lo[i], &hi[i]);
+        scale[i] = spread4(_mm_maskz_loadu_ps(group_mask, s[i] + step * 4));
     }
-#undef ROW
+    for (int r = 0; r < rt; r++) {
+        const int8_t *xr = v->xq + r * v->row_bytes + step * 128;
+        const __m512 dx = _mm512_loadu_ps(v->dxe + r * v->row_lanes + step * 16);
+        for (int i = 0; i < TILE_OUTS; i++)
+            acc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(int4_dot(lo[i], hi[i], xr)), _mm512_mul_ps(scale[i], dx),
+                                        acc[r][i]);
+    }
+}
+
+/* One step of two int8 blocks (64 inputs) of the tile's outputs against its rt rows (whole: else the last block
+ * alone, lanes 8-15 masked to zero) */
+static inline __attribute__((always_inline)) void int8_tile_step(const vnni_x *v, int64_t step, const int rt,
+                                                                 const int8_t *const *q, const float *const *s,
+                                                                 int64_t group, int whole,
+                                                                 __m512 acc[TILE_ROWS][TILE_OUTS]) {
+    const __mmask64 byte_mask = whole ? ~0ULL : 0xFFFFFFFFULL;
+    __m512i w[TILE_OUTS];
+    __m512 scale[TILE_OUTS];
+    for (int i = 0; i < TILE_OUTS; i++) {
+        w[i] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(byte_mask, q[i] + step * 64), _mm512_set1_epi8((char)0x80));
+        scale[i] = _mm512_insertf32x8(_mm512_set1_ps(s[i][2 * step * BLOCK / group]),
+                                      _mm256_set1_ps(whole ? s[i][(2 * step + 1) * BLOCK / group] : 0.0f), 1);
+    }
+    for (int r = 0; r < rt; r++) {
+        const __m512i xq = _mm512_loadu_si512(v->xq + r * v->row_bytes + step * 64);
+        const __m512i xneg = _mm512_loadu_si512(v->xneg + r * v->row_lanes + step * 16);
+        const __m512 dx = _mm512_loadu_ps(v->dxe + r * v->row_lanes + step * 16);
+        for (int i = 0; i < TILE_OUTS; i++)
+            acc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(xneg, w[i], xq)),
+                                        _mm512_mul_ps(scale[i], dx), acc[r][i]);
+    }
+}
+
+/* out[r][i] = x row r . W row i of the tile, for r < rt (a compile-time constant in each case of `tile`) */
+static inline __attribute__((always_inline)) void tile_rows(const vnni_x *v, int kind, int64_t k_in, const int rt,
+                                                            const void *const *q, const float *const *s,
+                                                            const float *const *m, int64_t group,
+                                                            float out[TILE_ROWS][TILE_OUTS]) {
+    __m512 acc[TILE_ROWS][TILE_OUTS];
+    for (int r = 0; r < rt; r++)
+        for (int i = 0; i < TILE_OUTS; i++) acc[r][i] = _mm512_setzero_ps();
+    int64_t groups = k_in / BLOCK;
+    if (kind == 4) {
+        int64_t full = groups / 4;
+        for (int64_t step = 0; step < full; step++)
+            int4_tile_step(v, step, rt, (const uint8_t *const *)q, s, ~0ULL, 0x0F, acc);
+        if (groups % 4) {
+            int left = (int)(groups % 4);
+            int4_tile_step(v, full, rt, (const uint8_t *const *)q, s, (1ULL << (16 * left)) - 1,
+                           (__mmask8)((1 << left) - 1), acc);
+        }
+        for (int64_t g = 0; g < groups; g += 16) { /* the mins' share: sum over groups of m * sx, in the same lanes */
+            __mmask16 mask = groups - g >= 16 ? 0xFFFF : (__mmask16)((1u << (groups - g)) - 1);
+            for (int r = 0; r < rt; r++) {
+                const __m512 sx = _mm512_maskz_loadu_ps(mask, v->sxc + r * v->steps * 4 + g);
+                for (int i = 0; i < TILE_OUTS; i++)
+                    acc[r][i] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, m[i] + g), sx, acc[r][i]);
+            }
+        }
+    } else {
+        int64_t steps = (groups + 1) / 2;
+        for (int64_t step = 0; step < steps; step++)
+            int8_tile_step(v, step, rt, (const int8_t *const *)q, s, group, 2 * step + 1 < groups, acc);
+    }
+    for (int r = 0; r < rt; r++) reduce4(acc[r], out[r]);
+}
+
+static void tile(const vnni_x *v, int kind, int64_t k_in, int rt, const void *const *q, const float *const *s,
+                 const float *const *m, int64_t group, float out[TILE_ROWS][TILE_OUTS]) {
+    switch (rt) {
+    case 1: tile_rows(v, kind, k_in, 1, q, s, m, group, out); break;
+    case 2: tile_rows(v, kind, k_in, 2, q, s, m, group, out); break;
+    case 3: tile_rows(v, kind, k_in, 3, q, s, m, group, out); break;
+    default: tile_rows(v, kind, k_in, TILE_ROWS, q, s, m, group, out); break;
+    }
 }
 
 /* sums [rows, n_out] (float32, without bias) = x · W ᵀ for x quantized as quantize_activations (qx, dx, sx), W int4
@@ -324,18 +341,27 @@ void duet_q8_linear_vnni(const int8_t *qx, const float *dx, const float *sx, int
         return;
     }
 #pragma omp parallel for schedule(static) if (n_out * k_in >= PARALLEL_MIN_WEIGHTS)
-    for (int64_t o = 0; o < n_out; o++) {
-        for (int64_t r0 = 0; r0 < rows; r0 += TILE) {
-            int rt = rows - r0 < TILE ? (int)(rows - r0) : TILE;
-            float out[TILE];
+    for (int64_t t = 0; t < (n_out + TILE_OUTS - 1) / TILE_OUTS; t++) {
+        int64_t o0 = t * TILE_OUTS, n = n_out - o0 < TILE_OUTS ? n_out - o0 : TILE_OUTS;
+        const void *q[TILE_OUTS];
+        const float *s[TILE_OUTS], *m[TILE_OUTS];
+        for (int i = 0; i < TILE_OUTS; i++) { /* past the last output: the last one again, its sums dropped */
+            int64_t o = o0 + (i < n ? i : n - 1);
+            q[i] = (const uint8_t *)qweight + o * row_bytes;
+            s[i] = scales + o * groups;
+            m[i] = kind == 4 ? mins + o * groups : NULL;
+        }
+        for (int64_t r0 = 0; r0 < rows; r0 += TILE_ROWS) {
+            int rt = rows - r0 < TILE_ROWS ? (int)(rows - r0) : TILE_ROWS;
+            float out[TILE_ROWS][TILE_OUTS];
             vnni_x at = v; /* the tile's rows */
             at.xq += r0 * v.row_bytes;
             at.dxe += r0 * v.row_lanes;
             if (at.xneg) at.xneg += r0 * v.row_lanes;
             if (at.sxc) at.sxc += r0 * v.steps * 4;
-            tile(&at, kind, k_in, rt, (const uint8_t *)qweight + o * row_bytes, scales + o * groups,
-                 kind == 4 ? mins + o * groups : NULL, group, out);
-            for (int r = 0; r < rt; r++) sums[(r0 + r) * n_out + o] = out[r];
+            tile(&at, kind, k_in, rt, q, s, m, group, out);
+            for (int r = 0; r < rt; r++)
+                for (int i = 0; i < n; i++) sums[(r0 + r) * n_out + o0 + i] = out[r][i];
         }
     }
     release(&v);

@@ -1,6 +1,7 @@
-"""The same OpenAI-API load against `duet up` (1 prefill + 1 decode, 1 prefill + 2 decode, and 1 + 1 without the
-decode-side prefix cache), vLLM's OpenAI server and llama.cpp's, one after another, through `duet bench serve`
-(issue 20 part 7).
+"""The same OpenAI-API load against `duet up` (1 prefill + 1 decode, 1 prefill + 2 decode, 1 + 1 without the
+decode-side prefix cache, and 1 + 1 with `--local-prefill-tokens N` as `duet-1p1d-local:N`, 0: every prompt through
+the prefill worker), vLLM's OpenAI server and llama.cpp's, one after another, through `duet bench serve` (issue 20
+part 7).
 
     .venv/bin/python benchmarks/serve_compare.py                       # vLLM from $DUET_VLLM_VENV
     .venv/bin/python benchmarks/serve_compare.py --servers duet-1p1d,vllm --repeats 2
@@ -46,8 +47,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PORT = 18400
 
 
-SERVERS = ("duet-1p1d", "duet-1p2d", "duet-1p1d-no-decode-cache", "vllm", "duet-1p1d-gguf", "llama.cpp",
-           "llama-server")
+SERVERS = ("duet-1p1d", "duet-1p2d", "duet-1p1d-no-decode-cache", "duet-1p1d-local:N", "vllm", "duet-1p1d-gguf",
+           "llama.cpp", "llama-server")
 LLAMA_SLOTS = 16  # llama-server's parallel sequences (continuous batching): as many as chat-c16 has in flight
 
 
@@ -71,6 +72,8 @@ def server_command(name: str, model: Path, dtype: str, venv: str, llama_venv: st
         return duet, env
     if name == "duet-1p2d":
         return duet + ["--decode", "2"], env
+    if name.startswith("duet-1p1d-local:"):  # conditional disaggregation's threshold N (0: every prompt disaggregated)
+        return duet + ["--local-prefill-tokens", str(int(name.split(":")[1]))], env
     if name == "duet-1p1d-no-decode-cache":
         return duet + ["--decode-args=--no-prefix-caching"], env
     if name == "vllm":

@@ -12,6 +12,15 @@ from pathlib import Path
 
 from duet.cli_common import _parse_ids, add_engine_args, add_sampling_args, engine_config, sampling_params
 
+# `duet up`'s conditional disaggregation threshold (the router's --local-prefill-tokens, 0 there): on one host the
+# KV "transfer" is a loopback copy and every pool shares the cores, so a short uncached suffix costs less computed
+# in the decode worker's running batch than sent through a second engine competing for them. Measured with `duet
+# bench serve` (benchmarks/serve_compare.py, 2026-11-28, fifth session, the 2-core VM, 1 prefill + 1 decode, the
+# same run): 16 concurrent chats 310 tok/s off, 335 at 128, 349 at 256 (vLLM's server 271); 4-turn chats 131 / 187 /
+# 201 tok/s (vLLM 124); TTFT p50 at 16 chats 1116 / 672 / 627 ms. A chat's first prompt (its whole system prompt
+# uncached) still goes to the prefill worker. The chart and Ray keep the router's 0: their hardware sets it.
+ONE_HOST_LOCAL_PREFILL_TOKENS = 256
+
 
 def add_worker_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
@@ -85,7 +94,9 @@ def add_router_args(p: argparse.ArgumentParser, *, up: bool) -> None:
     g.add_argument("--local-prefill-tokens", type=int, default=None,
                    help="conditional disaggregation: a prompt whose part not cached on the chosen decode worker is "
                         "shorter than this many tokens is prefilled by that decode worker itself, with no prefill "
-                        "worker or KV transfer (0: never; default: the router's measured default)")
+                        "worker or KV transfer (0: never; default: " + (
+                            f"{ONE_HOST_LOCAL_PREFILL_TOKENS}, measured for pools sharing one host's cores)" if up else
+                            "0, measure it on your hardware: benchmarks/serve_compare.py)"))
     g.add_argument("--slo-ttft-ms", type=slo_ms, default=None,
                    help="SLO-aware admission: refuse (RESOURCE_EXHAUSTED / HTTP 429 with a retry hint) a request "
                         "predicted to miss this time to first token because of the queue; goodput metrics count "
@@ -217,8 +228,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     router_args += ["--worker-wait-s", f"{args.worker_wait_s:g}"]
     if args.shutdown_grace is not None:
         router_args += ["--shutdown-grace", f"{args.shutdown_grace:g}"]
-    if args.local_prefill_tokens is not None:
-        router_args += ["--local-prefill-tokens", str(args.local_prefill_tokens)]
+    local_prefill_tokens = ONE_HOST_LOCAL_PREFILL_TOKENS if args.local_prefill_tokens is None else \
+        args.local_prefill_tokens
+    router_args += ["--local-prefill-tokens", str(local_prefill_tokens)]
     router_args += slo_router_args(args)
     role_args = {role: shlex.split(getattr(args, f"{role}_args")) for role in ("prefill", "decode")}
     role_args["decode"] = speculative + role_args["decode"]

@@ -207,3 +207,24 @@ def test_slo_flags_reach_the_router_config_from_duet_router_up_and_ray_up(monkey
             parser.parse_args(["router", "--redis-url", "redis://x", "--slo-ttft-ms", bad])
         assert exit_.value.code == 2
         assert "argument --slo-ttft-ms" in capsys.readouterr().err
+
+
+def test_duet_up_prefills_short_suffixes_on_the_decode_worker_unless_told_otherwise(monkeypatch):
+    """`duet up` runs every pool on one host, where conditional disaggregation measured faster (cli_serving's
+    ONE_HOST_LOCAL_PREFILL_TOKENS); `duet router` (the chart, Ray) keeps it off; a flag overrides either."""
+    from deploy import local_cluster
+    from duet.cli import build_parser, main
+    from router.server import DEFAULT_LOCAL_PREFILL_TOKENS
+
+    started = []
+    monkeypatch.setattr(local_cluster, "run_up", lambda config: started.append(config) or 0)
+
+    def router_threshold(router_args: list[str]) -> int:  # what the router `duet up` starts would run with
+        parsed = build_parser().parse_args(["router", "--redis-url", "redis://x", *router_args])
+        return DEFAULT_LOCAL_PREFILL_TOKENS if parsed.local_prefill_tokens is None else parsed.local_prefill_tokens
+
+    assert main(["up"]) == 0
+    assert router_threshold(started.pop().router_args) == 256
+    assert main(["up", "--local-prefill-tokens", "0"]) == 0
+    assert router_threshold(started.pop().router_args) == 0
+    assert router_threshold([]) == DEFAULT_LOCAL_PREFILL_TOKENS == 0

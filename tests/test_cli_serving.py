@@ -99,7 +99,8 @@ def test_up_with_every_router_option_then_clients_then_sigterm_leaves_nothing_be
     token = "tok-" + os.urandom(8).hex()
     cert, key = make_cert(tmp_path)
     up = start_up(tiny_llama_dir, tmp_path, "--auth-token", token, "--tls-cert", str(cert), "--tls-key", str(key),
-                  "--metrics-port", "0", "--internal-tls")
+                  "--metrics-port", "0", "--internal-tls",
+                  "--local-prefill-tokens", "0")  # every prompt through the prefill worker: KV under mutual TLS
     client = [sys.executable, "-m", "duet", "client", "--addr", up.address, "--tls-ca", str(cert)]
     try:
         kids = children_of(up.popen.pid)
@@ -153,7 +154,7 @@ def test_up_restarts_a_killed_worker_and_keeps_serving(tiny_llama_dir, tmp_path)
     """issue 16: `duet up` supervises. The only prefill worker, then the only decode worker, is SIGKILLed and a
     request is sent at once: it waits for the worker that is started again on its port (a pause, not an
     error) and gets the undisturbed tokens; only SIGTERM stops the cluster."""
-    started = start_up(tiny_llama_dir, tmp_path, "--no-http")
+    started = start_up(tiny_llama_dir, tmp_path, "--no-http", "--local-prefill-tokens", "0")  # each needs both
     assert started.api_base is None and started.metrics_url is None
     up, address = started.popen, started.address
     kids = children_of(up.pid)

@@ -20,10 +20,14 @@ shared by every request):
     chat-c16    3x as many chats, 16 in flight (throughput)
     multiturn   `--conversations` conversations of `--turns` turns, 4 in flight: each turn resends the history with
                 the server's answers (what the decode-side cache and conditional disaggregation are for)
+    multiturn-cold  the same, each conversation with a system prompt of its own: its first turn finds nothing cached
+                (issue 20's "later turns' TTFT p90 <= half the first turn's" is read here)
 
 Servers start fresh for each repeat (no cache carried between them) and run in the order given, repeat after repeat;
 the machine is shared, so read ratios within one run. Prints one line per (server, workload): completed requests,
-output tok/s, TTFT and TPOT p50 / p90.
+output tok/s, TTFT and TPOT p50 / p90, goodput and SLO attainment at the same `--slo-ttft-ms` / `--slo-tpot-ms` for
+every server, and, for multiturn, the first turns against the later ones: TTFT p90 and the share of prompt tokens
+the server reported cached.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from offline_throughput import dense_copy  # noqa: E402
@@ -105,16 +111,37 @@ def wait_ready(process: subprocess.Popen, timeout_s: float = 300.0) -> None:
 
 def bench(args: argparse.Namespace, workload: str, out: Path) -> dict:
     base = [sys.executable, "-m", "duet", "bench", "serve", "--url", f"http://127.0.0.1:{PORT}",
-            "--max-tokens", str(args.max_tokens), "--json", str(out)]
+            "--max-tokens", str(args.max_tokens), "--json", str(out), "--slo-ttft-ms", f"{args.slo_ttft_ms:g}",
+            "--slo-tpot-ms", f"{args.slo_tpot_ms:g}"]
     if workload == "chat-c1":
         extra = ["--workload", "chat", "--num-requests", str(args.chat_requests), "--concurrency", "1"]
     elif workload == "chat-c16":
         extra = ["--workload", "chat", "--num-requests", str(3 * args.chat_requests), "--concurrency", "16"]
-    else:
+    elif workload in ("multiturn", "multiturn-cold"):
         extra = ["--workload", "multiturn", "--num-conversations", str(args.conversations), "--turns",
                  str(args.turns), "--concurrency", "4"]
+        if workload == "multiturn-cold":
+            extra += ["--system-prompt", "per-session"]
+    else:
+        raise SystemExit(f"--workloads: {workload!r} is not one of chat-c1, chat-c16, multiturn, multiturn-cold")
     subprocess.run(base + extra, check=True, capture_output=True, text=True)
     return json.loads(out.read_text())
+
+
+def by_turn(records: list[dict]) -> str:
+    """A conversation's first turn against its later ones: TTFT p90 and the share of prompt tokens the server
+    reported cached (usage.prompt_tokens_details.cached_tokens; duet counts both workers' caches); "-" for a
+    workload of one turn, or a share the server does not report."""
+    def summary(turns: list[dict]) -> str:
+        ttft = np.percentile([r["ttft_ms"] for r in turns], 90)
+        counted = [r for r in turns if r["prompt_tokens"] and r["cached_tokens"] is not None]
+        share = (f"{sum(r['cached_tokens'] for r in counted) / sum(r['prompt_tokens'] for r in counted):.2f}"
+                 if counted else "-")
+        return f"{ttft:.0f}, {share}"
+
+    ok = [r for r in records if r["ok"] and r["ttft_ms"] is not None]
+    first, later = [r for r in ok if r["turn"] == 0], [r for r in ok if r["turn"] > 0]
+    return f"{summary(first)} / {summary(later)}" if first and later else "-"
 
 
 def main() -> None:
@@ -127,6 +154,8 @@ def main() -> None:
     p.add_argument("--chat-requests", type=int, default=16)
     p.add_argument("--conversations", type=int, default=8)
     p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="the SLOs goodput counts against, every server")
+    p.add_argument("--slo-tpot-ms", type=float, default=50.0)
     p.add_argument("--vllm-venv", default=os.environ.get("DUET_VLLM_VENV", str(Path.home() / ".cache/duet/vllm-venv")))
     p.add_argument("--llama-venv", default=os.environ.get("DUET_LLAMA_VENV", "/work/llama-venv"))
     p.add_argument("--llama-server", default=os.environ.get("DUET_LLAMA_SERVER", "llama-server"),
@@ -134,8 +163,9 @@ def main() -> None:
     args = p.parse_args()
     model = dense_copy(default_model_path())
     print(f"config: {vars(args)} model={model}", flush=True)
-    print("| repeat | server | workload | completed | output tok/s | TTFT p50 / p90 ms | TPOT p50 / p90 ms |\n"
-          "|---:|---|---|---:|---:|---|---|", flush=True)
+    print("| repeat | server | workload | completed | output tok/s | TTFT p50 / p90 ms | TPOT p50 / p90 ms | goodput "
+          "req/s | SLO attainment | turn 1 / later turns: TTFT p90 ms, cached share |\n"
+          "|---:|---|---|---:|---:|---|---|---:|---:|---|", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(args.repeats):
             for name in args.servers.split(","):
@@ -150,7 +180,8 @@ def main() -> None:
                         ttft, tpot = d["ttft_ms"], d["tpot_ms"]
                         print(f"| {repeat} | {name} | {workload} | {d['completed']}/{d['requests']} | "
                               f"{d['output_tokens_per_s']:.1f} | {ttft['p50']:.0f} / {ttft['p90']:.0f} | "
-                              f"{tpot['p50']:.1f} / {tpot['p90']:.1f} |", flush=True)
+                              f"{tpot['p50']:.1f} / {tpot['p90']:.1f} | {d['goodput_rps']:.2f} | "
+                              f"{d['slo_attainment']:.2f} | {by_turn(d['records'])} |", flush=True)
                 finally:
                     if process.poll() is None:
                         os.killpg(process.pid, 15)

@@ -104,8 +104,11 @@ def add_serve_command(bench_sub: argparse._SubParsersAction) -> None:
     g.add_argument("--turns", type=_positive(int), metavar="T",
                    help=f"multiturn: turns per conversation (default: {d['turns']})")
     g.add_argument("--system-prompt-tokens", type=_positive(int), metavar="N",
-                   help="chat, multiturn: the shared system prompt's length in words, about as many tokens "
+                   help="chat, multiturn: the system prompt's length in words, about as many tokens "
                         f"(default: {d['system_prompt_tokens']})")
+    g.add_argument("--system-prompt", choices=config.SYSTEM_PROMPTS,
+                   help="chat, multiturn: one system prompt every session shares (cached after the first), or one "
+                        f"of its own per session (each first turn uncached; default: {d['system_prompt']})")
     g.add_argument("--trace-block-tokens", type=_positive(int), metavar="N",
                    help="trace: tokens per trace block (default: the trace's 512; smaller scales prompts down to "
                         "fit a small context)")

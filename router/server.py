@@ -46,9 +46,10 @@ SERVICE_NAME = "duet.v1.Generation"
 GENERATE_METHOD = f"/{SERVICE_NAME}/Generate"
 HEALTH_POLL_S = 0.5  # how often the router checks that a worker of each role is up (its health follows)
 SHUTDOWN_GRACE_S = 5.0  # on stop, requests in flight get this long to finish, then are cut (--shutdown-grace)
-# Conditional disaggregation's threshold (--local-prefill-tokens). Off (0): on the 2-core CPU box the two paths'
-# TTFT were within noise from 16 to 512 uncached tokens (benchmarks/RESULTS.md, 2026-11-28), so no crossover was
-# measured; a local prefill also delays the decode worker's running requests. Set it where it was measured.
+# Conditional disaggregation's threshold (--local-prefill-tokens). Off (0): a router alone does not know its
+# deployment (pools on separate hosts, a real network, GPUs), and one request alone showed no crossover on CPU
+# (benchmarks/RESULTS.md, 2026-11-28); a local prefill also delays the decode worker's running requests. `duet up`,
+# all pools on one host, sets its own measured value (duet/cli_serving.py, ONE_HOST_LOCAL_PREFILL_TOKENS).
 DEFAULT_LOCAL_PREFILL_TOKENS = 0
 STOP_MARGIN_S = 3.0  # past the grace: the HTTP cut, closing, flushing; `duet router` has exited by grace + this
 

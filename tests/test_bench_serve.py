@@ -23,7 +23,13 @@ from duet.bench_serve.metrics import SLO, latency_stats, summarize, throughput_b
 from duet.bench_serve.report import SUMMARY_KEYS, read_records
 from duet.bench_serve.request_record import RequestRecord
 from duet.bench_serve.stream_timer import StreamTimer
-from duet.bench_serve.workloads import FIRST_TRACE_TOKEN_ID, ChatSession, TraceBlocks, multiturn_sessions
+from duet.bench_serve.workloads import (
+    FIRST_TRACE_TOKEN_ID,
+    ChatSession,
+    TraceBlocks,
+    chat_sessions,
+    multiturn_sessions,
+)
 from duet.cli_bench import main as bench_main
 
 # -- metrics on hand-made records ------------------------------------------------------------------------------
@@ -208,6 +214,23 @@ def test_multiturn_sends_the_history_with_the_answers_given():
     assert second[3]["content"] != first[1]["content"]
 
 
+def test_per_session_system_prompts_differ_after_the_instruction_and_are_seeded():
+    """--system-prompt per-session: each conversation's system prompt shares only the 12-word instruction with the
+    others'; the shared default gives every session the same one."""
+    def systems(shared: bool, seed: int = 0) -> list[str]:
+        sessions = multiturn_sessions(num_conversations=3, turns=2, system_prompt_words=300, max_tokens=8, seed=seed,
+                                      shared=shared)
+        return [session.request(0).payload["messages"][0]["content"] for session in sessions]
+
+    shared, own = systems(True), systems(False)
+    assert len(set(shared)) == 1 and len(set(own)) == 3 and own == systems(False)
+    assert own != systems(False, seed=1) and all(len(s.split()) == 300 for s in own)
+    assert len({" ".join(s.split()[12:15]) for s in own}) == 3  # they part right after the instruction
+    assert all(s.startswith("You are a helpful assistant. Answer the question in a few sentences. ") for s in own)
+    chats = chat_sessions(3, 40, 8, seed=0, shared=False)
+    assert len({c.request(0).payload["messages"][0]["content"] for c in chats}) == 3
+
+
 def test_poisson_arrivals_are_seeded_and_have_the_rate():
     a = poisson_arrivals_s(2000, rate_per_s=4.0, seed=7)
     assert a == poisson_arrivals_s(2000, rate_per_s=4.0, seed=7)
@@ -230,6 +253,8 @@ URL = ["--url", "http://127.0.0.1:9"]
     (["--workload", "multiturn", "--concurrency", "2", "--num-requests", "5"],
      "--num-requests 5 does not apply to --workload multiturn: it is for chat and trace"),
     (["--concurrency", "2", "--turns", "3"], "--turns 3 does not apply to --workload chat: it is for multiturn"),
+    (["--workload", "trace", "t.jsonl", "--system-prompt", "per-session"],
+     "--system-prompt per-session does not apply to --workload trace: it is for chat and multiturn"),
     (["--workload", "story", "--concurrency", "2"], "--workload 'story' is invalid: choose chat, multiturn or trace"),
     (["--workload", "trace"], "--workload trace needs exactly one FILE"),
     (["--workload", "chat", "x.jsonl", "--concurrency", "1"], "--workload chat takes no argument, got 'x.jsonl'"),

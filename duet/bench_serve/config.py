@@ -29,11 +29,13 @@ from duet.bench_serve.workloads import (
 WORKLOADS = ("chat", "multiturn", "trace")
 API_KEY_ENV_VAR = "OPENAI_API_KEY"
 DEFAULTS = {"num_requests": 100, "num_conversations": 10, "turns": 3, "system_prompt_tokens": 300,
-            "trace_block_tokens": TRACE_BLOCK_TOKENS, "time_scale": 1.0, "vocab_size": 32000}
+            "system_prompt": "shared", "trace_block_tokens": TRACE_BLOCK_TOKENS, "time_scale": 1.0, "vocab_size": 32000}
+SYSTEM_PROMPTS = ("shared", "per-session")  # --system-prompt: one for every session, or one of its own each
 CHAT_MAX_TOKENS = 64
 # Which workloads each workload-specific flag applies to (dest -> workloads).
 _WORKLOAD_FLAGS = {"num_requests": ("chat", "trace"), "num_conversations": ("multiturn",), "turns": ("multiturn",),
-                   "system_prompt_tokens": ("chat", "multiturn"), "trace_block_tokens": ("trace",),
+                   "system_prompt_tokens": ("chat", "multiturn"), "system_prompt": ("chat", "multiturn"),
+                   "trace_block_tokens": ("trace",),
                    "time_scale": ("trace",), "vocab_size": ("trace",)}
 
 
@@ -52,6 +54,7 @@ class ServeBenchConfig:
     num_conversations: int | None  # multiturn
     turns: int | None  # multiturn
     system_prompt_tokens: int | None  # chat, multiturn: about this many words (~ tokens)
+    system_prompt: str | None  # chat, multiturn: one of SYSTEM_PROMPTS
     trace_block_tokens: int | None  # trace: tokens per trace block (512 = the trace's own size)
     time_scale: float | None  # trace on its timestamps: arrival = timestamp * this
     vocab_size: int | None  # trace: token ids drawn from [FIRST_TRACE_TOKEN_ID, vocab_size)
@@ -132,10 +135,10 @@ class ServeBenchConfig:
         naming the bad line)."""
         if self.workload == "chat":
             sessions: list[Session] = chat_sessions(self.num_requests, self.system_prompt_tokens, self.max_tokens,
-                                                    self.seed)
+                                                    self.seed, shared=self.system_prompt == "shared")
         elif self.workload == "multiturn":
             sessions = multiturn_sessions(self.num_conversations, self.turns, self.system_prompt_tokens,
-                                          self.max_tokens, self.seed)
+                                          self.max_tokens, self.seed, shared=self.system_prompt == "shared")
         else:
             requests = load_trace(self.trace_path, limit=self.num_requests, time_scale=self.time_scale or 1.0)
             blocks = TraceBlocks(self.trace_block_tokens, self.vocab_size, self.seed)

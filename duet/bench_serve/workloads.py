@@ -109,9 +109,10 @@ class CompletionSession:
 Session = ChatSession | CompletionSession
 
 
-def system_prompt(num_words: int, seed: int) -> str:
-    """The shared system prompt: a one-sentence instruction (12 words), then filler words to `num_words` in all
-    (about as many tokens in a BPE vocabulary; never shorter than the instruction)."""
+def system_prompt(num_words: int, seed: int | str) -> str:
+    """A system prompt: a one-sentence instruction (12 words), then filler words to `num_words` in all (about as
+    many tokens in a BPE vocabulary; never shorter than the instruction); different seeds differ after the
+    instruction."""
     opening = "You are a helpful assistant. Answer the question in a few sentences."
     filler = max(num_words - len(opening.split()), 0)
     return f"{opening} {_filler(random.Random(f'duet-bench-serve/system/{seed}'), filler)}".rstrip()
@@ -126,19 +127,27 @@ def _filler(rng: random.Random, num_words: int) -> str:
     return " ".join(rng.choice(_WORDS) for _ in range(num_words))
 
 
-def chat_sessions(num_requests: int, system_prompt_words: int, max_tokens: int, seed: int) -> list[ChatSession]:
-    """`num_requests` single-turn chats sharing one system prompt."""
+def session_system_prompt(num_words: int, seed: int, session_index: int, shared: bool) -> str:
+    """Session `session_index`'s system prompt: the one every session shares, or (not `shared`) one of its own,
+    so that its first request finds nothing cached (what a server's first turn of a new conversation costs)."""
+    return system_prompt(num_words, seed if shared else f"{seed}/session/{session_index}")
+
+
+def chat_sessions(num_requests: int, system_prompt_words: int, max_tokens: int, seed: int,
+                  shared: bool = True) -> list[ChatSession]:
+    """`num_requests` single-turn chats sharing one system prompt (not `shared`: each with its own)."""
     rng = random.Random(f"duet-bench-serve/chat/{seed}")
-    system = system_prompt(system_prompt_words, seed)
-    return [ChatSession(i, system, [question(rng, i)], max_tokens) for i in range(num_requests)]
+    return [ChatSession(i, session_system_prompt(system_prompt_words, seed, i, shared), [question(rng, i)], max_tokens)
+            for i in range(num_requests)]
 
 
 def multiturn_sessions(num_conversations: int, turns: int, system_prompt_words: int, max_tokens: int,
-                       seed: int) -> list[ChatSession]:
-    """`num_conversations` conversations of `turns` questions each, all sharing one system prompt."""
+                       seed: int, shared: bool = True) -> list[ChatSession]:
+    """`num_conversations` conversations of `turns` questions each, all sharing one system prompt (not `shared`:
+    each with its own)."""
     rng = random.Random(f"duet-bench-serve/multiturn/{seed}")
-    system = system_prompt(system_prompt_words, seed)
-    return [ChatSession(c, system, [question(rng, c * turns + t) for t in range(turns)], max_tokens)
+    return [ChatSession(c, session_system_prompt(system_prompt_words, seed, c, shared),
+                        [question(rng, c * turns + t) for t in range(turns)], max_tokens)
             for c in range(num_conversations)]
 
 

@@ -121,6 +121,10 @@ class DecodeLoop:
         self._reserved: dict[int, list[int]] = {}  # reservation id -> the request's block table: cached hits,
         # then the reservation's blocks (engine thread's view)
         self._reserved_requests: dict[int, ReservedRequest] = {}  # reservation id -> the request it waits for
+        # local prefills (conditional disaggregation) before their first token: the request and its uncached tokens
+        self._prefilling: dict[str, tuple[Request, int]] = {}
+        self.num_waiting_tokens = 0  # their uncached prompt tokens not computed yet: what a new local prefill waits
+        # behind (reported with the load, like a prefill worker's queue: router admission predicts from it)
         self.thread = EngineThread(
             "decode-engine", self.core.has_unfinished_requests, self._step, tick=self._expire
         )
@@ -230,16 +234,21 @@ class DecodeLoop:
         reservation = self.reservations.pop(reservation_id)
         if reservation is None or reserved is None:
             raise ReservationExpired(f"reservation {reservation_id} is unknown, released or expired")
+        num_hit_blocks = len(self._reserved[reservation_id]) - len(reservation.block_ids)
         self._free(reservation)  # its hit blocks stay cached in the pool: the scheduler finds them again
         request = reserved.to_prefill(self.rt.tokenizer.eos_token_ids)
         self.core.add_request(request)
         self._live[request.request_id] = (request, sink)
         self._last_token_s[request.request_id] = time.monotonic()
+        self._prefilling[request.request_id] = (request, request.num_tokens - num_hit_blocks * self.rt.block_size)
+        self._count_waiting_tokens()
         return request
 
     def abort(self, request_id: str) -> None:
         live = self._live.pop(request_id, None)
         self._last_token_s.pop(request_id, None)
+        if self._prefilling.pop(request_id, None) is not None:
+            self._count_waiting_tokens()
         if live is None:
             return
         sink = live[1]
@@ -253,6 +262,7 @@ class DecodeLoop:
         if self._on_step_tokens is not None:
             self._on_step_tokens(self.core.last_step_num_tokens)
         for new in new_tokens:
+            self._prefilling.pop(new.request_id, None)  # its first token (or its failure): prefilled
             request, sink = self._live[new.request_id]
             if new.error is not None:  # this request's own sampling failed; the others go on
                 del self._live[new.request_id]
@@ -277,7 +287,15 @@ class DecodeLoop:
                     sink.put(DecodeEvent(token_id, logprobs, None))
                 else:
                     sink.put(DecodeEvent(token_id, logprobs, finish_reason, stop_token_id))
+        if self._prefilling or self.num_waiting_tokens:
+            self._count_waiting_tokens()
         self._check_idle()
+
+    def _count_waiting_tokens(self) -> None:
+        """num_waiting_tokens: each local prefill's uncached tokens, less what its chunks computed so far (a request
+        not scheduled yet has computed nothing, its cached prefix not found again until it is)."""
+        self.num_waiting_tokens = sum(min(uncached, request.num_tokens - request.num_computed_tokens)
+                                      for request, uncached in self._prefilling.values())
 
     def _check_idle(self) -> None:
         if self.core.has_unfinished_requests() or self._reserved:

@@ -77,11 +77,11 @@ class DecodeWorker(WorkerProcess, wpb_grpc.DecodeWorkerServicer):
         core = self.loop.core
         return WorkerLoad(
             num_waiting=core.num_waiting + len(self.reservations), num_running=core.num_running,
-            num_free_blocks=self.rt.block_pool.num_free_blocks,
+            num_free_blocks=self.rt.block_pool.num_free_blocks, num_waiting_tokens=self.loop.num_waiting_tokens,
         )
 
     def role_stats(self) -> dict[str, int]:
-        return {"num_reservations": len(self.reservations)}
+        return {"num_reservations": len(self.reservations), "num_waiting_tokens": self.loop.num_waiting_tokens}
 
     # -- RPCs ------------------------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ import logging
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import grpc
 
@@ -42,6 +43,15 @@ from router.ttft_correction import TTFTCorrection
 log = logging.getLogger("duet.router")
 
 
+@dataclass(frozen=True)
+class LocalPrefill:
+    """A request the decode worker Reserve will most likely pick would prefill itself: that worker, and how many
+    of the prompt's tokens it lacks."""
+
+    decode: LiveWorker
+    uncached_tokens: int
+
+
 class Admission:
     def __init__(self, config: AdmissionConfig, metrics: RouterMetrics):
         self.config, self.metrics = config, metrics
@@ -52,14 +62,14 @@ class Admission:
 
     def admit(self, request_id: str, num_prompt_tokens: int, prefills: Sequence[LiveWorker],
               inflight_tokens: Mapping[str, int], lookup: PrefixLookup | None,
-              local_uncached_tokens: int | None) -> TTFTPrediction:
+              local: LocalPrefill | None = None) -> TTFTPrediction:
         """The request's predicted TTFT, or `Failed(RESOURCE_EXHAUSTED)` with a retry hint when admission refuses
-        it. `local_uncached_tokens`: the uncached part the decode worker would prefill itself (None: a prefill
-        worker will)."""
+        it. `local`: the decode worker would prefill it itself (None: a prefill worker will)."""
         queues = self.queues(prefills, inflight_tokens, lookup)
         correction = self.correction.value
-        if local_uncached_tokens is not None:
-            prediction = predict_local(local_uncached_tokens, queues, self.config, correction)
+        if local is not None:
+            [decode] = self.queues([local.decode], inflight_tokens, lookup)
+            prediction = predict_local(local.uncached_tokens, decode, queues, self.config, correction)
         else:
             prediction = predict_prefill(num_prompt_tokens, queues, self.transfer_rate.tokens_per_s, self.config,
                                          correction)
@@ -82,9 +92,10 @@ class Admission:
     @contextmanager
     def awaiting_prefill(self, prediction: TTFTPrediction | None) -> Iterator[None]:
         """While an admitted request reserves and is prefilled, its uncached tokens count as queued on the worker it
-        was predicted on, so the requests admitted just before it (still in Reserve, not yet sent) are seen."""
+        was predicted on (a prefill worker, or the decode worker prefilling it), so the requests admitted just before
+        it (still in Reserve, not yet sent) are seen."""
         worker_id, tokens = (prediction.worker_id, prediction.uncached_tokens) if prediction else ("", 0)
-        if not worker_id or not tokens:  # no prediction, a local prefill (no prefill worker's queue), all cached
+        if not worker_id or not tokens:  # no prediction, or all cached
             yield
             return
         with self._lock:

@@ -31,8 +31,9 @@ an idle worker (`idle_s`: the prediction without queue_s) would meet it. So
 - an idle cluster never refuses a request (no queue: prediction == idle_s);
 - a request that misses the SLO even on an idle cluster (a huge prompt) is served, late, rather than refused:
   its retry would be refused again forever (vLLM and Dynamo serve it too);
-- a request the decode worker prefills itself (conditional disaggregation, `local`) waits in no prefill queue and
-  is never refused here; a full decode worker refuses it at Reserve, as any request.
+- a request the decode worker prefills itself (conditional disaggregation, `predict_local`) is judged the same
+  way, with the decode worker's queue: the local prefills ahead of it there (this router's in flight, and the
+  decode worker's reported waiting tokens), at the prefill workers' speed; no transfer.
 
 The retry hint is how long the queue needs to drain enough at the worker's speed, no new work arriving:
 prediction - SLO, rounded up to a millisecond, within [min_retry_ms, max_retry_ms].
@@ -48,7 +49,8 @@ from router import prefix_policy
 
 @dataclass(frozen=True)
 class PrefillQueue:
-    """One prefill worker as admission sees it."""
+    """One worker's prefill work as admission sees it: a prefill worker's, or the local prefills of a decode worker
+    (conditional disaggregation)."""
 
     worker_id: str
     cached_tokens: int  # leading prompt tokens it holds (from the index)
@@ -81,7 +83,7 @@ class AdmissionConfig:
 
 @dataclass(frozen=True)
 class TTFTPrediction:
-    worker_id: str  # the prefill worker it was predicted on ("" for a local prefill: the decode worker's)
+    worker_id: str  # the worker it was predicted on: a prefill worker, or (local) the decode worker
     fixed_s: float
     queue_s: float
     prefill_s: float
@@ -89,6 +91,7 @@ class TTFTPrediction:
     correction: float = 1.0  # observed / modelled TTFT lately (router/ttft_correction.py)
     speed_measured: bool = True  # the worker's own measured prefill speed, not a stand-in (the median or default)
     uncached_tokens: int = 0  # the prompt's part to prefill there
+    local: bool = False  # prefilled on the decode worker itself (conditional disaggregation)
 
     def __post_init__(self) -> None:
         if not self.correction > 0:
@@ -109,7 +112,7 @@ class TTFTPrediction:
         return (self.fixed_s + self.prefill_s + self.transfer_s) * self.correction
 
     def describe(self) -> str:
-        where = f"prefill worker {self.worker_id}" if self.worker_id else "the decode worker (local prefill)"
+        where = f"decode worker {self.worker_id} (local prefill)" if self.local else f"prefill worker {self.worker_id}"
         return (f"{1000 * self.ttft_s:.0f} ms = (queue {1000 * self.queue_s:.0f} + prefill {1000 * self.prefill_s:.0f}"
                 f" + transfer {1000 * self.transfer_s:.0f} + fixed {1000 * self.fixed_s:.0f} ms)"
                 f" x {self.correction:.2f} observed/modelled on {where}")
@@ -151,12 +154,16 @@ def predict_prefill(prompt_tokens: int, workers: Sequence[PrefillQueue], transfe
     return min(predictions, key=lambda p: (p.ttft_s, p.worker_id))
 
 
-def predict_local(uncached_tokens: int, workers: Sequence[PrefillQueue], config: AdmissionConfig,
-                  correction: float = 1.0) -> TTFTPrediction:
-    """A prefill on the decode worker itself: no prefill queue, no transfer. Decode workers report no prefill speed;
-    the prefill workers' (same model, same kind of device in duet up) stands in for it."""
+def predict_local(uncached_tokens: int, decode: PrefillQueue, workers: Sequence[PrefillQueue],
+                  config: AdmissionConfig, correction: float = 1.0) -> TTFTPrediction:
+    """A prefill on decode worker `decode` itself, behind the local prefills queued there; no transfer. Decode
+    workers measure no prefill speed: the prefill workers' (`workers`: same model, same kind of device in duet up)
+    stands in for it, and counts as measured when one of them measured its own (then the correction learns from
+    local first tokens too: what a decode worker's running batch costs its prefills)."""
     speed = fallback_tokens_per_s(workers, config)
-    return TTFTPrediction("", config.fixed_s, 0.0, uncached_tokens / speed, 0.0, correction, False, uncached_tokens)
+    return TTFTPrediction(decode.worker_id, config.fixed_s, queued_tokens(decode, speed) / speed,
+                          uncached_tokens / speed, 0.0, correction, any(w.tokens_per_s for w in workers),
+                          uncached_tokens, local=True)
 
 
 def decide(prediction: TTFTPrediction, config: AdmissionConfig) -> AdmissionDecision:

@@ -56,7 +56,7 @@ from duet.internal.v1 import workers_pb2_grpc as wpb_grpc
 from duet.v1 import generation_pb2 as pb
 from engine.detokenizer import IncrementalDetokenizer
 from engine.tokenizer import Tokenizer
-from router.admission import Admission
+from router.admission import Admission, LocalPrefill
 from router.admission_policy import AdmissionConfig, TTFTPrediction
 from router.decode_policy import DecodeState, prefills_locally
 from router.decode_policy import rank_decode as rank_decode_by_cache
@@ -135,7 +135,8 @@ class HandOffPlan:
     reservation: Reservation
     prefill: WorkerInfo | None  # None: prefilled on the decode worker itself (conditional disaggregation)
     predicted_cached_tokens: int  # what the index said `prefill` holds of the prompt (local: what D holds)
-    routed_tokens: int  # prefill work sent to `prefill`: the prompt less its predicted cached part (local: 0)
+    routed_tokens: int  # prefill work: sent to `prefill`, the prompt less its predicted cached part; local, what the
+    # decode worker lacks
     reserve_s: float
     prediction: TTFTPrediction | None = None  # admission's, for the request's first hand-off (None: a retry)
 
@@ -311,14 +312,15 @@ class RequestOrchestrator:
         when it would miss the TTFT SLO because of the queue. The decode worker Reserve will most likely pick (the
         best ranked) tells whether it would be prefilled locally; Reserve's real count decides that afterwards."""
         num_prompt_tokens = len(request.prompt_token_ids)
-        local_uncached_tokens = None
+        local = None
         if self.local_prefill_tokens:
             ranked = without(self.rank_decodes(num_prompt_tokens, decodes, lookup), self.view.active_suspects())
             cached_tokens = min(lookup.cached_tokens(ranked[0]), num_prompt_tokens)
             if prefills_locally(num_prompt_tokens, cached_tokens, self.local_prefill_tokens):
-                local_uncached_tokens = num_prompt_tokens - cached_tokens
+                decode = next(w for w in decodes if w.worker_id == ranked[0])
+                local = LocalPrefill(decode, num_prompt_tokens - cached_tokens)
         return self.admission.admit(request.request_id, num_prompt_tokens, self.view.healthy(prefills),
-                                    self.view.inflight_tokens(), lookup, local_uncached_tokens)
+                                    self.view.inflight_tokens(), lookup, local)
 
     def measure_queue(self) -> None:
         """Refresh the prefill queue gauge from the registry's (cached) loads; nothing when no worker is listed."""
@@ -475,8 +477,9 @@ class RequestOrchestrator:
                          reservation.decode.worker_id, num_prompt_tokens - min(reservation.num_cached_tokens,
                                                                                num_prompt_tokens))
                 cached_tokens = min(reservation.num_cached_tokens, num_prompt_tokens)
-                return HandOffPlan(request.request_id, reservation, None, cached_tokens, 0,
-                                   time.monotonic() - reserve_start_s, prediction), None
+                return HandOffPlan(request.request_id, reservation, None, cached_tokens,
+                                   num_prompt_tokens - cached_tokens, time.monotonic() - reserve_start_s,
+                                   prediction), None
             try:
                 plan = self.plan(request, prefills, reservation, time.monotonic() - reserve_start_s, history, lookup,
                                  prediction)
@@ -499,10 +502,14 @@ class RequestOrchestrator:
         stream = stub.Decode(message, timeout=live.remaining_s())
         live.set_call(stream)
         self.view.track_requests(decode.worker_id, +1)
+        prefilling_tokens = plan.routed_tokens if local else 0  # D's prefill work for it, until token 0
+        self.view.track_tokens(decode.worker_id, prefilling_tokens)
         try:
             for reply in stream:
                 first_message = not client.output_token_ids and bool(reply.token_ids)
                 if first_message:  # prefilled locally: token 0 comes from D's stream
+                    self.view.track_tokens(decode.worker_id, -prefilling_tokens)
+                    prefilling_tokens = 0
                     self.first_token_sent(client, plan)
                 elif client.timing.first_decode_s == 0 and reply.token_ids:
                     client.timing.first_decode_s = time.monotonic() - client.received_s - client.timing.ttft_s
@@ -536,6 +543,7 @@ class RequestOrchestrator:
             raise Failed(downstream_code(e), f"decode worker {decode.worker_id}: {e.details()}") from None
         finally:
             self.view.track_requests(decode.worker_id, -1)
+            self.view.track_tokens(decode.worker_id, -prefilling_tokens)
 
     def _finish(self, client: ClientStream, message: pb.GenerateResponse) -> pb.GenerateResponse:
         last = client.finish(message)

@@ -87,10 +87,18 @@ def test_an_idle_cluster_never_refuses_and_no_slo_never_refuses():
     assert decide(predict_prefill(10, [queue(inflight=10**9)], TRANSFER, off), off).admit
 
 
-def test_a_local_prefill_waits_in_no_prefill_queue():
-    p = predict_local(20, [queue(inflight=10**6, speed=20_000.0)], CONFIG)
-    assert (p.worker_id, p.queue_s, p.prefill_s, p.transfer_s) == ("", 0.0, 0.001, 0.0)
-    assert decide(p, CONFIG).admit and "decode worker" in p.describe()
+def test_a_local_prefill_waits_behind_the_decode_workers_local_prefills_not_the_prefill_queue():
+    """Conditional disaggregation: the decode worker's queue of local prefills (this router's in flight there, its
+    reported waiting tokens, drained at the prefill workers' speed), no prefill worker's queue, no transfer."""
+    prefills = [queue(inflight=10**6, speed=20_000.0)]
+    p = predict_local(20, queue("d0", inflight=0, speed=None), prefills, CONFIG)
+    assert (p.worker_id, p.queue_s, p.prefill_s, p.transfer_s, p.local) == ("d0", 0.0, 0.001, 0.0, True)
+    assert decide(p, CONFIG).admit and "on decode worker d0 (local prefill)" in p.describe()
+    # 3,000 tokens ahead there (a report 50 ms old of 4,000: 1,000 drained at 20,000/s) -> 150 ms: refused, 61 ms
+    # over the SLO, the retry hint raised to min_retry_ms
+    busy = predict_local(20, queue("d0", inflight=500, reported=4_000, age_s=0.05, speed=None), prefills, CONFIG)
+    assert busy.queue_s == pytest.approx(0.15) and busy.idle_s == pytest.approx(0.011)
+    assert (decide(busy, CONFIG).admit, decide(busy, CONFIG).retry_after_ms) == (False, CONFIG.min_retry_ms)
 
 
 def test_the_correction_multiplies_the_model_and_judges_the_idle_part_too():
@@ -135,9 +143,9 @@ def test_tokens_admitted_and_still_in_reserve_count_as_queued():
     admission = Admission(CONFIG, RouterMetrics("m"))
     first = predict_prefill(3_000, [queue()], TRANSFER, CONFIG)
     with admission.awaiting_prefill(first):
-        with admission.awaiting_prefill(predict_local(20, [queue()], CONFIG)):  # a local prefill: no queue of p0's
-            (q,) = admission.queues([live_worker("p0")], {}, None)
-            assert (q.awaiting_tokens, q.inflight_tokens) == (3_000, 0)
+        with admission.awaiting_prefill(predict_local(20, queue("d0"), [queue()], CONFIG)):  # the decode worker's
+            p0, d0 = admission.queues([live_worker("p0"), live_worker("d0")], {}, None)
+            assert (p0.awaiting_tokens, p0.inflight_tokens, d0.awaiting_tokens) == (3_000, 0, 20)
     # a request with nothing to prefill (all cached) counts nothing, and its answer, after the first request's,
     # finds nothing to take back (it once raised KeyError: the entry had gone with the first request's tokens)
     first_admitted = admission.awaiting_prefill(first)
@@ -154,8 +162,11 @@ def test_tokens_admitted_and_still_in_reserve_count_as_queued():
 def test_only_predictions_on_a_measured_speed_mark_it():
     measured = predict_prefill(500, [queue(speed=10_000.0)], TRANSFER, CONFIG)
     stand_in = predict_prefill(500, [queue(speed=None)], TRANSFER, CONFIG)  # the policy's default speed
-    local = predict_local(20, [queue(speed=10_000.0)], CONFIG)  # a decode worker's speed is never measured
-    assert (measured.speed_measured, stand_in.speed_measured, local.speed_measured) == (True, False, False)
+    # a decode worker measures no prefill speed: a prefill worker's measured one stands in, and counts as measured
+    local = predict_local(20, queue("d0", speed=None), [queue(speed=10_000.0)], CONFIG)
+    local_guess = predict_local(20, queue("d0", speed=None), [queue(speed=None)], CONFIG)
+    assert (measured.speed_measured, stand_in.speed_measured) == (True, False)
+    assert (local.speed_measured, local_guess.speed_measured) == (True, False)
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [

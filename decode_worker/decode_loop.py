@@ -52,6 +52,7 @@ from engine.sampling_params import SamplingParams
 from kvtransfer.errors import ReservationExpired
 from kvtransfer.reservation import Reservation, ReservationTable
 from worker.engine_thread import EngineThread
+from worker.prefill_speed import PrefillSpeed
 
 log = logging.getLogger("duet.decode")
 
@@ -125,6 +126,7 @@ class DecodeLoop:
         self._prefilling: dict[str, tuple[Request, int]] = {}
         self.num_waiting_tokens = 0  # their uncached prompt tokens not computed yet: what a new local prefill waits
         # behind (reported with the load, like a prefill worker's queue: router admission predicts from it)
+        self.local_prefill_speed = PrefillSpeed()  # those tokens over the steps that computed them (reported too)
         self.thread = EngineThread(
             "decode-engine", self.core.has_unfinished_requests, self._step, tick=self._expire
         )
@@ -257,6 +259,7 @@ class DecodeLoop:
         self._check_idle()
 
     def _step(self) -> None:
+        start_s, waiting_tokens = time.monotonic(), self.num_waiting_tokens
         new_tokens = self.core.step()
         now = time.monotonic()
         if self._on_step_tokens is not None:
@@ -289,6 +292,8 @@ class DecodeLoop:
                     sink.put(DecodeEvent(token_id, logprobs, finish_reason, stop_token_id))
         if self._prefilling or self.num_waiting_tokens:
             self._count_waiting_tokens()
+        if waiting_tokens:  # local prefill work this step computed (decode rows took part of its time)
+            self.local_prefill_speed.observe(waiting_tokens - self.num_waiting_tokens, now - start_s)
         self._check_idle()
 
     def _count_waiting_tokens(self) -> None:

@@ -78,6 +78,7 @@ class DecodeWorker(WorkerProcess, wpb_grpc.DecodeWorkerServicer):
         return WorkerLoad(
             num_waiting=core.num_waiting + len(self.reservations), num_running=core.num_running,
             num_free_blocks=self.rt.block_pool.num_free_blocks, num_waiting_tokens=self.loop.num_waiting_tokens,
+            prefill_tokens_per_s=round(self.loop.local_prefill_speed.tokens_per_s, 1),
         )
 
     def role_stats(self) -> dict[str, int]:

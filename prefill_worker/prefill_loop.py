@@ -39,10 +39,10 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledChunk
 from kvtransfer.layout import KVLayout
 from prefill_worker.follower_acks import FollowerAcks
-from prefill_worker.prefill_speed import MIN_MEASURED_TOKENS, PrefillSpeed
 from prefill_worker.tp_ops import KVSendEntry, PrefillFollowers
 from prefill_worker.tp_rank import layer_group_callback
 from worker.engine_thread import EngineThread
+from worker.prefill_speed import MIN_MEASURED_TOKENS, PrefillSpeed
 
 log = logging.getLogger("duet.prefill")
 # The start-up measurement of the prefill speed (`PrefillLoop.measure_speed`): one prompt this long, timed this many

@@ -33,7 +33,7 @@ an idle worker (`idle_s`: the prediction without queue_s) would meet it. So
   its retry would be refused again forever (vLLM and Dynamo serve it too);
 - a request the decode worker prefills itself (conditional disaggregation, `predict_local`) is judged the same
   way, with the decode worker's queue: the local prefills ahead of it there (this router's in flight, and the
-  decode worker's reported waiting tokens), at the prefill workers' speed; no transfer.
+  decode worker's reported waiting tokens), at the speed the decode worker measured for them; no transfer.
 
 The retry hint is how long the queue needs to drain enough at the worker's speed, no new work arriving:
 prediction - SLO, rounded up to a millisecond, within [min_retry_ms, max_retry_ms].
@@ -156,14 +156,14 @@ def predict_prefill(prompt_tokens: int, workers: Sequence[PrefillQueue], transfe
 
 def predict_local(uncached_tokens: int, decode: PrefillQueue, workers: Sequence[PrefillQueue],
                   config: AdmissionConfig, correction: float = 1.0) -> TTFTPrediction:
-    """A prefill on decode worker `decode` itself, behind the local prefills queued there; no transfer. Decode
-    workers measure no prefill speed: the prefill workers' (`workers`: same model, same kind of device in duet up)
-    stands in for it, and counts as measured when one of them measured its own (then the correction learns from
-    local first tokens too: what a decode worker's running batch costs its prefills)."""
-    speed = fallback_tokens_per_s(workers, config)
+    """A prefill on decode worker `decode` itself, behind the local prefills queued there; no transfer. At the
+    speed the decode worker measured for its local prefills (decode rows and all); until it has one, the prefill
+    workers' (`workers`: same model, same kind of device in duet up) stands in, measured when one of them measured
+    its own."""
+    speed = decode.tokens_per_s or fallback_tokens_per_s(workers, config)
+    measured = bool(decode.tokens_per_s) or any(w.tokens_per_s for w in workers)
     return TTFTPrediction(decode.worker_id, config.fixed_s, queued_tokens(decode, speed) / speed,
-                          uncached_tokens / speed, 0.0, correction, any(w.tokens_per_s for w in workers),
-                          uncached_tokens, local=True)
+                          uncached_tokens / speed, 0.0, correction, measured, uncached_tokens, local=True)
 
 
 def decide(prediction: TTFTPrediction, config: AdmissionConfig) -> AdmissionDecision:

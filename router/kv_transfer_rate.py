@@ -4,7 +4,7 @@ in tokens/s, as this router observes it (admission's transfer term, router/admis
 Every prefill reply says how many tokens' KV crossed the wire (`kv_transferred_tokens`) and how long the prefill
 worker waited after computing for the last of it to be acknowledged (`transfer_s`): KV streams out layer group by
 layer group during the compute, so that tail is what the transfer adds to a TTFT. Decayed sums (x DECAY per
-reply) follow the recent mix of prompts, as prefill_worker/prefill_speed.py does for compute. Before any reply
+reply) follow the recent mix of prompts, as worker/prefill_speed.py does for compute. Before any reply
 with KV (or while every one took no measurable time) the rate is `default_tokens_per_s`.
 
 Thread-safe: request threads observe and read it concurrently.

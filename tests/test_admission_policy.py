@@ -167,6 +167,9 @@ def test_only_predictions_on_a_measured_speed_mark_it():
     local_guess = predict_local(20, queue("d0", speed=None), [queue(speed=None)], CONFIG)
     assert (measured.speed_measured, stand_in.speed_measured) == (True, False)
     assert (local.speed_measured, local_guess.speed_measured) == (True, False)
+    # the decode worker's own measured speed for its local prefills wins once it has one: 5,000/s, 20 tokens = 4 ms
+    own = predict_local(20, queue("d0", inflight=100, speed=5_000.0), [queue(speed=20_000.0)], CONFIG)
+    assert (own.speed_measured, own.prefill_s, own.queue_s) == (True, pytest.approx(0.004), pytest.approx(0.02))
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [

@@ -1,8 +1,8 @@
-"""PrefillSpeed (prefill_worker/prefill_speed.py): the speed a prefill worker reports to the router."""
+"""PrefillSpeed (worker/prefill_speed.py): the speed a prefill worker reports to the router."""
 
 import pytest
 
-from prefill_worker.prefill_speed import DECAY, MIN_MEASURED_TOKENS, PrefillSpeed
+from worker.prefill_speed import DECAY, MIN_MEASURED_TOKENS, PrefillSpeed
 
 
 def test_the_first_step_and_short_steps_are_not_measured():

@@ -1,7 +1,7 @@
 """SLO-aware admission (issue 20 part 6) on a real cluster (redis-server, router with --slo-ttft-ms 100, 1 prefill
 and 1 decode worker as processes, KV over TCP, OpenAI HTTP on).
 
-The prefill worker runs 32-token steps, which its speed meter does not measure (prefill_worker/prefill_speed.py:
+The prefill worker runs 32-token steps, which its speed meter does not measure (worker/prefill_speed.py:
 MIN_MEASURED_TOKENS), so the router prices prefill at the policy's default 20,000 tokens/s and the test's numbers
 are exact, and the correction (router/ttft_correction.py) stays 1: only predictions on a measured speed teach it.
 A 16-token request is modelled at ~21 ms idle (20 ms fixed + 0.8 ms prefill + its transfer tail), a 4,000-token

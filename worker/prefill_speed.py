@@ -1,5 +1,7 @@
 """PrefillSpeed: a prefill worker's measured speed in tokens/s, which the router's cost model divides by
-(router/prefix_policy.py: work ahead / speed + uncached prompt / speed, plus a fixed per-request cost).
+(router/prefix_policy.py: work ahead / speed + uncached prompt / speed, plus a fixed per-request cost). A decode
+worker measures its local prefills (conditional disaggregation) with one too: their tokens over the steps that
+computed them, decode rows and all, which admission divides its queue of local prefills by.
 
 Decayed sums (tokens and step seconds, each x 0.95 per step), so the speed follows the recent mix of prompt
 lengths. Two kinds of step are left out, because each would make a worker look several times slower than it is

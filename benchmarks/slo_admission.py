@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -43,9 +44,9 @@ _TRACES = (Path(__file__).resolve().parents[2] / "shared" / _TRACE_NAME, Path("/
 TRACE = next((p for p in _TRACES if p.exists()), _TRACES[-1])
 
 
-def start_server(slo_ttft_ms: float | None, log_path: Path) -> subprocess.Popen:
+def start_server(slo_ttft_ms: float | None, log_path: Path, up_args: str = "") -> subprocess.Popen:
     cmd = [sys.executable, "-m", "duet", "up", "--port", str(serve_compare.PORT + 1), "--http-port",
-           str(serve_compare.PORT), "--metrics-port", str(serve_compare.PORT + 2)]
+           str(serve_compare.PORT), "--metrics-port", str(serve_compare.PORT + 2), *shlex.split(up_args)]
     if slo_ttft_ms is not None:
         cmd += ["--slo-ttft-ms", f"{slo_ttft_ms:g}"]
     process = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True)
@@ -105,6 +106,7 @@ def main() -> None:
     p.add_argument("--trace", type=Path, default=TRACE)
     p.add_argument("--port", type=int, default=serve_compare.PORT, help="HTTP port; gRPC and metrics take the next two")
     p.add_argument("--log-dir", type=Path, default=None, help="keep the servers' logs here (default: a temp dir)")
+    p.add_argument("--up-args", default="", help="more `duet up` flags, e.g. '--local-prefill-tokens 0'")
     args = p.parse_args()
     serve_compare.PORT = args.port  # wait_ready and the commands below read it
     print(f"config: {vars(args)}", flush=True)
@@ -115,7 +117,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         logs = args.log_dir or Path(tmp)
         logs.mkdir(parents=True, exist_ok=True)
-        process = start_server(None, logs / "plain.log")
+        process = start_server(None, logs / "plain.log", args.up_args)
         try:
             bench(args, 1.0, WARM_UP_SEED, Path(tmp) / "warm-up.json")  # the prefill speed measured, kernels warm
             sweep = {}
@@ -133,7 +135,7 @@ def main() -> None:
             plain_ratio = prediction_ratio()
         finally:
             stop_server(process)
-        process = start_server(args.slo_ttft_ms, logs / "admission.log")
+        process = start_server(args.slo_ttft_ms, logs / "admission.log", args.up_args)
         try:
             bench(args, 1.0, WARM_UP_SEED, Path(tmp) / "warm-up-admission.json")  # as the server without admission
             for seed in range(1, args.repeats + 1):

@@ -18,8 +18,18 @@ from duet.cli_common import _parse_ids, add_engine_args, add_sampling_args, engi
 # bench serve` (benchmarks/serve_compare.py, 2026-11-28, fifth session, the 2-core VM, 1 prefill + 1 decode, the
 # same run): 16 concurrent chats 310 tok/s off, 335 at 128, 349 at 256 (vLLM's server 271); 4-turn chats 131 / 187 /
 # 201 tok/s (vLLM 124); TTFT p50 at 16 chats 1116 / 672 / 627 ms. A chat's first prompt (its whole system prompt
-# uncached) still goes to the prefill worker. The chart and Ray keep the router's 0: their hardware sets it.
+# uncached) still goes to the prefill worker. The chart and Ray keep the router's 0: their hardware sets it. With
+# --slo-ttft-ms it is 0 too: admission's TTFT model (a queue per worker at its measured speed) holds when prompts are
+# prefilled on the prefill worker, not when two engines prefill on the same cores (benchmarks/slo_admission.py at
+# 1.5x overload, same hour: goodput / capacity 1.46-2.26 with 0, 0.00-0.78 with 256).
 ONE_HOST_LOCAL_PREFILL_TOKENS = 256
+
+
+def one_host_local_prefill_tokens(args: argparse.Namespace) -> int:
+    """`duet up`'s --local-prefill-tokens: the flag, else 0 with SLO admission, else ONE_HOST_LOCAL_PREFILL_TOKENS."""
+    if args.local_prefill_tokens is not None:
+        return args.local_prefill_tokens
+    return 0 if args.slo_ttft_ms is not None else ONE_HOST_LOCAL_PREFILL_TOKENS
 
 
 def add_worker_args(p: argparse.ArgumentParser) -> None:
@@ -95,7 +105,8 @@ def add_router_args(p: argparse.ArgumentParser, *, up: bool) -> None:
                    help="conditional disaggregation: a prompt whose part not cached on the chosen decode worker is "
                         "shorter than this many tokens is prefilled by that decode worker itself, with no prefill "
                         "worker or KV transfer (0: never; default: " + (
-                            f"{ONE_HOST_LOCAL_PREFILL_TOKENS}, measured for pools sharing one host's cores)" if up else
+                            f"{ONE_HOST_LOCAL_PREFILL_TOKENS}, measured for pools sharing one host's cores; 0 with "
+                            "--slo-ttft-ms, whose TTFT model holds for the prefill workers)" if up else
                             "0, measure it on your hardware: benchmarks/serve_compare.py)"))
     g.add_argument("--slo-ttft-ms", type=slo_ms, default=None,
                    help="SLO-aware admission: refuse (RESOURCE_EXHAUSTED / HTTP 429 with a retry hint) a request "
@@ -228,9 +239,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     router_args += ["--worker-wait-s", f"{args.worker_wait_s:g}"]
     if args.shutdown_grace is not None:
         router_args += ["--shutdown-grace", f"{args.shutdown_grace:g}"]
-    local_prefill_tokens = ONE_HOST_LOCAL_PREFILL_TOKENS if args.local_prefill_tokens is None else \
-        args.local_prefill_tokens
-    router_args += ["--local-prefill-tokens", str(local_prefill_tokens)]
+    router_args += ["--local-prefill-tokens", str(one_host_local_prefill_tokens(args))]
     router_args += slo_router_args(args)
     role_args = {role: shlex.split(getattr(args, f"{role}_args")) for role in ("prefill", "decode")}
     role_args["decode"] = speculative + role_args["decode"]

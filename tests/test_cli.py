@@ -211,7 +211,8 @@ def test_slo_flags_reach_the_router_config_from_duet_router_up_and_ray_up(monkey
 
 def test_duet_up_prefills_short_suffixes_on_the_decode_worker_unless_told_otherwise(monkeypatch):
     """`duet up` runs every pool on one host, where conditional disaggregation measured faster (cli_serving's
-    ONE_HOST_LOCAL_PREFILL_TOKENS); `duet router` (the chart, Ray) keeps it off; a flag overrides either."""
+    ONE_HOST_LOCAL_PREFILL_TOKENS), unless SLO admission is on; `duet router` (the chart, Ray) keeps it off; a flag
+    overrides either."""
     from deploy import local_cluster
     from duet.cli import build_parser, main
     from router.server import DEFAULT_LOCAL_PREFILL_TOKENS
@@ -227,4 +228,8 @@ def test_duet_up_prefills_short_suffixes_on_the_decode_worker_unless_told_otherw
     assert router_threshold(started.pop().router_args) == 256
     assert main(["up", "--local-prefill-tokens", "0"]) == 0
     assert router_threshold(started.pop().router_args) == 0
+    assert main(["up", "--slo-ttft-ms", "500"]) == 0  # SLO admission: every prompt through the prefill workers
+    assert router_threshold(started.pop().router_args) == 0
+    assert main(["up", "--slo-ttft-ms", "500", "--local-prefill-tokens", "64"]) == 0
+    assert router_threshold(started.pop().router_args) == 64
     assert router_threshold([]) == DEFAULT_LOCAL_PREFILL_TOKENS == 0

@@ -6,7 +6,8 @@ for vLLM's `vllm:` and a `role` label (prefill | decode, so one query covers a p
     num_requests_waiting            gauge  vllm:num_requests_waiting      queued (prefill) / reserved, not yet
                                                                           decoding (decode)
     num_requests_running            gauge  vllm:num_requests_running
-    num_waiting_tokens              gauge  -                              uncached prompt tokens queued (prefill)
+    num_waiting_tokens              gauge  -                              uncached prompt tokens queued (prefill;
+                                                                          decode: its local prefills')
     kv_cache_usage_perc             gauge  vllm:kv_cache_usage_perc       fraction of KV blocks in use (0..1)
     prefix_cache_queries_total      counter vllm:prefix_cache_queries     prompt tokens looked up in the cache
     prefix_cache_hits_total         counter vllm:prefix_cache_hits        of which found

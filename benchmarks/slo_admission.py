@@ -3,6 +3,7 @@ model) at 1.5x its capacity, with and without the router's `--slo-ttft-ms`, thro
 
     .venv/bin/python benchmarks/slo_admission.py
     .venv/bin/python benchmarks/slo_admission.py --slo-ttft-ms 1500 --rates 0.3,0.6,0.9,1.2 --repeats 5
+    .venv/bin/python benchmarks/slo_admission.py --up-args "--local-prefill-tokens 256"   # with local prefills
 
 Load: the Mooncake-format trace (../shared/data/traces), prompts scaled to `--trace-block-tokens` tokens a block
 (distinct prefixes, so prefill is the work that queues), each output capped at `--max-tokens`, open loop (Poisson at
@@ -106,7 +107,9 @@ def main() -> None:
     p.add_argument("--trace", type=Path, default=TRACE)
     p.add_argument("--port", type=int, default=serve_compare.PORT, help="HTTP port; gRPC and metrics take the next two")
     p.add_argument("--log-dir", type=Path, default=None, help="keep the servers' logs here (default: a temp dir)")
-    p.add_argument("--up-args", default="", help="more `duet up` flags, e.g. '--local-prefill-tokens 0'")
+    p.add_argument("--up-args", default="--local-prefill-tokens 0",
+                   help="more `duet up` flags for every server (default: prompts on the prefill worker, as `duet up "
+                        "--slo-ttft-ms` runs, so the arms differ only by admission)")
     args = p.parse_args()
     serve_compare.PORT = args.port  # wait_ready and the commands below read it
     print(f"config: {vars(args)}", flush=True)

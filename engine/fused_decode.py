@@ -1,10 +1,10 @@
-"""`FusedDecode`: a decode-only step's layers each in one C call (engine/kernels/csrc/decode_layer.c), a fast
+"""`FusedDecode`: a decode-only step's layers in one C call (engine/kernels/csrc/decode_layer.c), a fast
 path of ModelRunner for CPU models whose linears all run C kernels: quantized ones, or dense fp32 / bf16 ones
 whose few rows take the C GEMVs (engine/linear_fast.py's `gemv`; such a model's steps of up to DENSE_ROWS rows).
 
 Why: at batch 1 a layer's kernels take ~0.3 ms and the Python around them (nine wrappers: tensor checks,
 allocations, ctypes conversions, module calls) about as much again (benchmarks/RESULTS.md, issue 18 part 2).
-Here every weight's pointers are bound once into C structs, and a step makes one call per layer into code that
+Here every weight's pointers are bound once into C structs, and a step makes one call for all layers into code that
 runs the same kernels on the same inputs in the same order as the plain forward (engine/model.py, the reference:
 equal bit for bit, tests/test_fused_decode.py).
 
@@ -73,7 +73,7 @@ class FusedDecode:
         # the most rows every linear's own dispatch gives its C kernel (quantized: more go to dequantize + GEMM;
         # dense: more go to oneDNN's GEMM, which reads the weight once for all rows)
         self.max_rows = min(b.max_rows for layer in bound for b in layer)
-        self._layer, self._scratch_bytes = lib.duet_decode_layer, lib.duet_decode_layer_scratch_bytes
+        self._layers, self._scratch_bytes = lib.duet_decode_layers, lib.duet_decode_layer_scratch_bytes
         config, dtype = model.config, model.embed_tokens.weight.dtype
         k_cache = kv_caches[0][0]
         self.shape = _LayerShape(config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
@@ -82,7 +82,10 @@ class FusedDecode:
         # what the structs point into, kept alive here: the linears' bound kernels or weights and the norm weights
         # in the activation dtype where they had to be converted
         self._held: list[object] = [b.owner for layer in bound for b in layer]
-        self.layers = [self._bind(layer, linears) for layer, linears in zip(model.layers, bound)]
+        self.layers = (_LayerWeights * len(bound))(*(self._bind(layer, linears)
+                                                      for layer, linears in zip(model.layers, bound)))
+        self.k_caches = (p * len(kv_caches))(*(k.data_ptr() for k, _ in kv_caches))
+        self.v_caches = (p * len(kv_caches))(*(v.data_ptr() for _, v in kv_caches))
 
     def _bind(self, layer, linears: list[_BoundLinear]) -> _LayerWeights:
         norms = [self._dense(n.weight) for n in (layer.input_layernorm, layer.post_attention_layernorm)]
@@ -110,20 +113,13 @@ class FusedDecode:
         block_ids, mask = meta.decode_block_ids.contiguous(), meta.decode_mask.contiguous()
         width = block_ids.numel() // rows
         scratch = torch.empty(self._scratch_bytes(ctypes.byref(shape), rows), dtype=torch.uint8)
-        out, residual = torch.empty_like(x), torch.empty_like(x)
-        nxt, nxt_residual = torch.empty_like(x), torch.empty_like(x)
-        x_ptr, residual_ptr = x.data_ptr(), None
-        for layer, (k_cache, v_cache) in zip(self.layers, self.kv_caches):
-            bad = self._layer(ctypes.byref(shape), ctypes.byref(layer), x_ptr, residual_ptr, out.data_ptr(),
-                              residual.data_ptr(), cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
-                              v_cache.data_ptr(), slots.data_ptr(), block_ids.data_ptr(), mask.data_ptr(), rows,
-                              width, scratch.data_ptr())
-            if bad:
-                raise ValueError(f"slot_mapping[{bad - 1}] = {int(slots[bad - 1])} is invalid: must be in "
-                                 f"[0, {shape.num_blocks * shape.block_size})")
-            x_ptr, residual_ptr = out.data_ptr(), residual.data_ptr()
-            out, nxt, residual, nxt_residual = nxt, out, nxt_residual, residual  # the next layer reads these
-        x, residual = nxt, nxt_residual  # the last layer's outputs (swapped in above)
+        residual = torch.empty_like(x)  # x (the embeddings, a fresh tensor) becomes the last layer's output
+        bad = self._layers(ctypes.byref(shape), self.layers, len(self.layers), self.k_caches, self.v_caches,
+                           x.data_ptr(), residual.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
+                           block_ids.data_ptr(), mask.data_ptr(), rows, width, scratch.data_ptr())
+        if bad:
+            raise ValueError(f"slot_mapping[{bad - 1}] = {int(slots[bad - 1])} is invalid: must be in "
+                             f"[0, {shape.num_blocks * shape.block_size})")
         return model.norm.add_and_norm(x, residual)[0]
 
 

@@ -102,7 +102,7 @@ class ModelRunner:
         if self.step_broadcaster is not None:
             self.step_broadcaster.broadcast_step(input_ids, positions, meta, sample_rows(ordered)[0])
         fused = self._fused_decode_for(input_ids, meta) if on_layer_done is None else None
-        if fused is not None:  # a decode-only step on CPU with quantized linears: one C call per layer
+        if fused is not None:  # a decode-only step on CPU with C linears: one C call for the layers
             hidden = fused(input_ids, positions, meta)
         else:
             hidden = self.model(input_ids, positions, self.kv_caches, meta, on_layer_done)

@@ -54,6 +54,7 @@ from typing import NamedTuple
 import torch
 
 from engine.grammar_mask import AllowedTokens, apply_grammar_masks
+from engine.kernels import cpu_native
 from engine.sampling_params import SamplingParams
 
 log = logging.getLogger("duet.sampler")
@@ -321,10 +322,17 @@ ARGMAX_CHUNK = 1024  # greedy_argmax's two-level search: tokens per chunk
 
 
 def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
-    """`logits.argmax(dim=-1)` (the first maximum: ties -> lowest token id; a NaN counts as the maximum),
-    in two levels because torch's CPU argmax runs at ~1 ns per element (9 ms for [64, 151936] on 2 cores)
-    while a plain max reduction runs at memory speed: each chunk's max, the first chunk holding the
-    row's max, then argmax within that chunk only (3 ms there). Same index as argmax, NaN included: a
+    """`logits.argmax(dim=-1)` (the first maximum: ties -> lowest token id; a NaN counts as the maximum): in one
+    C pass for float32 on CPU (csrc/cpu_kernels.c), else `argmax_two_level`."""
+    if logits.dtype == torch.float32 and cpu_native.use_native(logits):
+        return cpu_native.argmax_native(logits)
+    return argmax_two_level(logits)
+
+
+def argmax_two_level(logits: torch.Tensor) -> torch.Tensor:
+    """`logits.argmax(dim=-1)` in two levels because torch's CPU argmax runs at ~1 ns per element (9 ms for
+    [64, 151936] on 2 cores) while a plain max reduction runs at memory speed: each chunk's max, the first chunk
+    holding the row's max, then argmax within that chunk only (3 ms there). Same index as argmax, NaN included: a
     chunk holding a NaN has max NaN, and argmax picks the first NaN both across chunks and within one."""
     rows, vocab = logits.shape
     if logits.device.type != "cpu" or vocab <= 2 * ARGMAX_CHUNK:

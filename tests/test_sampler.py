@@ -15,11 +15,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
 
+from engine.kernels import cpu_native
 from engine.sampler import (
     Sampler,
     SamplingRow,
     apply_penalties,
     apply_top_k_top_p,
+    argmax_two_level,
     greedy_argmax,
     splitmix64,
     step_seed,
@@ -231,10 +233,17 @@ def test_greedy_is_argmax_with_ties_to_the_lowest_id() -> None:
     assert out.token_ids[5] == 1
 
 
-@pytest.mark.parametrize("vocab", [50, 2048, 2049, 3000, 151936])
-def test_greedy_argmax_is_torch_argmax_with_ties_nan_and_inf(vocab) -> None:
-    """The two-level search against torch.argmax, on rows built to catch every edge: ties within a chunk and
-    across chunks, the maximum in the short last chunk or on the very last token, NaNs, all -inf."""
+ARGMAXES = [pytest.param(greedy_argmax, id="native"), pytest.param(argmax_two_level, id="two-level")]
+
+
+@pytest.mark.parametrize("argmax", ARGMAXES)
+@pytest.mark.parametrize("vocab", [20, 50, 2048, 2049, 3000, 151936])
+def test_greedy_argmax_is_torch_argmax_with_ties_nan_and_inf(argmax, vocab) -> None:
+    """The C pass and the two-level search against torch.argmax, on rows built to catch every edge: ties within a
+    vector or chunk and across them, the maximum in the short last chunk or on the very last token, NaNs (in the
+    first vector, in a later one, on the last token), all -inf."""
+    if argmax is greedy_argmax:
+        assert cpu_native.native_library() is not None  # the C pass, not the fallback
     gen = torch.Generator().manual_seed(vocab)
     logits = torch.randn(12, vocab, generator=gen)
     last = vocab - 1
@@ -249,18 +258,19 @@ def test_greedy_argmax_is_torch_argmax_with_ties_nan_and_inf(vocab) -> None:
     logits[7, [7, 8]] = float("inf")
     logits[8, last] = float("nan")
     expected = logits.argmax(dim=-1)
-    assert torch.equal(greedy_argmax(logits), expected)
-    assert torch.equal(greedy_argmax(logits.t().contiguous().t()), expected)  # a column-major view
-    assert torch.equal(greedy_argmax(logits[3:9]), expected[3:9])
+    assert torch.equal(argmax(logits), expected)
+    assert torch.equal(argmax(logits.t().contiguous().t()), expected)  # a column-major view
+    assert torch.equal(argmax(logits[3:9]), expected[3:9])
 
 
+@pytest.mark.parametrize("argmax", ARGMAXES)
 @settings(max_examples=200, deadline=None)
-@given(st.integers(1, 4), st.integers(2049, 5000), st.integers(0, 2**31 - 1), st.integers(0, 6))
-def test_greedy_argmax_matches_torch_argmax_on_coarse_values(rows, vocab, seed, levels) -> None:
+@given(st.integers(1, 4), st.integers(1, 5000), st.integers(0, 2**31 - 1), st.integers(0, 6))
+def test_greedy_argmax_matches_torch_argmax_on_coarse_values(argmax, rows, vocab, seed, levels) -> None:
     """Few distinct values (ties everywhere) at random vocab sizes."""
     gen = torch.Generator().manual_seed(seed)
     logits = torch.randint(0, levels + 1, (rows, vocab), generator=gen).float()
-    assert torch.equal(greedy_argmax(logits), logits.argmax(dim=-1))
+    assert torch.equal(argmax(logits), logits.argmax(dim=-1))
 
 
 def test_greedy_rows_in_a_mixed_batch_take_the_penalized_argmax() -> None:

@@ -117,11 +117,12 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "duet_quantized_linear_q8": [p, i64, i32, p, p, p, i64, p, p, i64, i64, i64, i32],
         "duet_quant_int8_dot_bits": [],
         "duet_quant_panels_bf16_available": [],
-        "duet_decode_layer": [p] * 13 + [i64, i64, p],  # engine/fused_decode.py
+        "duet_decode_layers": [p, p, i64, p, p, p, p, p, p, p, p, p, i64, i64, p],  # engine/fused_decode.py
         "duet_decode_layer_scratch_bytes": [p, i64],
+        "duet_argmax_rows": [p, i64, i64, i64, p],
     }
     returns = {"duet_rotary_store_kv": i64, "duet_quant_vector_bits": i32, "duet_quant_int8_dot_bits": i32,
-               "duet_quant_panels_bf16_available": i32, "duet_decode_layer": i64,
+               "duet_quant_panels_bf16_available": i32, "duet_decode_layers": i64,
                "duet_decode_layer_scratch_bytes": i64}
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
@@ -209,6 +210,15 @@ def silu_and_mul_native(gate_up: torch.Tensor) -> torch.Tensor:
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty((rows, inter), dtype=gate_up.dtype)
     lib.duet_silu_and_mul(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, inter, _bf16(gate_up))
+    return out
+
+
+def argmax_native(x: torch.Tensor) -> torch.Tensor:
+    """`x.argmax(dim=-1)` for float32 x [rows, n] on CPU (the first maximum; a NaN counts as the maximum)."""
+    lib = native_library()
+    x = _unit_last(x)
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    lib.duet_argmax_rows(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], out.data_ptr())
     return out
 
 

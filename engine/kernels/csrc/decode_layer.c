@@ -86,13 +86,14 @@ int64_t duet_decode_layer_scratch_bytes(const duet_layer_shape *s, int64_t rows)
 /* x [rows, hidden]: the previous layer's MLP output, or the embeddings when residual is NULL (the first layer);
  * residual [rows, hidden] or NULL. Writes out [rows, hidden] (this layer's MLP output) and residual_out
  * [rows, hidden] (the stream without it: DecoderLayer.forward's pair), and the step's K/V at `slots` of the
- * caches [kv_heads, num_blocks, block_size, head_dim]. cos/sin [rows, head_dim]; block_ids [rows * width] and
- * mask [rows, width * block_size] as decode attention takes them. Returns 0, or 1 + the index of a slot outside
- * the cache (nothing after the K/V store ran). */
-int64_t duet_decode_layer(const duet_layer_shape *s, const duet_layer_weights *w, const void *x,
-                          const void *residual, void *out, void *residual_out, const void *cos_t,
-                          const void *sin_t, void *k_cache, void *v_cache, const int64_t *slots,
-                          const int64_t *block_ids, const float *mask, int64_t rows, int64_t width, void *scratch) {
+ * caches [kv_heads, num_blocks, block_size, head_dim]; out may be x and residual_out residual (both are read only
+ * by the first norm, before anything is written). cos/sin [rows, head_dim]; block_ids [rows * width] and mask
+ * [rows, width * block_size] as decode attention takes them. Returns 0, or 1 + the index of a slot outside the
+ * cache (nothing after the K/V store ran). */
+static int64_t decode_layer(const duet_layer_shape *s, const duet_layer_weights *w, const void *x,
+                            const void *residual, void *out, void *residual_out, const void *cos_t,
+                            const void *sin_t, void *k_cache, void *v_cache, const int64_t *slots,
+                            const int64_t *block_ids, const float *mask, int64_t rows, int64_t width, void *scratch) {
     int bf16 = s->bf16;
     int64_t esize = bf16 ? 2 : 4, hd = s->head_dim;
     int64_t qkv_width = (s->heads + 2 * s->kv_heads) * hd, qk_width = (s->heads + s->kv_heads) * hd;
@@ -127,5 +128,22 @@ int64_t duet_decode_layer(const duet_layer_shape *s, const duet_layer_weights *w
     qlinear(&w->gate_up, xn2, gu, rows, bf16);
     duet_silu_and_mul(gu, 2 * s->inter, act, rows, s->inter, bf16);
     qlinear(&w->down, act, out, rows, bf16);
+    return 0;
+}
+
+/* The model's layers in order (w, k_caches and v_caches [n_layers]), in place: x [rows, hidden] holds the
+ * embeddings on entry and the last layer's MLP output on return, residual [rows, hidden] (written) the stream
+ * without it: the pair the final norm adds. Why one call for all layers: 30 ctypes calls of 16 arguments cost
+ * ~0.1 ms a step. Returns decode_layer's code; only the first layer can fail (every layer stores at the same
+ * slots), before anything is written. */
+int64_t duet_decode_layers(const duet_layer_shape *s, const duet_layer_weights *w, int64_t n_layers,
+                           void *const *k_caches, void *const *v_caches, void *x, void *residual, const void *cos_t,
+                           const void *sin_t, const int64_t *slots, const int64_t *block_ids, const float *mask,
+                           int64_t rows, int64_t width, void *scratch) {
+    for (int64_t l = 0; l < n_layers; l++) {
+        int64_t bad = decode_layer(s, &w[l], x, l ? residual : NULL, x, residual, cos_t, sin_t, k_caches[l],
+                                   v_caches[l], slots, block_ids, mask, rows, width, scratch);
+        if (bad) return bad;
+    }
     return 0;
 }

@@ -35,7 +35,9 @@ def measure_read_bandwidth(num_bytes: int, repeats: int = 11) -> Spread:
     Sized well past the last-level cache this is DRAM bandwidth; sized like a small model's weights it is
     the cache bandwidth that model actually sees.
     """
-    x = torch.ones(num_bytes // 4, dtype=torch.float32)
+    # distinct values on every page: a VM host may merge identical pages (KSM), and a tensor of ones read as one
+    # cached page once measured 60 GB/s on a 31 GB/s machine (benchmarks/RESULTS.md, 2026-11-28)
+    x = torch.rand(num_bytes // 4, dtype=torch.float32, generator=torch.Generator().manual_seed(0))
     x.sum()
     rates = []
     for _ in range(repeats):

@@ -10,10 +10,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import sys
 import time
 from pathlib import Path
+
+from duet.cli_common import positive
 
 DEFAULT_WORKERS = 8
 # 1,000 blocks of 512 tokens = 512k tokens per worker: ~64 GiB of bf16 KV for a Llama-3-8B-shaped model
@@ -37,16 +38,6 @@ def _cache_blocks(text: str) -> int | None:
     return value
 
 
-def _positive(kind):
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a {kind.__name__}") from None
-        if not value > 0 or (kind is float and not math.isfinite(value)):
-            raise argparse.ArgumentTypeError(f"{text} is invalid: must be > 0")
-        return value
-    return parse
 
 
 def _request_rate(text: str) -> float:
@@ -67,16 +58,16 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:
     p = bench_sub.add_parser("route", help="replay a Mooncake-format trace through the prefill routing policies",
                              description=__doc__)
     p.add_argument("trace", type=Path, help="JSONL: timestamp (ms), input_length, output_length, hash_ids")
-    p.add_argument("--workers", type=_positive(int), default=DEFAULT_WORKERS, help="simulated prefill workers")
+    p.add_argument("--workers", type=positive(int), default=DEFAULT_WORKERS, help="simulated prefill workers")
     p.add_argument("--cache-blocks", type=_cache_blocks, default=DEFAULT_CACHE_BLOCKS,
                    help="LRU cache per worker, in trace blocks (512 tokens), or 'inf' (default: %(default)s)")
-    p.add_argument("--tokens-per-s", type=_positive(float), default=DEFAULT_TOKENS_PER_S,
+    p.add_argument("--tokens-per-s", type=positive(float), default=DEFAULT_TOKENS_PER_S,
                    help="prefill speed of one worker, uncached tokens/s (default: %(default)s)")
     p.add_argument("--fixed-s", type=float, default=0.002, help="per-prefill overhead, s (default: %(default)s)")
-    p.add_argument("--time-scale", type=_positive(float), default=DEFAULT_TIME_SCALE,
+    p.add_argument("--time-scale", type=positive(float), default=DEFAULT_TIME_SCALE,
                    help="arrival time = trace timestamp * this (<1: more load; default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of every policy's tie-breaking (default: 0)")
-    p.add_argument("--limit", type=_positive(int), default=None, help="replay only the first N requests")
+    p.add_argument("--limit", type=positive(int), default=None, help="replay only the first N requests")
     p.add_argument("--policies", default=",".join(POLICY_NAMES),
                    help="comma-separated, in output order (default: %(default)s; ablations of ours: "
                         f"{', '.join(DUET_VARIANTS)})")
@@ -97,34 +88,34 @@ def add_serve_command(bench_sub: argparse._SubParsersAction) -> None:
                    help="chat | multiturn | trace FILE (a Mooncake-format JSONL; default: chat)")
     g = p.add_argument_group("workload")
     d = config.DEFAULTS
-    g.add_argument("--num-requests", type=_positive(int), metavar="N",
+    g.add_argument("--num-requests", type=positive(int), metavar="N",
                    help=f"chat: requests (default: {d['num_requests']}); trace: the first N lines (default: all)")
-    g.add_argument("--num-conversations", type=_positive(int), metavar="C",
+    g.add_argument("--num-conversations", type=positive(int), metavar="C",
                    help=f"multiturn: conversations (default: {d['num_conversations']})")
-    g.add_argument("--turns", type=_positive(int), metavar="T",
+    g.add_argument("--turns", type=positive(int), metavar="T",
                    help=f"multiturn: turns per conversation (default: {d['turns']})")
-    g.add_argument("--system-prompt-tokens", type=_positive(int), metavar="N",
+    g.add_argument("--system-prompt-tokens", type=positive(int), metavar="N",
                    help="chat, multiturn: the system prompt's length in words, about as many tokens "
                         f"(default: {d['system_prompt_tokens']})")
     g.add_argument("--system-prompt", choices=config.SYSTEM_PROMPTS,
                    help="chat, multiturn: one system prompt every session shares (cached after the first), or one "
                         f"of its own per session (each first turn uncached; default: {d['system_prompt']})")
-    g.add_argument("--trace-block-tokens", type=_positive(int), metavar="N",
+    g.add_argument("--trace-block-tokens", type=positive(int), metavar="N",
                    help="trace: tokens per trace block (default: the trace's 512; smaller scales prompts down to "
                         "fit a small context)")
-    g.add_argument("--time-scale", type=_positive(float), metavar="X",
+    g.add_argument("--time-scale", type=positive(float), metavar="X",
                    help="trace on its timestamps: arrival = timestamp * this (<1: more load; default: 1)")
-    g.add_argument("--vocab-size", type=_positive(int), metavar="V",
+    g.add_argument("--vocab-size", type=positive(int), metavar="V",
                    help="trace: prompt token ids are drawn from [100, this): at most the model's vocabulary "
                         f"(default: {d['vocab_size']})")
     g = p.add_argument_group("load (chat and multiturn: exactly one; trace: at most one, else its timestamps)")
     g.add_argument("--request-rate", type=_request_rate, metavar="R",
                    help="open loop: Poisson arrivals of sessions at this rate per s, seeded by --seed; "
                         "inf: all at once")
-    g.add_argument("--concurrency", type=_positive(int), metavar="N",
+    g.add_argument("--concurrency", type=positive(int), metavar="N",
                    help="closed loop: this many sessions in flight at all times")
     g = p.add_argument_group("requests")
-    g.add_argument("--max-tokens", type=_positive(int), metavar="N",
+    g.add_argument("--max-tokens", type=positive(int), metavar="N",
                    help=f"chat, multiturn: output tokens per request (default: {config.CHAT_MAX_TOKENS}); trace: a cap "
                         "on each line's output_length (default: none)")
     g.add_argument("--temperature", type=float, default=0.0, help="(default: %(default)s)")
@@ -132,12 +123,12 @@ def add_serve_command(bench_sub: argparse._SubParsersAction) -> None:
                    help="send ignore_eos (vLLM's and duet's extension) so every request makes exactly max_tokens "
                         "tokens (default: on; --no-ignore-eos for servers that refuse the field)")
     g.add_argument("--seed", type=int, default=0, help="seeds prompts and arrivals (default: 0)")
-    g.add_argument("--timeout-s", type=_positive(float), default=300.0, metavar="S",
+    g.add_argument("--timeout-s", type=positive(float), default=300.0, metavar="S",
                    help="per request: to connect, and between two reads of the response (default: %(default)s)")
     g = p.add_argument_group("SLO and output")
-    g.add_argument("--slo-ttft-ms", type=_positive(float), metavar="MS",
+    g.add_argument("--slo-ttft-ms", type=positive(float), metavar="MS",
                    help="a request meets the SLO only if it completed and its TTFT is at most this")
-    g.add_argument("--slo-tpot-ms", type=_positive(float), metavar="MS", help="... and its TPOT at most this")
+    g.add_argument("--slo-tpot-ms", type=positive(float), metavar="MS", help="... and its TPOT at most this")
     g.add_argument("--json", dest="json_path", type=Path, metavar="OUT",
                    help="write the summary, the config and every request's record as one JSON object")
     g.add_argument("--records", dest="records_path", type=Path, metavar="OUT.jsonl",

@@ -3,9 +3,23 @@
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 from engine.engine_config import EngineConfig, add_engine_flags
+
+
+def positive(kind):
+    """An argparse type: a `kind` (int or float) > 0, finite."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {kind.__name__}") from None
+        if not value > 0 or (kind is float and not math.isfinite(value)):
+            raise argparse.ArgumentTypeError(f"{text} is invalid: must be > 0")
+        return value
+    return parse
 
 
 def _parse_ids(text: str) -> list[int]:

@@ -10,7 +10,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from duet.cli_common import _parse_ids, add_engine_args, add_sampling_args, engine_config, sampling_params
+from duet.cli_common import _parse_ids, add_engine_args, add_sampling_args, engine_config, positive, sampling_params
 
 # `duet up`'s conditional disaggregation threshold (the router's --local-prefill-tokens, 0 there): on one host the
 # KV "transfer" is a loopback copy and every pool shares the cores, so a short uncached suffix costs less computed
@@ -115,6 +115,10 @@ def add_router_args(p: argparse.ArgumentParser, *, up: bool) -> None:
     g.add_argument("--slo-tpot-ms", type=slo_ms, default=None,
                    help="time per output token SLO goodput is counted against (duet_router_good_requests_total); "
                         "admission does not judge it")
+    g.add_argument("--max-concurrent-streams", type=positive(int), default=None,
+                   help="requests the router serves at once on each API, gRPC and HTTP (each holds a thread); past "
+                        "it a request is refused at once with RESOURCE_EXHAUSTED / HTTP 429, never queued "
+                        "(default 256)")
     g.add_argument("--shutdown-grace", type=float, default=None,
                    help="seconds requests in flight get after SIGTERM/SIGINT before they are cut (default 5); the "
                         "router has exited 3 s after it at the latest")
@@ -148,12 +152,13 @@ def cmd_router(args: argparse.Namespace) -> int:
 
     grace = {} if args.shutdown_grace is None else {"shutdown_grace_s": args.shutdown_grace}
     local = {} if args.local_prefill_tokens is None else {"local_prefill_tokens": args.local_prefill_tokens}
+    streams = {} if args.max_concurrent_streams is None else {"max_concurrent_streams": args.max_concurrent_streams}
     server = RouterServer(RouterConfig(
         redis_url=args.redis_url, model_dir=args.model, model_id=args.model_id, host=args.host, port=args.port,
         max_model_len=args.max_model_len, auth_token=auth_token(args), tls_cert=args.tls_cert, tls_key=args.tls_key,
         metrics_port=args.metrics_port, http_port=args.http_port, cluster_secret_file=args.cluster_secret_file,
         internal_tls_dir=args.internal_tls_dir,
-        worker_wait_s=args.worker_wait_s, **grace, **local, **slo_config(args),
+        worker_wait_s=args.worker_wait_s, **grace, **local, **streams, **slo_config(args),
     ))
     with StopSignals() as stop:
         server.start()
@@ -240,6 +245,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     if args.shutdown_grace is not None:
         router_args += ["--shutdown-grace", f"{args.shutdown_grace:g}"]
     router_args += ["--local-prefill-tokens", str(one_host_local_prefill_tokens(args))]
+    if args.max_concurrent_streams is not None:
+        router_args += ["--max-concurrent-streams", str(args.max_concurrent_streams)]
     router_args += slo_router_args(args)
     role_args = {role: shlex.split(getattr(args, f"{role}_args")) for role in ("prefill", "decode")}
     role_args["decode"] = speculative + role_args["decode"]

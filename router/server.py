@@ -51,6 +51,7 @@ SHUTDOWN_GRACE_S = 5.0  # on stop, requests in flight get this long to finish, t
 # (benchmarks/RESULTS.md, 2026-11-28); a local prefill also delays the decode worker's running requests. `duet up`,
 # all pools on one host, sets its own measured value (duet/cli_serving.py, ONE_HOST_LOCAL_PREFILL_TOKENS).
 DEFAULT_LOCAL_PREFILL_TOKENS = 0
+DEFAULT_MAX_CONCURRENT_STREAMS = 256
 STOP_MARGIN_S = 3.0  # past the grace: the HTTP cut, closing, flushing; `duet router` has exited by grace + this
 
 
@@ -75,7 +76,9 @@ class RouterConfig:
     # slo_tpot_s (which admission does not judge)
     slo_ttft_s: float | None = None
     slo_tpot_s: float | None = None
-    max_concurrent_streams: int = 256
+    # requests served at once on each API (gRPC, and the in-process HTTP's calls): each holds a handler thread; past
+    # it a request is refused at once (RESOURCE_EXHAUSTED / HTTP 429), never queued (--max-concurrent-streams)
+    max_concurrent_streams: int = DEFAULT_MAX_CONCURRENT_STREAMS
     auth_token: str | None = None
     http_port: int | None = None  # OpenAI-compatible HTTP (router/openai_http.py); None: off
     metrics_port: int | None = None  # Prometheus /metrics over HTTP; None: off
@@ -95,6 +98,8 @@ class RouterConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{name}={value} is invalid: must be > 0 (None: no SLO)")
+        if self.max_concurrent_streams < 1:
+            raise ValueError(f"max_concurrent_streams={self.max_concurrent_streams} is invalid: must be >= 1")
         if self.local_prefill_tokens < 0:
             raise ValueError(f"local_prefill_tokens={self.local_prefill_tokens} is invalid: must be >= 0 "
                              "(0: never prefill on the decode worker)")

@@ -209,6 +209,45 @@ def test_slo_flags_reach_the_router_config_from_duet_router_up_and_ray_up(monkey
         assert "argument --slo-ttft-ms" in capsys.readouterr().err
 
 
+def test_the_routers_concurrent_streams_limit_is_a_flag_of_duet_router_and_duet_up(monkeypatch, capsys):
+    """--max-concurrent-streams reaches RouterConfig (`duet router`) and the router `duet up` starts; unset, the
+    router's default; 0, a negative or a non-integer is refused, naming the flag."""
+    from deploy import local_cluster
+    from duet.cli import build_parser, main
+    from duet.cli_serving import cmd_router
+    from router import server
+
+    configs = []
+
+    class Captured(Exception):
+        pass
+
+    def capture(config):
+        configs.append(config)
+        raise Captured
+
+    monkeypatch.setattr(server, "RouterServer", capture)
+    parser = build_parser()
+    for argv, want in ((["--max-concurrent-streams", "8"], 8), ([], server.DEFAULT_MAX_CONCURRENT_STREAMS)):
+        with pytest.raises(Captured):
+            cmd_router(parser.parse_args(["router", "--redis-url", "redis://x", *argv]))
+        assert configs.pop().max_concurrent_streams == want
+    started = []
+    monkeypatch.setattr(local_cluster, "run_up", lambda config: started.append(config) or 0)
+    assert main(["up", "--max-concurrent-streams", "512"]) == 0
+    router_args = started.pop().router_args
+    assert router_args[router_args.index("--max-concurrent-streams") + 1] == "512"
+    assert main(["up"]) == 0
+    assert "--max-concurrent-streams" not in started.pop().router_args
+    for bad in ("0", "-1", "2.5", "x"):
+        with pytest.raises(SystemExit) as exit_:
+            parser.parse_args(["router", "--redis-url", "redis://x", "--max-concurrent-streams", bad])
+        assert exit_.value.code == 2
+        assert "argument --max-concurrent-streams" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"max_concurrent_streams=0 is invalid: must be >= 1"):
+        server.RouterConfig(redis_url="redis://x", max_concurrent_streams=0)
+
+
 def test_duet_up_prefills_short_suffixes_on_the_decode_worker_unless_told_otherwise(monkeypatch):
     """`duet up` runs every pool on one host, where conditional disaggregation measured faster (cli_serving's
     ONE_HOST_LOCAL_PREFILL_TOKENS), unless SLO admission is on; `duet router` (the chart, Ray) keeps it off; a flag

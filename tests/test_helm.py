@@ -879,6 +879,7 @@ BAD_VALUES = [
     ({"router": {"httpPort": 70000}}, "/router/httpPort"),
     ({"router": {"sloTtftMs": -1}}, "/router/sloTtftMs"),
     ({"router": {"localPrefillTokens": -1}}, "/router/localPrefillTokens"),
+    ({"router": {"maxConcurrentStreams": -1}}, "/router/maxConcurrentStreams"),
     ({"decode": {"autoscaling": {"metrics": [{"name": "sloTtftQueue", "target": 0.5}]}}},
      "/decode/autoscaling/metrics/0/name"),
     ({"router": {"ingress": {"host": "LLM example"}}}, "/router/ingress/host"),
@@ -982,3 +983,16 @@ def test_dockerfiles_copy_every_package_pyproject_installs(name):
     include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
     assert copied == {pattern.rstrip("*") for pattern in include}
     assert re.search(r"^COPY pyproject.toml README.md \./$", text, flags=re.M)
+
+
+def test_the_routers_concurrent_streams_limit_reaches_its_flag():
+    """router.maxConcurrentStreams becomes `duet router --max-concurrent-streams`; 0 (the default) leaves the router's
+    own default (a negative one is in BAD_VALUES)."""
+    from duet.cli import build_parser
+
+    args = container(deployment([yaml.safe_load(d) for _, d in documents(render({"router": {
+        "maxConcurrentStreams": 1024}}))], "router"))["args"]
+    assert "--max-concurrent-streams=1024" in args
+    assert build_parser().parse_args([_expand_env(a) for a in args]).max_concurrent_streams == 1024
+    default_args = container(deployment(objects("default"), "router"))["args"]
+    assert not [a for a in default_args if a.startswith("--max-concurrent-streams")]

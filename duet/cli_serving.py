@@ -13,16 +13,18 @@ from pathlib import Path
 from duet.cli_common import _parse_ids, add_engine_args, add_sampling_args, engine_config, positive, sampling_params
 
 # `duet up`'s conditional disaggregation threshold (the router's --local-prefill-tokens, 0 there): on one host the
-# KV "transfer" is a loopback copy and every pool shares the cores, so a short uncached suffix costs less computed
-# in the decode worker's running batch than sent through a second engine competing for them. Measured with `duet
-# bench serve` (benchmarks/serve_compare.py, 2026-11-28, fifth session, the 2-core VM, 1 prefill + 1 decode, the
-# same run): 16 concurrent chats 310 tok/s off, 335 at 128, 349 at 256 (vLLM's server 271); 4-turn chats 131 / 187 /
-# 201 tok/s (vLLM 124); TTFT p50 at 16 chats 1116 / 672 / 627 ms. A chat's first prompt (its whole system prompt
-# uncached) still goes to the prefill worker. The chart and Ray keep the router's 0: their hardware sets it. With
-# --slo-ttft-ms it is 0 too: admission's TTFT model (a queue per worker at its measured speed) holds when prompts are
-# prefilled on the prefill worker, not when two engines prefill on the same cores (benchmarks/slo_admission.py at
-# 1.5x overload, same hour: goodput / capacity 1.46-2.26 with 0, 0.00-0.78 with 256).
-ONE_HOST_LOCAL_PREFILL_TOKENS = 256
+# KV "transfer" is a loopback copy and every pool shares the cores, so an uncached part of a chat's size costs less
+# computed in the decode worker's running batch than sent through a second engine competing for them. Measured with
+# `duet bench serve` (benchmarks/serve_compare.py, the 2-core VM, 1 prefill + 1 decode): fifth session, 16 chats 310
+# tok/s off, 335 at 128, 349 at 256 (vLLM's server 271); sixth session, 256 / 512 / 1024 / 4096 in two runs each:
+# chats whose ~330-token first prompt is cold (multiturn-cold) 132-143 / 166 / 165-172 / 155-160 tok/s, their first
+# turns' TTFT p90 1.6-2.0 s / 1.28-1.30 / 1.10-1.30 / 1.11-1.29 (later turns' 0.27-0.30 / 0.35-0.38 / 0.31-0.37 /
+# 0.32-0.38); 16 concurrent chats 245-358 / 301-307 / 310-342 / 292-347 tok/s. Longer prompts still go to the
+# prefill worker. The chart and Ray keep the router's 0: their hardware sets it. With --slo-ttft-ms it is 0 too:
+# admission's TTFT model (a queue per worker at its measured speed) holds when prompts are prefilled on the prefill
+# worker, not when two engines prefill on the same cores (benchmarks/slo_admission.py at 1.5x overload, same hour:
+# goodput / capacity 1.46-2.26 with 0, 0.00-0.78 with 256).
+ONE_HOST_LOCAL_PREFILL_TOKENS = 1024
 
 
 def one_host_local_prefill_tokens(args: argparse.Namespace) -> int:

@@ -264,7 +264,7 @@ def test_duet_up_prefills_short_suffixes_on_the_decode_worker_unless_told_otherw
         return DEFAULT_LOCAL_PREFILL_TOKENS if parsed.local_prefill_tokens is None else parsed.local_prefill_tokens
 
     assert main(["up"]) == 0
-    assert router_threshold(started.pop().router_args) == 256
+    assert router_threshold(started.pop().router_args) == 1024
     assert main(["up", "--local-prefill-tokens", "0"]) == 0
     assert router_threshold(started.pop().router_args) == 0
     assert main(["up", "--slo-ttft-ms", "500"]) == 0  # SLO admission: every prompt through the prefill workers

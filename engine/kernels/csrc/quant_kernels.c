@@ -501,6 +501,9 @@ void duet_quant_panels_bf16(const uint16_t *x, int64_t ldx, int kind, const void
 /* y [rows, n_out] = sums + bias, rounded once to y's dtype; frees sums (what a kernel that writes float32 sums
  * leaves for its caller) */
 static void store_sums(void *y, float *sums, const float *bias, int64_t rows, int64_t n_out, int bf16) {
+    /* in parallel from a few rows on: one thread storing 32 x 3072 sums left the other spinning (~3 % of a batch-32
+     * step's samples) */
+#pragma omp parallel for schedule(static) if (rows > 1 && rows * n_out >= PARALLEL_MIN_WEIGHTS / 4)
     for (int64_t r = 0; r < rows; r++)
         for (int64_t o = 0; o < n_out; o++) store(y, r * n_out + o, sums[r * n_out + o], bias, o, bf16);
     free(sums);
@@ -651,6 +654,7 @@ static __attribute__((unused)) void quantize_block(const float *xb, int8_t *qx, 
 void duet_quantize_activations(const float *x, int64_t ldx, int64_t rows, int64_t k_in, int8_t *qx, float *dx,
                                float *sx) {
     int64_t blocks = k_in / BLOCK;
+#pragma omp parallel for schedule(static) if (rows >= 8)
     for (int64_t r = 0; r < rows; r++)
         for (int64_t b = 0; b < blocks; b++)
 #if defined(__AVX512F__) && !defined(DUET_EMULATE_AVX512)

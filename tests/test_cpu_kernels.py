@@ -188,6 +188,20 @@ def test_decode_attention_matches_the_twin(dtype, seed):
     assert scaled_error(got, want) < ATTN_TOL[dtype], (lens, group, kv_heads, head_dim, block_size)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.usefixtures("kernels")
+def test_decode_attention_over_split_contexts_matches_the_twin(dtype):
+    """Fewer (sequence, kv head) tasks than twice the threads: each context is cut into ranges whose softmax states
+    are merged after (csrc/cpu_kernels.c, context_splits), an empty range included (a 1-token context next to a long
+    one), against the twin."""
+    rng = random.Random(5)
+    for lens, kv_heads in (([1000], 3), ([130], 1), ([1, 300], 1), ([700], 2), ([64, 65], 1)):
+        q, k_cache, v_cache, block_ids, mask = paged_decode_case(rng, dtype, lens, 3, kv_heads, 64, 16)
+        got = cpu_native.decode_attention_native(q, k_cache, v_cache, block_ids, mask, 0.125)
+        want = decode_attention_torch(q, k_cache, v_cache, block_ids, mask, 0.125)
+        assert scaled_error(got, want) < ATTN_TOL[dtype], lens
+
+
 def test_decode_attention_rejects_what_the_kernel_cannot_take():
     q, k_cache, v_cache, block_ids, mask = paged_decode_case(random.Random(0), torch.float32, [5], 2, 2, 64, 16)
     with pytest.raises(ValueError, match="dtype"):

@@ -24,6 +24,9 @@
 #include <immintrin.h>
 #endif
 #include <math.h>
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -471,71 +474,132 @@ static void prefetch_kv_rows(const int64_t *table, int64_t from, int64_t to, int
     }
 }
 
+/* Per thread: scaled queries, accumulators, one tile's scores, and (bf16) the widened K and V tile */
+typedef struct {
+    float *qf, *acc, *scores, *k_wide, *v_wide;
+    float m[MAX_GROUP], l[MAX_GROUP]; /* each query head's running max and sum of exp */
+} attention_work;
+
+/* One (sequence b, kv head) task over context tokens [from, to): work->acc holds Σ exp(s - m) v (not yet divided
+ * by l), work->m and work->l the online softmax state; m = -inf and l = 0 for an empty range. */
+static void attend_range(const void *q, int64_t q_sb, int64_t q_sh, const void *k_cache, const void *v_cache,
+                         const int64_t *table, int64_t b, int64_t kvh, int64_t from, int64_t to, int64_t group,
+                         int64_t head_dim, int64_t num_blocks, int64_t block_size, float scale, int bf16,
+                         attention_work *work) {
+    float *qf = work->qf, *acc = work->acc, *scores = work->scores;
+    for (int64_t j = 0; j < group; j++) {
+        widen(q, b * q_sb + (kvh * group + j) * q_sh, qf + j * head_dim, head_dim, bf16);
+        for (int64_t d = 0; d < head_dim; d++) qf[j * head_dim + d] *= scale;
+        work->m[j] = -INFINITY;
+        work->l[j] = 0.0f;
+    }
+    for (int64_t i = 0; i < group * head_dim; i++) acc[i] = 0.0f;
+    int64_t row, esize = bf16 ? 2 : 4, ahead = to - from < ATTN_PREFETCH_TOKENS ? to : from + ATTN_PREFETCH_TOKENS;
+    prefetch_kv_rows(table, from, ahead, kvh, num_blocks, block_size, head_dim, k_cache, v_cache, esize);
+    for (int64_t start = from, n; start < to; start += n) {
+        n = attention_tile(table, start, to, kvh, num_blocks, block_size, head_dim, &row);
+        int64_t next = start + n + ATTN_PREFETCH_TOKENS < to ? start + n + ATTN_PREFETCH_TOKENS : to;
+        if (next > ahead) { /* keep ATTN_PREFETCH_TOKENS ahead */
+            prefetch_kv_rows(table, ahead, next, kvh, num_blocks, block_size, head_dim, k_cache, v_cache, esize);
+            ahead = next;
+        }
+        const float *k, *v;
+        if (bf16) {
+            widen(k_cache, row, work->k_wide, n * head_dim, 1);
+            widen(v_cache, row, work->v_wide, n * head_dim, 1);
+            k = work->k_wide;
+            v = work->v_wide;
+        } else {
+            k = (const float *)k_cache + row;
+            v = (const float *)v_cache + row;
+        }
+        attention_tile_scores(qf, group, k, n, head_dim, scores);
+        for (int64_t j = 0; j < group; j++) {
+            float alpha = softmax_tile(scores + j * ATTN_TILE, n, &work->m[j], &work->l[j]);
+            if (alpha != 1.0f)
+                for (int64_t d = 0; d < head_dim; d++) acc[j * head_dim + d] *= alpha;
+        }
+        attention_tile_accumulate(scores, group, v, n, head_dim, acc);
+    }
+}
+
+/* Splitting a context (flash-decoding): when there are fewer (sequence, kv head) tasks than twice the threads, as at
+ * batch 1 (three kv heads on two threads: one thread idle a third of the time), each context of at least
+ * 2 x SPLIT_MIN_TOKENS is cut into ranges whose softmax states are merged after: out = Σ_s e^(m_s - M) acc_s / Σ_s
+ * e^(m_s - M) l_s, M = max_s m_s. */
+#define SPLIT_MIN_TOKENS 64
+
+static int64_t context_splits(int64_t tasks, int64_t max_len) {
+    int64_t threads = 1;
+#if defined(_OPENMP)
+    threads = omp_get_max_threads();
+#endif
+    if (tasks >= 2 * threads || max_len < 2 * SPLIT_MIN_TOKENS) return 1;
+    int64_t splits = (2 * threads + tasks - 1) / tasks;
+    return splits < max_len / SPLIT_MIN_TOKENS ? splits : max_len / SPLIT_MIN_TOKENS;
+}
+
 void duet_decode_attention(const void *q, int64_t q_sb, int64_t q_sh, const void *k_cache, const void *v_cache,
                            const int64_t *block_ids, const float *mask, void *out, int64_t batch, int64_t heads,
                            int64_t kv_heads, int64_t head_dim, int64_t num_blocks, int64_t block_size,
                            int64_t width, float scale, int bf16) {
     int64_t group = heads / kv_heads;
-    int64_t max_len = width * block_size;
+    int64_t max_len = width * block_size, tasks = batch * kv_heads, splits = context_splits(tasks, max_len);
     if (group > MAX_GROUP || head_dim > MAX_HEAD_DIM) abort(); /* the wrapper checks */
-#pragma omp parallel if (batch * kv_heads > 1)
+    /* split contexts: each range's m [group], l [group] and acc [group * head_dim] */
+    int64_t part_floats = group * (2 + head_dim);
+    float *parts = splits > 1 ? malloc(sizeof(float) * (size_t)(tasks * splits * part_floats)) : NULL;
+#pragma omp parallel if (tasks * splits > 1)
     {
-        /* per thread: scaled queries, accumulators, one tile's scores, and (bf16) the widened K and V tile */
-        float *qf = malloc(sizeof(float) * (2 * group * head_dim + group * ATTN_TILE +
-                                            (bf16 ? 2 * ATTN_TILE * head_dim : 0)));
-        float *acc = qf + group * head_dim, *scores = acc + group * head_dim;
-        float *k_wide = scores + group * ATTN_TILE, *v_wide = k_wide + ATTN_TILE * head_dim;
-        float m[MAX_GROUP], l[MAX_GROUP];
+        attention_work work;
+        work.qf = malloc(sizeof(float) * (2 * group * head_dim + group * ATTN_TILE +
+                                          (bf16 ? 2 * ATTN_TILE * head_dim : 0)));
+        work.acc = work.qf + group * head_dim, work.scores = work.acc + group * head_dim;
+        work.k_wide = work.scores + group * ATTN_TILE, work.v_wide = work.k_wide + ATTN_TILE * head_dim;
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < batch * kv_heads; task++) {
-            int64_t b = task / kv_heads, kvh = task % kv_heads;
+        for (int64_t task = 0; task < tasks * splits; task++) {
+            int64_t b = task / splits / kv_heads, kvh = task / splits % kv_heads, split = task % splits;
             int64_t len = 0;
             for (int64_t t = 0; t < max_len; t++) len += mask[b * max_len + t] == 0.0f;
-            for (int64_t j = 0; j < group; j++) {
-                widen(q, b * q_sb + (kvh * group + j) * q_sh, qf + j * head_dim, head_dim, bf16);
-                for (int64_t d = 0; d < head_dim; d++) qf[j * head_dim + d] *= scale;
-                m[j] = -INFINITY;
-                l[j] = 0.0f;
-            }
-            for (int64_t i = 0; i < group * head_dim; i++) acc[i] = 0.0f;
-            const int64_t *table = block_ids + b * width;
-            int64_t row, esize = bf16 ? 2 : 4, ahead = len < ATTN_PREFETCH_TOKENS ? len : ATTN_PREFETCH_TOKENS;
-            prefetch_kv_rows(table, 0, ahead, kvh, num_blocks, block_size, head_dim, k_cache, v_cache, esize);
-            for (int64_t start = 0, n; start < len; start += n) {
-                n = attention_tile(table, start, len, kvh, num_blocks, block_size, head_dim, &row);
-                int64_t next = start + n + ATTN_PREFETCH_TOKENS < len ? start + n + ATTN_PREFETCH_TOKENS : len;
-                if (next > ahead) { /* keep ATTN_PREFETCH_TOKENS ahead */
-                    prefetch_kv_rows(table, ahead, next, kvh, num_blocks, block_size, head_dim, k_cache, v_cache,
-                                     esize);
-                    ahead = next;
-                }
-                const float *k, *v;
-                if (bf16) {
-                    widen(k_cache, row, k_wide, n * head_dim, 1);
-                    widen(v_cache, row, v_wide, n * head_dim, 1);
-                    k = k_wide;
-                    v = v_wide;
-                } else {
-                    k = (const float *)k_cache + row;
-                    v = (const float *)v_cache + row;
-                }
-                attention_tile_scores(qf, group, k, n, head_dim, scores);
-                for (int64_t j = 0; j < group; j++) {
-                    float alpha = softmax_tile(scores + j * ATTN_TILE, n, &m[j], &l[j]);
-                    if (alpha != 1.0f)
-                        for (int64_t d = 0; d < head_dim; d++) acc[j * head_dim + d] *= alpha;
-                }
-                attention_tile_accumulate(scores, group, v, n, head_dim, acc);
+            int64_t from = len * split / splits, to = len * (split + 1) / splits;
+            attend_range(q, q_sb, q_sh, k_cache, v_cache, block_ids + b * width, b, kvh, from, to, group, head_dim,
+                         num_blocks, block_size, scale, bf16, &work);
+            if (splits > 1) {
+                float *part = parts + task * part_floats;
+                memcpy(part, work.m, sizeof(float) * group);
+                memcpy(part + group, work.l, sizeof(float) * group);
+                memcpy(part + 2 * group, work.acc, sizeof(float) * group * head_dim);
+                continue;
             }
             for (int64_t j = 0; j < group; j++) {
-                float norm = l[j] > 0.0f ? 1.0f / l[j] : 0.0f; /* an empty context writes zeros */
-                float *a = acc + j * head_dim;
+                float norm = work.l[j] > 0.0f ? 1.0f / work.l[j] : 0.0f; /* an empty context writes zeros */
+                float *a = work.acc + j * head_dim;
                 for (int64_t d = 0; d < head_dim; d++) a[d] *= norm;
                 narrow(a, out, (b * heads + kvh * group + j) * head_dim, head_dim, bf16);
             }
         }
-        free(qf);
+        if (splits > 1) { /* after the loop's barrier: every range is done */
+#pragma omp for schedule(static)
+            for (int64_t bh = 0; bh < tasks * group; bh++) { /* one query head of one sequence: its ranges merged */
+                int64_t t = bh / group, j = bh % group;
+                const float *first = parts + t * splits * part_floats;
+                float top = -INFINITY, total = 0.0f, *a = work.acc;
+                for (int64_t s = 0; s < splits; s++) top = fmaxf(top, first[s * part_floats + j]);
+                for (int64_t d = 0; d < head_dim; d++) a[d] = 0.0f;
+                for (int64_t s = 0; s < splits && top > -INFINITY; s++) {
+                    const float *part = first + s * part_floats;
+                    float weight = part[j] > -INFINITY ? exp_f32(part[j] - top) : 0.0f;
+                    total += weight * part[group + j];
+                    for (int64_t d = 0; d < head_dim; d++) a[d] += weight * part[2 * group + j * head_dim + d];
+                }
+                float norm = total > 0.0f ? 1.0f / total : 0.0f; /* an empty context writes zeros */
+                for (int64_t d = 0; d < head_dim; d++) a[d] *= norm;
+                narrow(a, out, ((t / kv_heads) * heads + (t % kv_heads) * group + j) * head_dim, head_dim, bf16);
+            }
+        }
+        free(work.qf);
     }
+    free(parts);
 }
 
 /* ---- greedy sampling ----

@@ -38,8 +38,6 @@ def _cache_blocks(text: str) -> int | None:
     return value
 
 
-
-
 def _request_rate(text: str) -> float:
     try:
         value = float(text)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 class DecodeState:
     worker_id: str
     cached_tokens: int  # leading prompt tokens this worker holds in its prefix cache (from the index)
-    num_requests: int  # running + waiting (incl. reservations) + this router's in flight there
+    num_requests: int  # running + waiting (incl. reservations) now: load_policy.Candidate.num_requests
     num_free_blocks: int
 
 

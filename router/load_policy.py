@@ -1,8 +1,9 @@
 """Load-only worker choice (the prefix-aware policy builds on it): no gRPC, no Redis, just numbers.
 
-Loads in the registry are up to a heartbeat old, so the router adds what it has itself sent to a worker
-since (`inflight`). Ties never fall to list order: they go to a random pick (a caller-supplied `rng`
-makes that reproducible in tests).
+Loads in the registry are up to a heartbeat old, so the router corrects a worker's reported requests by
+what it has itself started and seen end there since the report was taken (`since_report`); a request of
+this router's that ended after the report was counted by it, and is counted no more. Ties never fall to list
+order: they go to a random pick (a caller-supplied `rng` makes that reproducible in tests).
 """
 
 from __future__ import annotations
@@ -20,20 +21,26 @@ class Candidate:
     num_free_blocks: int
     num_waiting_tokens: int
     inflight: int = 0  # requests this router sent there and has not seen finish
+    since_report: int = 0  # requests this router started there minus those it saw end, since the load report
+
+    def num_requests(self) -> int:
+        """Requests on the worker now: its report (running + waiting), plus this router's starts and minus its
+        ends since; at least this router's own in flight there."""
+        return max(self.inflight, self.num_running + self.num_waiting + self.since_report)
 
 
 def rank_prefill(candidates: Sequence[Candidate], rng: random.Random | None = None) -> list[str]:
     """Least queued prefill work first: waiting tokens, then requests in flight."""
     rng = rng or random
-    keyed = [((c.num_waiting_tokens, c.inflight + c.num_waiting + c.num_running), rng.random(), c.worker_id)
+    keyed = [((c.num_waiting_tokens, c.num_requests()), rng.random(), c.worker_id)
              for c in candidates]
     return [worker_id for *_, worker_id in sorted(keyed)]
 
 
 def rank_decode(candidates: Sequence[Candidate], rng: random.Random | None = None) -> list[str]:
-    """Fewest running (incl. in flight) first, then most free KV blocks."""
+    """Fewest requests (`Candidate.num_requests`) first, then most free KV blocks."""
     rng = rng or random
-    keyed = [((c.num_running + c.num_waiting + c.inflight, -c.num_free_blocks), rng.random(), c.worker_id)
+    keyed = [((c.num_requests(), -c.num_free_blocks), rng.random(), c.worker_id)
              for c in candidates]
     return [worker_id for *_, worker_id in sorted(keyed)]
 

@@ -333,7 +333,7 @@ class RequestOrchestrator:
     def rank_decodes(self, num_tokens: int, decodes: list[LiveWorker], lookup: PrefixLookup | None) -> list[str]:
         """Decode worker ids, best first, by cached overlap and load (router/decode_policy.py)."""
         states = [DecodeState(c.worker_id, lookup.cached_tokens(c.worker_id) if lookup is not None else 0,
-                              c.num_running + c.num_waiting + c.inflight, c.num_free_blocks)
+                              c.num_requests(), c.num_free_blocks)
                   for c in self.view.candidates(decodes)]
         return rank_decode_by_cache(num_tokens, states)
 
@@ -524,26 +524,29 @@ class RequestOrchestrator:
                     held.taken_over()  # the request ran on the decode worker and ended there
                 if done:
                     stream.cancel()  # a stop string: the decode worker aborts and frees the blocks
-                    yield self._finish(client, message)
-                    return
+                    last = self._finish(client, message)
+                    break
                 if message.token_ids or message.text:
                     yield message
-            raise WorkerLost(DECODE_LOST, f"decode worker {decode.worker_id} ended the stream early")
+            else:
+                raise WorkerLost(DECODE_LOST, f"decode worker {decode.worker_id} ended the stream early")
         except grpc.RpcError as e:
             if live.aborted:
                 self.metrics.request_aborted()
-                yield client.aborted()
+                last = client.aborted()
+            elif live.cancelled:
                 return
-            if live.cancelled:
-                return
-            self.blame(decode, e, live)
-            reason = _DECODE_LOST_CODES.get(e.code())
-            if reason is not None and live.is_active() and not is_request_fault(e):
-                raise WorkerLost(reason, f"decode worker {decode.worker_id}: {e.code().name}: {e.details()}") from None
-            raise Failed(downstream_code(e), f"decode worker {decode.worker_id}: {e.details()}") from None
+            else:
+                self.blame(decode, e, live)
+                reason = _DECODE_LOST_CODES.get(e.code())
+                if reason is not None and live.is_active() and not is_request_fault(e):
+                    raise WorkerLost(reason, f"decode worker {decode.worker_id}: {e.code().name}: {e.details()}"
+                                     ) from None
+                raise Failed(downstream_code(e), f"decode worker {decode.worker_id}: {e.details()}") from None
         finally:
             self.view.track_requests(decode.worker_id, -1)
             self.view.track_tokens(decode.worker_id, -prefilling_tokens)
+        yield last  # after the accounting above: a client's next turn, sent at once, finds this request gone
 
     def _finish(self, client: ClientStream, message: pb.GenerateResponse) -> pb.GenerateResponse:
         last = client.finish(message)

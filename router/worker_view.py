@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 
 import grpc
 import redis
@@ -32,6 +33,7 @@ PURGE_EVERY_S = 5.0
 INDEX_SIZE_EVERY_S = 30.0  # a SCAN of the model's keys: not on every request
 REJOIN_GRACE_S = 10.0  # after a Redis restart: workers heartbeat every ~2 s (registry TTL / 3)
 SEEN_LATELY_S = 60.0  # a role that had a worker this recently is restarting, not absent
+REQUEST_LOG_S = 10.0  # request starts and ends kept this long: past any live report's age (registry TTL 6 s)
 
 
 class NoWorkers(Exception):
@@ -53,6 +55,8 @@ class WorkerView:
         self._channels: dict[str, grpc.Channel] = {}
         self._suspects: dict[str, float] = {}  # worker_id -> avoid until (monotonic)
         self._inflight: dict[str, int] = {}  # requests this router has on a decode/prefill worker
+        self._request_log: dict[str, deque[tuple[float, int]]] = {}  # worker_id -> (monotonic s, +1 start / -1 end)
+        self._reported_s: dict[str, float] = {}  # worker_id -> when its last listed load report was taken
         self._inflight_tokens: dict[str, int] = {}  # prefill work this router sent and has not seen done
         self._cache: tuple[float, list[LiveWorker]] = (0.0, [])
         self._registry_down = False
@@ -69,7 +73,10 @@ class WorkerView:
         cached_at, workers = self._cache
         if now - cached_at > REGISTRY_CACHE_S:
             try:
-                workers = self._with_rejoining(self.registry.list_workers(self.model_id), workers, now)
+                listed = self.registry.list_workers(self.model_id)
+                with self._lock:
+                    self._reported_s.update((w.worker_id, now - w.load_age_s) for w in listed)
+                workers = self._with_rejoining(listed, workers, now)
                 if self._registry_down:
                     log.warning("router event=registry_up")
                     self._registry_down = False
@@ -142,11 +149,18 @@ class WorkerView:
         return any(w.worker_id not in suspects for w in workers)
 
     def candidates(self, workers: list[LiveWorker]) -> list[Candidate]:
-        """Each worker's load report plus what this router has sent there since (see load_policy)."""
+        """Each worker's load report, this router's requests in flight there, and its request starts and ends
+        there since the report was taken (see load_policy)."""
         with self._lock:
             return [Candidate(w.worker_id, w.load.num_waiting, w.load.num_running, w.load.num_free_blocks,
-                              w.load.num_waiting_tokens, self._inflight.get(w.worker_id, 0))
-                    for w in workers]
+                              w.load.num_waiting_tokens, self._inflight.get(w.worker_id, 0),
+                              self._since_report(w.worker_id)) for w in workers]
+
+    def _since_report(self, worker_id: str) -> int:
+        reported_s = self._reported_s.get(worker_id)
+        if reported_s is None:
+            return 0
+        return sum(delta for at_s, delta in self._request_log.get(worker_id, ()) if at_s > reported_s)
 
     def active_suspects(self) -> dict[str, float]:
         now = time.monotonic()
@@ -162,8 +176,14 @@ class WorkerView:
             log.warning("worker=%s event=suspect status=%s", info.worker_id, error.code().name)
 
     def track_requests(self, worker_id: str, delta: int) -> None:
+        """A request of this router's starts (+1) or ends (-1) on a worker."""
+        now = time.monotonic()
         with self._lock:
             self._inflight[worker_id] = self._inflight.get(worker_id, 0) + delta
+            events = self._request_log.setdefault(worker_id, deque())
+            events.append((now, delta))
+            while events[0][0] < now - REQUEST_LOG_S:
+                events.popleft()
 
     def track_tokens(self, worker_id: str, delta: int) -> None:
         with self._lock:

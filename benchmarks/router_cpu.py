@@ -1,13 +1,14 @@
 """The router's CPU time per output token under load, for two source trees interleaved (a change against its parent).
 
     .venv/bin/python benchmarks/router_cpu.py --trees /tmp/before /work/main [--rounds 2] [--repeats 3]
+                                              [--concurrency 16] [--num-requests 48]
 
 For each tree, `duet up` (1 prefill + 1 decode, default model) is started with PYTHONPATH at the tree, and `duet bench
-serve --workload chat --concurrency 16` (48 chats x 64 tokens) is run `--repeats` times against it; the router
-process's CPU seconds (utime + stime from /proc) over each run are divided by the run's output tokens. The trees
-alternate `--rounds` times so the machine's drift hits both. The first repeat of each start warms the cluster and
-is printed but not summarized. Prints each run, then min / median / max per tree of router ms a token, output
-tok/s, ITL p50 and TTFT p50.
+serve --workload chat --concurrency C` (N chats x 64 tokens) is run `--repeats` times against it; the router's and
+the decode worker's CPU seconds (utime + stime from /proc, all threads) over each run are divided by the run's output
+tokens (the decode worker's include its engine). The trees alternate `--rounds` times so the machine's drift hits
+both. The first repeat of each start warms the cluster and is printed but not summarized. Prints each run, then
+min / median / max per tree of router and decode worker ms a token, output tok/s, TPOT p50, ITL p50 and TTFT p50.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def child_pid(parent: int, needle: str) -> int:
     raise SystemExit(f"no child of {parent} runs {needle!r}")
 
 
-def run_tree(tree: str, repeats: int, tmp: Path) -> list[dict]:
+def run_tree(tree: str, args: argparse.Namespace, tmp: Path) -> list[dict]:
     env = dict(os.environ, PYTHONPATH=tree)
     cmd = [sys.executable, "-m", "duet", "up", "--port", str(PORT + 1), "--http-port", str(PORT)]
     rows = []
@@ -54,18 +55,20 @@ def run_tree(tree: str, repeats: int, tmp: Path) -> list[dict]:
         up = subprocess.Popen(cmd, cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             wait_ready(up)
-            router = child_pid(up.pid, "duet router")
-            for repeat in range(repeats):
+            router, decode = child_pid(up.pid, "duet router"), child_pid(up.pid, "duet decode")
+            for repeat in range(args.repeats):
                 out = tmp / f"{repeat}.json"
-                before = cpu_s(router)
+                router_s, decode_s = cpu_s(router), cpu_s(decode)
                 subprocess.run([sys.executable, "-m", "duet", "bench", "serve", "--url", f"http://127.0.0.1:{PORT}",
-                                "--workload", "chat", "--num-requests", "48", "--concurrency", "16", "--max-tokens",
-                                "64", "--json", str(out)], check=True, capture_output=True, cwd=tree, env=env)
-                used_s = cpu_s(router) - before
+                                "--workload", "chat", "--num-requests", str(args.num_requests), "--concurrency",
+                                str(args.concurrency), "--max-tokens", "64", "--json", str(out)],
+                               check=True, capture_output=True, cwd=tree, env=env)
+                router_s, decode_s = cpu_s(router) - router_s, cpu_s(decode) - decode_s
                 d = json.loads(out.read_text())
                 tokens = d["output_tokens_per_s"] * d["duration_s"]
-                rows.append({"tree": tree, "repeat": repeat, "router_ms_per_token": 1000 * used_s / tokens,
-                             "tok_s": d["output_tokens_per_s"], "itl_p50_ms": d["itl_ms"]["p50"],
+                rows.append({"tree": tree, "repeat": repeat, "router_ms_per_token": 1000 * router_s / tokens,
+                             "decode_ms_per_token": 1000 * decode_s / tokens, "tok_s": d["output_tokens_per_s"],
+                             "tpot_p50_ms": d["tpot_ms"]["p50"], "itl_p50_ms": d["itl_ms"]["p50"],
                              "ttft_p50_ms": d["ttft_ms"]["p50"]})
                 print(json.dumps(rows[-1]), flush=True)
         finally:
@@ -79,17 +82,19 @@ def main() -> None:
     p.add_argument("--trees", nargs=2, required=True, help="two source trees (git worktrees)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--num-requests", type=int, default=48)
     args = p.parse_args()
     print(f"# {dt.date.today()} {platform.node()} {os.cpu_count()} CPUs; config: {vars(args)}", flush=True)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for _ in range(args.rounds):
             for tree in args.trees:
-                rows += run_tree(tree, args.repeats, Path(tmp))
+                rows += run_tree(tree, args, Path(tmp))
     for tree in args.trees:
         kept = [r for r in rows if r["tree"] == tree and r["repeat"] > 0]
         summary = []
-        for key in ("router_ms_per_token", "tok_s", "itl_p50_ms", "ttft_p50_ms"):
+        for key in ("router_ms_per_token", "decode_ms_per_token", "tok_s", "tpot_p50_ms", "itl_p50_ms", "ttft_p50_ms"):
             values = [r[key] for r in kept]
             summary.append(f"{key} {min(values):.3f} / {statistics.median(values):.3f} / {max(values):.3f}")
         print(f"{tree}: " + "; ".join(summary))

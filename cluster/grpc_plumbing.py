@@ -14,6 +14,7 @@ from concurrent import futures
 from pathlib import Path
 
 import grpc
+import grpc.experimental
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -219,6 +220,9 @@ def channel(address: str, max_message_bytes: int = INTERNAL_MAX_MESSAGE_BYTES,
         # the worker served again (benchmarks/chaos.py)
         ("grpc.initial_reconnect_backoff_ms", 100),
         ("grpc.max_reconnect_backoff_ms", 1000),
+        # a stream (the router's Decode) is read on the thread that iterates it, which polls the call itself:
+        # by default a channel thread polls and wakes the reader, one more thread hand-off a token
+        (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1),
     ]
     ch = dial(address, options, tls)
     if cluster_secret is None:

@@ -26,7 +26,7 @@ demo: setup
 
 test: setup
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=20 tests
 
 lint: setup
 	$(BIN)/ruff check .

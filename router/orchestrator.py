@@ -176,18 +176,28 @@ class RoutePreview:
 
 
 class _HeldReservation:
-    """Releases the reservation once, unless the decode worker took the request over (then it ends there)."""
+    """Counts the request on its decode worker from the reservation on (the worker's load report counts it from
+    then: WorkerView.track_requests) until `end`; releases the reservation once, unless the decode worker took the
+    request over (then it ends there)."""
 
     def __init__(self, orchestrator: RequestOrchestrator, reservation: Reservation):
-        self._orchestrator, self.reservation, self._done = orchestrator, reservation, False
+        self._orchestrator, self.reservation, self._done, self._counted = orchestrator, reservation, False, True
+        orchestrator.view.track_requests(reservation.decode.worker_id, +1)
 
     def taken_over(self) -> None:
         self._done = True
+
+    def end(self) -> None:
+        """The request is no longer on the decode worker (idempotent)."""
+        if self._counted:
+            self._counted = False
+            self._orchestrator.view.track_requests(self.reservation.decode.worker_id, -1)
 
     def release(self) -> None:
         if not self._done:
             self._done = True
             self._orchestrator.release(self.reservation)
+        self.end()
 
 
 class RequestOrchestrator:
@@ -501,7 +511,6 @@ class RequestOrchestrator:
                                     prefill_locally=local)
         stream = stub.Decode(message, timeout=live.remaining_s())
         live.set_call(stream)
-        self.view.track_requests(decode.worker_id, +1)
         prefilling_tokens = plan.routed_tokens if local else 0  # D's prefill work for it, until token 0
         self.view.track_tokens(decode.worker_id, prefilling_tokens)
         try:
@@ -544,7 +553,7 @@ class RequestOrchestrator:
                                      ) from None
                 raise Failed(downstream_code(e), f"decode worker {decode.worker_id}: {e.details()}") from None
         finally:
-            self.view.track_requests(decode.worker_id, -1)
+            held.end()
             self.view.track_tokens(decode.worker_id, -prefilling_tokens)
         yield last  # after the accounting above: a client's next turn, sent at once, finds this request gone
 

@@ -74,8 +74,10 @@ class WorkerView:
         if now - cached_at > REGISTRY_CACHE_S:
             try:
                 listed = self.registry.list_workers(self.model_id)
-                with self._lock:
-                    self._reported_s.update((w.worker_id, now - w.load_age_s) for w in listed)
+                with self._lock:  # only listed workers keep their report time and request log: ids churn
+                    self._reported_s = {w.worker_id: now - w.load_age_s for w in listed}
+                    for worker_id in self._request_log.keys() - self._reported_s.keys():
+                        del self._request_log[worker_id]
                 workers = self._with_rejoining(listed, workers, now)
                 if self._registry_down:
                     log.warning("router event=registry_up")

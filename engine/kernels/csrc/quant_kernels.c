@@ -110,6 +110,27 @@ static inline float hsum256(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
 }
 
+/* a block's 32 raw q values as 4 vectors of 8 floats: int8 signed; int4 byte j's low nibble is input j, its high
+ * nibble input j + 16 */
+static inline void unpack_int8_block_avx2(const int8_t *q, __m256 w[4]) {
+    __m256i raw = _mm256_loadu_si256((const __m256i *)q);
+    __m128i lo = _mm256_castsi256_si128(raw), hi = _mm256_extracti128_si256(raw, 1);
+    w[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+    w[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(lo, lo)));
+    w[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+    w[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(hi, hi)));
+}
+
+static inline void unpack_int4_block_avx2(const uint8_t *q, __m256 w[4]) {
+    const __m128i nibble = _mm_set1_epi8(0x0F);
+    __m128i raw = _mm_loadu_si128((const __m128i *)q);
+    __m128i lo = _mm_and_si128(raw, nibble), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), nibble);
+    w[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+    w[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(lo, lo)));
+    w[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+    w[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(hi, hi)));
+}
+
 static inline __attribute__((always_inline)) void block_fma_avx2(const float *x, int64_t ldx, const int rt,
                                                                  const __m256 q[4], __m256 scale,
                                                                  __m256 acc[ROW_TILE]) {
@@ -129,14 +150,8 @@ static inline __attribute__((always_inline)) void int8_tile_avx2(const float *x,
     for (int r = 0; r < rt; r++) acc[r] = _mm256_setzero_ps();
     int64_t k32 = k_in / BLOCK * BLOCK;
     for (int64_t k = 0; k < k32; k += BLOCK) {
-        __m256i raw = _mm256_loadu_si256((const __m256i *)(q + k));
-        __m128i lo = _mm256_castsi256_si128(raw), hi = _mm256_extracti128_si256(raw, 1);
-        __m256 w[4] = {
-            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)),
-            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(lo, lo))),
-            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)),
-            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(hi, hi))),
-        };
+        __m256 w[4];
+        unpack_int8_block_avx2(q + k, w);
         block_fma_avx2(x + k, ldx, rt, w, _mm256_broadcast_ss(s + k / group), acc);
     }
     for (int r = 0; r < rt; r++) sums[r] = hsum256(acc[r]);
@@ -152,16 +167,9 @@ static inline __attribute__((always_inline)) void int4_tile_avx2(const float *x,
                                                                  const float *xsum, int64_t k_in, float *sums) {
     __m256 acc[ROW_TILE];
     for (int r = 0; r < rt; r++) acc[r] = _mm256_setzero_ps();
-    const __m128i nibble = _mm_set1_epi8(0x0F);
     for (int64_t g = 0; g < k_in / BLOCK; g++) {
-        __m128i raw = _mm_loadu_si128((const __m128i *)(q + g * (BLOCK / 2)));
-        __m128i lo = _mm_and_si128(raw, nibble), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), nibble);
-        __m256 w[4] = { /* inputs 0-7, 8-15 (low nibbles), 16-23, 24-31 (high nibbles) */
-            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)),
-            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(lo, lo))),
-            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)),
-            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(hi, hi))),
-        };
+        __m256 w[4]; /* inputs 0-7, 8-15 (low nibbles), 16-23, 24-31 (high nibbles) */
+        unpack_int4_block_avx2(q + g * (BLOCK / 2), w);
         block_fma_avx2(x + g * BLOCK, ldx, rt, w, _mm256_broadcast_ss(s + g), acc);
     }
     for (int r = 0; r < rt; r++) sums[r] = hsum256(acc[r]);
@@ -853,33 +861,57 @@ void duet_quantized_linear_q8(const void *x, int64_t ldx, int kind, const void *
     free(owned);
 }
 
-/* The whole weight as float32 [n_out, k_in], one pass (the many-rows path hands it to a GEMM); the plain loops,
- * which the compiler vectorizes: each element is q * s (+ m), the twin's two roundings. */
-void duet_int8_dequantize(const int8_t *qweight, const float *scales, int64_t group, float *out, int64_t n_out,
-                          int64_t k_in) {
+/* Row o of W as float32 into dst [k_in]: q * s (+ m), the twin's two roundings (this file is built with
+ * -ffp-contract=off). The many-row paths take it: the whole-weight pass below (for a GEMM) and, on builds without
+ * AVX-512, csrc/quant_panels.c's panels. AVX2 unpacks a block as the kernels above do: GCC 12 turns the plain int4
+ * loop into scalar extracts and inserts (3 ms for SmolLM2's gate_up on a Zen 3, 0.3 ms this way). */
+void duet_dequantize_row(int kind, const void *qweight, const float *scales, const float *mins, int64_t group,
+                         int64_t o, int64_t k_in, float *dst) {
     int64_t groups = k_in / group;
-#pragma omp parallel for schedule(static) if (n_out * k_in >= PARALLEL_MIN_WEIGHTS)
-    for (int64_t o = 0; o < n_out; o++)
+    if (kind == 8) {
+        const int8_t *q = (const int8_t *)qweight + o * k_in;
         for (int64_t g = 0; g < groups; g++) {
             float sc = scales[o * groups + g];
-            const int8_t *qg = qweight + o * k_in + g * group;
-            float *dst = out + o * k_in + g * group;
-            for (int64_t j = 0; j < group; j++) dst[j] = (float)qg[j] * sc;
+            int64_t j = g * group, end = (g + 1) * group;
+#if defined(QUANT_AVX2)
+            for (; j + BLOCK <= end; j += BLOCK) {
+                __m256 w[4];
+                unpack_int8_block_avx2(q + j, w);
+                for (int i = 0; i < 4; i++) _mm256_storeu_ps(dst + j + 8 * i, _mm256_mul_ps(w[i], _mm256_set1_ps(sc)));
+            }
+#endif
+            for (; j < end; j++) dst[j] = (float)q[j] * sc; /* per-channel widths: no multiple of 32 */
         }
+    } else {
+        const uint8_t *q = (const uint8_t *)qweight + o * (k_in / 2);
+        for (int64_t g = 0; g < groups; g++) {
+            float sc = scales[o * groups + g], mn = mins[o * groups + g];
+            const uint8_t *qg = q + g * (BLOCK / 2);
+            float *d = dst + g * BLOCK;
+#if defined(QUANT_AVX2)
+            __m256 w[4];
+            unpack_int4_block_avx2(qg, w);
+            for (int i = 0; i < 4; i++)
+                _mm256_storeu_ps(d + 8 * i, _mm256_add_ps(_mm256_mul_ps(w[i], _mm256_set1_ps(sc)), _mm256_set1_ps(mn)));
+#else
+            for (int j = 0; j < BLOCK / 2; j++) {
+                d[j] = (float)(qg[j] & 0x0F) * sc + mn;
+                d[j + BLOCK / 2] = (float)(qg[j] >> 4) * sc + mn;
+            }
+#endif
+        }
+    }
+}
+
+/* The whole weight as float32 [n_out, k_in], one pass (the many-rows path hands it to a GEMM). */
+void duet_int8_dequantize(const int8_t *qweight, const float *scales, int64_t group, float *out, int64_t n_out,
+                          int64_t k_in) {
+#pragma omp parallel for schedule(static) if (n_out * k_in >= PARALLEL_MIN_WEIGHTS)
+    for (int64_t o = 0; o < n_out; o++) duet_dequantize_row(8, qweight, scales, NULL, group, o, k_in, out + o * k_in);
 }
 
 void duet_int4_dequantize(const uint8_t *qweight, const float *scales, const float *mins, float *out, int64_t n_out,
                           int64_t k_in) {
-    int64_t groups = k_in / BLOCK;
 #pragma omp parallel for schedule(static) if (n_out * k_in >= PARALLEL_MIN_WEIGHTS)
-    for (int64_t o = 0; o < n_out; o++)
-        for (int64_t g = 0; g < groups; g++) {
-            float sc = scales[o * groups + g], mn = mins[o * groups + g];
-            const uint8_t *qg = qweight + o * (k_in / 2) + g * (BLOCK / 2);
-            float *dst = out + o * k_in + g * BLOCK;
-            for (int j = 0; j < BLOCK / 2; j++) {
-                dst[j] = (float)(qg[j] & 0x0F) * sc + mn;
-                dst[j + BLOCK / 2] = (float)(qg[j] >> 4) * sc + mn;
-            }
-        }
+    for (int64_t o = 0; o < n_out; o++) duet_dequantize_row(4, qweight, scales, mins, BLOCK, o, k_in, out + o * k_in);
 }

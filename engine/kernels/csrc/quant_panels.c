@@ -11,9 +11,11 @@
  *   per 16 inputs: 4 loads of x, 4 of the panel, 16 FMAs; at the end the 16 accumulators are summed across
  *   their lanes in one tree (reduce16): 30 two-vector shuffles and 15 adds give out[r][i] in lane 4r + i.
  *
- * Written with csrc/vec16.h's 16-lane vectors, so every build runs the same code. The products are the twin's
- * (dequantized weight times x) summed in another order, with fused multiply-adds (the int4 dequantization too:
- * q * s + m rounded once where the twin rounds twice): equal to the twin up to float32 rounding.
+ * Written with csrc/vec16.h's 16-lane vectors for AVX-512; builds without it (AVX2: 16 registers of 8 lanes) run
+ * the tile as two 2 x 4 halves of 8-lane vectors and dequantize with quant_kernels.c's row dequantizer. The
+ * products are the twin's (dequantized weight times x) summed in another order, with fused multiply-adds (on
+ * AVX-512 the int4 dequantization too: q * s + m rounded once where the twin rounds twice): equal to the twin up
+ * to float32 rounding.
  *
  * bfloat16 activations on a CPU with AVX512-BF16 take `duet_quant_panels_bf16`: the panel is dequantized to
  * float32 and rounded to bfloat16 (what a bf16 model's dense weight is), and the tiles run vdpbf16ps, two products
@@ -35,7 +37,9 @@
 #include <immintrin.h>
 #endif
 
-/* out[4r + i] = x[r] . w[i] over k_in inputs: four rows of x (row stride ldx) against four panel rows */
+#if defined(__AVX512F__)
+/* out[4r + i] = x[r] . w[i] over k_in inputs: four rows of x (row stride ldx) against four panel rows; the 16
+ * accumulators take 16 of AVX-512's 32 registers */
 static void tile4x4(const float *const x[4], const float *w, int64_t k_in, float out[16]) {
     v16 acc[16] = {0};
     int64_t k16 = k_in / 16 * 16;
@@ -52,6 +56,58 @@ static void tile4x4(const float *const x[4], const float *w, int64_t k_in, float
         for (int r = 0; r < 4; r++)
             for (int i = 0; i < 4; i++) out[4 * r + i] += x[r][k] * w[i * k_in + k];
 }
+
+#else
+/* Without AVX-512 a 16-lane vector is two of AVX2's 16 registers, so the 4 x 4 tile above would keep 32 registers
+ * of accumulators and spill on every FMA (4-6x slower than the per-output-row loops on a Zen 3). Here the tile runs
+ * as two 2 x 4 halves of 8-lane vectors: 8 accumulators, 2 of x and 4 of w, 14 registers. */
+typedef float v8 __attribute__((vector_size(32)));
+
+static inline v8 load8(const float *p) {
+    v8 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* out lane j = the sum of acc[j]'s 8 lanes (reduce16's tree, one level fewer) */
+static inline v8 reduce8(const v8 acc[8]) {
+    v8 c[4], e[2];
+    for (int j = 0; j < 4; j++) /* lanes 0-3: acc[2j]'s 4 partials, 4-7: acc[2j + 1]'s */
+        c[j] = FOLD(acc[2 * j], acc[2 * j + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+               FOLD(acc[2 * j], acc[2 * j + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+    for (int j = 0; j < 2; j++) /* four sums of 2 partials each */
+        e[j] = FOLD(c[2 * j], c[2 * j + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+               FOLD(c[2 * j], c[2 * j + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+    return FOLD(e[0], e[1], 0, 2, 4, 6, 8, 10, 12, 14) + FOLD(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15);
+}
+
+/* out[4r + i] = x[r] . w[i] for two rows of x against four panel rows */
+static void tile2x4(const float *x0, const float *x1, const float *w, int64_t k_in, float out[8]) {
+    v8 acc[8] = {0};
+    int64_t k8 = k_in / 8 * 8;
+    for (int64_t k = 0; k < k8; k += 8) {
+        v8 x0v = load8(x0 + k), x1v = load8(x1 + k);
+#if defined(__x86_64__)
+        /* in registers: GCC 12 otherwise reloads x as each FMA's memory operand, 12 loads to 8 FMAs (load-bound) */
+        __asm__("" : "+x"(x0v), "+x"(x1v));
+#endif
+        for (int i = 0; i < 4; i++) {
+            v8 wv = load8(w + i * k_in + k);
+            acc[i] += x0v * wv;
+            acc[4 + i] += x1v * wv;
+        }
+    }
+    v8 sums = reduce8(acc);
+    memcpy(out, &sums, sizeof sums);
+    for (int64_t k = k8; k < k_in; k++) /* widths that are no multiple of 8 (per-channel int8) */
+        for (int i = 0; i < 4; i++) out[i] += x0[k] * w[i * k_in + k], out[4 + i] += x1[k] * w[i * k_in + k];
+}
+
+static void tile4x4(const float *const x[4], const float *w, int64_t k_in, float out[16]) {
+    tile2x4(x[0], x[1], w, k_in, out);
+    tile2x4(x[2], x[3], w, k_in, out + 8);
+}
+#endif
 
 typedef int8_t i8x16 __attribute__((vector_size(16)));
 typedef uint8_t u8x16 __attribute__((vector_size(16)));
@@ -82,6 +138,7 @@ static inline void put1(void *dst, int64_t j, float v, int to_bf16) {
         ((float *)dst)[j] = v;
 }
 
+#if defined(__AVX512F__)
 /* row o of the weight into dst [k_in] (float32, or bfloat16 with to_bf16): q * s (+ m), sixteen inputs at a time */
 static void dequantize_row(int kind, const void *qweight, const float *scales, const float *mins, int64_t group,
                            int64_t o, int64_t k_in, void *dst, int to_bf16) {
@@ -109,6 +166,20 @@ static void dequantize_row(int kind, const void *qweight, const float *scales, c
         }
     }
 }
+
+#else
+/* Without AVX-512, GCC 12 lowers the 16-lane byte conversions above to scalar extracts and inserts (int4's took
+ * two thirds of an 8-row call on a Zen 3): quant_kernels.c's row dequantizer unpacks with AVX2 instead. No
+ * bfloat16 panels here: they need AVX512-BF16. */
+void duet_dequantize_row(int kind, const void *qweight, const float *scales, const float *mins, int64_t group,
+                         int64_t o, int64_t k_in, float *dst);
+
+static void dequantize_row(int kind, const void *qweight, const float *scales, const float *mins, int64_t group,
+                           int64_t o, int64_t k_in, void *dst, int to_bf16) {
+    if (to_bf16) abort(); /* by_panels takes bf16 only where duet_quant_panels_bf16_available() */
+    duet_dequantize_row(kind, qweight, scales, mins, group, o, k_in, dst);
+}
+#endif
 
 
 #if defined(__AVX512BF16__)

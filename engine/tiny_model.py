@@ -28,6 +28,8 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
+from engine.cache_dir import duet_cache_dir
+
 ARCHS = ("llama", "qwen2")
 DTYPES = ("float32", "bfloat16", "float16")
 BOS_TOKEN = "<|begin_of_text|>"
@@ -164,8 +166,7 @@ def default_model_dir() -> Path:
     temporary directory next to it and renamed into place, so a reader never sees a half-written checkpoint;
     if another process wins the race, its copy is used.
     """
-    cache_dir = Path(os.environ.get("DUET_CACHE_DIR") or Path.home() / ".cache" / "duet")
-    target = cache_dir / "models" / DEFAULT_MODEL_NAME
+    target = duet_cache_dir() / "models" / DEFAULT_MODEL_NAME
     if target.is_dir():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

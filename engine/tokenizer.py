@@ -140,26 +140,20 @@ class Tokenizer:
         generation ends at the file's eos, and at its end-of-turn / end-of-message tokens where it names them
         (llama.cpp stops at all three). Raises ModelLoadError for a file that is not a supported GGUF."""
         from engine.gguf_file import open_gguf
+        from engine.gguf_tokenizer import converted_tokenizer
 
         file = open_gguf(path)  # refuses bad files and architectures with the engine's own messages
-        from transformers import AutoTokenizer
-
-        try:
-            converted = AutoTokenizer.from_pretrained(str(file.path.parent), gguf_file=file.path.name)
-        except Exception as e:  # transformers raises ValueError, KeyError, ... for what it cannot convert
-            raise ModelLoadError(f"{file.path}: the tokenizer in its metadata (tokenizer.ggml.*) cannot be "
-                                 f"converted by transformers ({type(e).__name__}: {e})") from None
+        converted = converted_tokenizer(file)
+        backend = BackendTokenizer.from_str(converted.backend_json)
+        backend.encode_special_tokens = converted.encode_special_tokens
         eos_keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
-        extra = converted.extra_special_tokens
-        special_tokens = {name: str(token) for name, token in converted.special_tokens_map.items()
-                          if isinstance(token, str) and name in NAMED_SPECIAL_TOKENS}
         return cls(
-            converted.backend_tokenizer,
-            special_tokens=special_tokens,
-            extra_special_tokens=[str(token) for token in (extra.values() if isinstance(extra, dict) else extra)],
+            backend,
+            special_tokens=converted.special_tokens,
+            extra_special_tokens=converted.extra_special_tokens,
             eos_token_ids=[int(file.number(key)) for key in eos_keys if file.has(key)],
             chat_template=converted.chat_template,
-            clean_up_tokenization_spaces=bool(converted.clean_up_tokenization_spaces),
+            clean_up_tokenization_spaces=converted.clean_up_tokenization_spaces,
             name=str(file.path),
         )
 

@@ -14,7 +14,8 @@ the specs do not cover exactly, so a swap done too early fails here instead of l
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,10 +105,44 @@ def _natural_key(name: str) -> list:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
 
+# torch.nn.init's initializers: the layers' constructors call them (nn.Linear, nn.Embedding)
+_INITIALIZERS = ("uniform_", "normal_", "constant_", "ones_", "zeros_", "kaiming_uniform_", "kaiming_normal_",
+                 "xavier_uniform_", "xavier_normal_", "trunc_normal_")
+
+
+@contextmanager
+def _no_random_init() -> Iterator[None]:
+    """Layers built inside skip their random initialization: every weight is loaded afterwards anyway.
+
+    Why: on the meta device the initializers are the only ops without a C++ meta kernel, and the first one
+    imports torch's Python meta registrations (~900 modules: ~2.5 s of every process's start on a 2-core
+    guest). torch.nn.init's functions are swapped for no-ops for the duration (as transformers'
+    `no_init_weights` does) and put back in `finally`."""
+    saved = {name: getattr(torch.nn.init, name) for name in _INITIALIZERS}
+    try:
+        for name in _INITIALIZERS:
+            setattr(torch.nn.init, name, _return_tensor)
+        yield
+    finally:
+        for name, initializer in saved.items():
+            setattr(torch.nn.init, name, initializer)
+
+
+def _return_tensor(tensor: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+    return tensor
+
+
+def _materialize(model: torch.nn.Module, device: torch.device) -> None:
+    """`model.to_empty(device)`: every parameter and buffer on `device`, uninitialized. Why not `to_empty`: it
+    allocates through torch's Python reference of `empty_like`, whose first call imports sympy (~1 s of every
+    process's start); `torch.empty` does not."""
+    model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
+
+
 def _meta_model(config: ModelConfig, dtype: torch.dtype, max_positions: int, shard: Shard | None,
                 tp: TPGroup | None) -> LlamaForCausalLM:
     """The plain model (or rank's parallelized shard) on the meta device: shapes and dtypes, no memory."""
-    with torch.device("meta"):
+    with torch.device("meta"), _no_random_init():
         if shard is None:
             model = LlamaForCausalLM(config, max_positions)
         else:
@@ -143,7 +178,7 @@ def build_model(config: ModelConfig, model_dir: str | Path, dtype: torch.dtype, 
     model = _meta_model(config, dtype, max_positions, shard, tp)
     with torch.no_grad(), open_source(model_dir) as source:
         plan = plan_quantization(model, tensor_specs(config), source, mode, shard)  # a transformation, on meta
-        model.to_empty(device=device)
+        _materialize(model, torch.device(device))
         model.rotary.to(device)  # a plain attribute, not a buffer: built on CPU in the constructor
         load_weights(model, plan.dense_specs, source, shard)
         load_quantized(model, plan, source, shard)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -26,6 +27,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.engine_config import add_engine_flags
 from engine.errors import ModelLoadError
 from engine.gguf_source import GGUFSource, hf_name, unpermute_rows
+from engine.gguf_tokenizer import cache_path
 from engine.model_runner import allocate_kv_caches
 from engine.scheduler import ScheduledChunk
 from engine.tensor_source import TensorSlice
@@ -130,6 +132,7 @@ def _add_tokenizer(writer: gguf.GGUFWriter, model_dir: Path, arch: str) -> None:
     writer.add_eos_token_id(eos[0] if isinstance(eos, list) else eos)
     if generation.get("bos_token_id") is not None:
         writer.add_bos_token_id(generation["bos_token_id"])
+    writer.add_chat_template(json.loads((model_dir / "tokenizer_config.json").read_text())["chat_template"])
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
@@ -220,6 +223,47 @@ def test_tiny_gguf_tokenizer_matches_transformers(tiny_gguf):
         assert ours.encode(text) == ref(text)["input_ids"], text
         assert ours.decode(ours.encode(text)) == ref.decode(ref(text)["input_ids"], skip_special_tokens=True)
     assert ours.eos_token_ids == {ref.eos_token_id} and ours.bos_token_id == ref.bos_token_id
+
+
+def test_gguf_tokenizer_is_converted_once_and_read_back_from_the_cache(tiny_gguf, tmp_path, monkeypatch, caplog):
+    """The first load converts with transformers and writes the cache; later loads read it without transformers
+    and give the same tokenizer; a changed file, or a damaged cache file, is converted again."""
+    _, original, _ = tiny_gguf
+    path = tmp_path / "model.gguf"
+    path.write_bytes(original.read_bytes())
+    monkeypatch.setenv("DUET_CACHE_DIR", str(tmp_path / "cache"))
+    cache_file = cache_path(path)
+    assert cache_file.parent == tmp_path / "cache" / "tokenizers" and not cache_file.exists()
+    first = Tokenizer.from_path(path)
+    assert [p.name for p in cache_file.parent.iterdir()] == [cache_file.name]  # no temporary file left
+    assert json.loads(cache_file.read_text())["special_tokens"]["eos_token"] == first.decode(
+        sorted(first.eos_token_ids)[:1], skip_special_tokens=False)
+
+    def no_conversion(*args, **kwargs):
+        raise AssertionError("converted again despite the cache")
+
+    with monkeypatch.context() as m:
+        m.setattr(transformers.AutoTokenizer, "from_pretrained", no_conversion)
+        again = Tokenizer.from_path(path)
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi <|im_end|> there"}]
+    for text in ["Hello world", "  two spaces, ça va? 123456", "<|im_start|>user\nhi<|im_end|>", ""]:
+        assert again.encode(text) == first.encode(text), text
+    ids = first.encode("Hello <|im_start|> world")
+    assert again.decode(ids) == first.decode(ids) and again.decode(ids, skip_special_tokens=False) == \
+        first.decode(ids, skip_special_tokens=False)
+    assert again.apply_chat_template(chat, add_generation_prompt=True) == \
+        first.apply_chat_template(chat, add_generation_prompt=True)
+    assert (again.eos_token_ids, again.bos_token_id, again.vocab_size) == \
+        (first.eos_token_ids, first.bos_token_id, first.vocab_size)
+
+    cache_file.write_text("{truncated")  # a damaged cache: converted again (with a warning) and rewritten
+    with caplog.at_level("WARNING", logger="duet.tokenizer"):
+        assert Tokenizer.from_path(path).encode("Hello world") == first.encode("Hello world")
+    assert "unreadable" in caplog.text and json.loads(cache_file.read_text())["backend_json"]
+
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))  # a rewritten file: another key
+    assert cache_path(path) != cache_file
 
 
 def test_tiny_gguf_tp2_gives_the_tp1_tokens(tiny_gguf):

@@ -13,7 +13,7 @@ from engine.model import LlamaForCausalLM
 from engine.tensor_parallel import TPGroup, plan_shard
 from engine.tensor_source import SafetensorsSource, TensorSlice, open_source
 from engine.tensor_specs import Split, tensor_specs
-from engine.weights import build_model, load_weights
+from engine.weights import _INITIALIZERS, build_model, load_weights
 
 
 def copy(src, dst):
@@ -71,6 +71,22 @@ def test_plain_loading_equals_the_checkpoint(tiny_qwen2_dir):
     assert dict(model.named_parameters()).keys() == expected_shard(full, config, 0, 1).keys()
     for name, tensor in expected_shard(full, config, 0, 1).items():
         assert torch.equal(dict(model.named_parameters())[name], tensor), name
+
+
+def test_building_skips_random_init_and_puts_torch_init_back(tiny_qwen2_dir):
+    """The model is built without running torch.nn.init's initializers (every weight is loaded), and they are
+    torch's own again afterwards."""
+    initializers = {name: getattr(torch.nn.init, name) for name in _INITIALIZERS}
+    config = ModelConfig.from_dir(tiny_qwen2_dir)
+    calls = []
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(torch.nn.init, "normal_", lambda tensor, *a, **k: calls.append(tensor.shape) or tensor)
+        initializers["normal_"] = torch.nn.init.normal_
+        build_model(config, tiny_qwen2_dir, torch.float32, 64)
+        assert calls == []  # nn.Embedding's normal_ was not run
+        assert {name: getattr(torch.nn.init, name) for name in _INITIALIZERS} == initializers
+        torch.nn.Embedding(4, 2)  # the initializer in place again
+        assert calls == [(4, 2)]
 
 
 def test_specs_list_every_checkpoint_tensor_once(tiny_llama_dir, tiny_qwen2_dir):

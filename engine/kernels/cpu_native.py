@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from engine.cache_dir import duet_cache_dir
 from engine.quant_format import INT4_GROUP, QuantizedWeight
 
 log = logging.getLogger("duet.engine")
@@ -52,8 +53,7 @@ _tried = False
 
 
 def cache_dir() -> Path:
-    base = os.environ.get("DUET_CACHE_DIR")
-    return (Path(base) if base else Path.home() / ".cache" / "duet") / "kernels"
+    return duet_cache_dir() / "kernels"
 
 
 def _cpu_signature() -> str:

@@ -98,17 +98,8 @@ static inline void add_min_terms(int rt, const float *m, const float *xsum, int6
     }
 }
 
-/* ---- AVX2: a 32-input block is 4 vectors of 8 ----------------------------------------------------------------
- * Factored form: acc[r] += s * (x[r, block] · q) (and, int4, + m * sum(x[r, group]) afterwards): the dot product
- * on the raw q values in two independent chains, scaled once, so dequantizing costs one FMA a block, not four
- * (a GEMV here is bound by these instructions, not by DRAM). One accumulator per row: its chain is one FMA a
- * block, shorter than the block's other work. */
-#if defined(QUANT_AVX2)
-static inline float hsum256(__m256 v) {
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
-}
+#if defined(__AVX2__) /* AVX-512 builds too: duet_dequantize_row unpacks with these in every build that has AVX2 */
+#include <immintrin.h>
 
 /* a block's 32 raw q values as 4 vectors of 8 floats: int8 signed; int4 byte j's low nibble is input j, its high
  * nibble input j + 16 */
@@ -129,6 +120,19 @@ static inline void unpack_int4_block_avx2(const uint8_t *q, __m256 w[4]) {
     w[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(lo, lo)));
     w[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
     w[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(hi, hi)));
+}
+#endif
+
+/* ---- AVX2: a 32-input block is 4 vectors of 8 ----------------------------------------------------------------
+ * Factored form: acc[r] += s * (x[r, block] · q) (and, int4, + m * sum(x[r, group]) afterwards): the dot product
+ * on the raw q values in two independent chains, scaled once, so dequantizing costs one FMA a block, not four
+ * (a GEMV here is bound by these instructions, not by DRAM). One accumulator per row: its chain is one FMA a
+ * block, shorter than the block's other work. */
+#if defined(QUANT_AVX2)
+static inline float hsum256(__m256 v) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
 }
 
 static inline __attribute__((always_inline)) void block_fma_avx2(const float *x, int64_t ldx, const int rt,
@@ -863,9 +867,9 @@ void duet_quantized_linear_q8(const void *x, int64_t ldx, int kind, const void *
 
 /* Row o of W as float32 into dst [k_in]: q * s (+ m), the twin's two roundings (this file is built with
  * -ffp-contract=off). The many-row paths take it: the whole-weight pass below (for a GEMM) and, on builds without
- * AVX-512, csrc/quant_panels.c's panels. AVX2 unpacks a block as the kernels above do: GCC 12 turns the plain int4
- * loop into scalar extracts and inserts (dequantize + GEMV of SmolLM2's gate_up on a Zen 3: 3.1 ms that way, 0.75 ms
- * this way). */
+ * AVX-512, csrc/quant_panels.c's panels. Any build with AVX2 (AVX-512 ones too) unpacks a block as the AVX2
+ * kernels do: GCC 12 turns the plain int4 loop into scalar extracts and inserts (dequantize + GEMV of SmolLM2's
+ * gate_up on a Zen 3: 3.1 ms that way, 0.75 ms this way). */
 void duet_dequantize_row(int kind, const void *qweight, const float *scales, const float *mins, int64_t group,
                          int64_t o, int64_t k_in, float *dst) {
     int64_t groups = k_in / group;
@@ -874,7 +878,7 @@ void duet_dequantize_row(int kind, const void *qweight, const float *scales, con
         for (int64_t g = 0; g < groups; g++) {
             float sc = scales[o * groups + g];
             int64_t j = g * group, end = (g + 1) * group;
-#if defined(QUANT_AVX2)
+#if defined(__AVX2__)
             for (; j + BLOCK <= end; j += BLOCK) {
                 __m256 w[4];
                 unpack_int8_block_avx2(q + j, w);
@@ -889,7 +893,7 @@ void duet_dequantize_row(int kind, const void *qweight, const float *scales, con
             float sc = scales[o * groups + g], mn = mins[o * groups + g];
             const uint8_t *qg = q + g * (BLOCK / 2);
             float *d = dst + g * BLOCK;
-#if defined(QUANT_AVX2)
+#if defined(__AVX2__)
             __m256 w[4];
             unpack_int4_block_avx2(qg, w);
             for (int i = 0; i < 4; i++)

@@ -6,9 +6,9 @@ vocabulary and merges in Python: ~6 s for SmolLM2's 49k tokens on a 2-core guest
 the model (`duet up` starts four at once). What the engine keeps of the result (`ConvertedTokenizer`: the
 `tokenizers` pipeline as JSON, the special tokens, the chat template) is written to
 $DUET_CACHE_DIR/tokenizers/ under a key of the file (resolved path, size, mtime) and of the versions that
-converted it, so a later load reads one JSON file (~0.2 s) without importing transformers. The file is written
-under a temporary name and renamed into place: a reader never sees half of one, and concurrent first loads
-write the same bytes.
+converted it, so a later load reads one JSON file (~0.2 s) without importing transformers. Processes that load
+the same file together convert it once (`cache_lock`), and the file is written under a temporary name and
+renamed into place, so a reader never sees half of one.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
-from engine.cache_dir import duet_cache_dir
+from engine.cache_dir import cache_lock, duet_cache_dir
 from engine.errors import ModelLoadError
 
 if TYPE_CHECKING:
@@ -52,8 +52,13 @@ def converted_tokenizer(file: GGUFFile) -> ConvertedTokenizer:
     cached = _read(cache_file)
     if cached is not None:
         return cached
-    converted = _convert(file)
-    _write(cache_file, converted)
+    with cache_lock(f"tokenizer-{cache_file.stem}"):  # processes loading together: one converts, the others read
+        cached = _read(cache_file)
+        if cached is not None:
+            return cached
+        log.info("converting the tokenizer of %s with transformers (cached in %s)", file.path, cache_file)
+        converted = _convert(file)
+        _write(cache_file, converted)
     return converted
 
 

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from engine.cache_dir import duet_cache_dir
+from engine.cache_dir import cache_lock, duet_cache_dir
 from engine.quant_format import INT4_GROUP, QuantizedWeight
 
 log = logging.getLogger("duet.engine")
@@ -80,16 +80,19 @@ def _build(compiler: str, flags: list[str] = FLAGS) -> Path:
     target = cache_dir() / f"duet_cpu_kernels-{key}.so"
     if target.is_file():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        subprocess.run([compiler, *flags, *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True, text=True,
-                       check=True)
-        os.replace(tmp, target)  # atomic: a concurrent build of the same key writes the same bytes
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with cache_lock(f"kernels-{key}"):  # processes starting together: one compiles, the others wait for it
+        if target.is_file():
+            return target
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=target.parent)
+        os.close(fd)
+        try:
+            subprocess.run([compiler, *flags, *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True, text=True,
+                           check=True)
+            os.replace(tmp, target)  # atomic: a reader never loads half a library
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
     return target
 
 

@@ -301,7 +301,7 @@ class RequestOrchestrator:
                 if not live.is_active() or code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED):
                     self.release_by_request(info, request.request_id)  # it may have reserved after we gave up
                 if not live.is_active():
-                    raise Failed(grpc.StatusCode.CANCELLED, "request cancelled") from None
+                    raise live.ended() from None
                 self.blame(info, e, live)  # unreachable or slow: try the next one
         if exhausted:
             pushback_ms = pushback_ms or DEFAULT_PUSHBACK_MS

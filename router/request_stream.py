@@ -56,6 +56,14 @@ class Live:
         """The client is still there and its deadline has not passed."""
         return not self.cancelled and (self.deadline_s is None or time.monotonic() < self.deadline_s)
 
+    def ended(self) -> Failed:
+        """What ends a request that is no longer active: CANCELLED when its client went away (or it was
+        aborted), DEADLINE_EXCEEDED when its deadline passed; the status the client expects either way (an HTTP
+        client with a 20 ms timeout got a 500 for a CANCELLED the router raised before its own 504 fired)."""
+        if not (self.cancelled or self.aborted) and self.deadline_s is not None and time.monotonic() >= self.deadline_s:
+            return Failed(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+        return Failed(grpc.StatusCode.CANCELLED, "request cancelled")
+
 
 class Failed(Exception):
     """Ends a request with this gRPC status (and trailers, e.g. a retry hint)."""

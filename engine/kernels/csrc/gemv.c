@@ -80,21 +80,69 @@ static inline __attribute__((always_inline)) void hsums(const v16 *acc, int n, f
  * the loops unroll into xr * wr accumulators), x rows contiguous [xr, k_in]. Each pair has one accumulator over k,
  * reduced in one tree, then the tail in scalars: the same arithmetic whatever tile, run, thread or row count
  * computes it. */
+#if !defined(__AVX512F__)
+typedef float v8 __attribute__((vector_size(32)));
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+
+static inline v8 load8(const float *p) {
+    v8 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline v8 load8_bf16(const uint16_t *p) { /* 8 bf16 values as float32: the bits shifted up */
+    u16x8 h;
+    memcpy(&h, p, sizeof h);
+    return (v8)(__builtin_convertvector(h, u32x8) << 16);
+}
+
+/* tile_dot's sums without AVX-512: each pair's 16-lane accumulator kept as its two 8-lane halves (lanes 0-7 and
+ * 8-15), the same products into the same lanes, so the same results. Why: GCC 12 keeps 64-byte vectors in memory
+ * where the CPU has no 64-byte registers, every `acc +=` a round trip through the stack in 64-bit pieces (the bf16
+ * GEMV ran ~10 GB/s and the fp32 one compute-bound on a Zen 3). A weight row's halves are loaded once for the xr
+ * rows of x: 2 xr wr accumulators, in registers up to wr = 4 at one or two rows. */
+static inline __attribute__((always_inline)) void tile_dot_halves(const float *x, int xr, const void *const *w_rows,
+                                                                  int wr, int bf16_w, int64_t k_in, v16 *acc) {
+    v8 lo[X_TILE * RUNS], hi[X_TILE * RUNS];
+    for (int i = 0; i < xr * wr; i++) lo[i] = hi[i] = (v8){0};
+    for (int64_t k = 0; k + 16 <= k_in; k += 16) {
+        for (int c = 0; c < wr; c++) {
+            const float *w32 = (const float *)w_rows[c] + k;
+            const uint16_t *w16 = (const uint16_t *)w_rows[c] + k;
+            v8 wl = bf16_w ? load8_bf16(w16) : load8(w32), wh = bf16_w ? load8_bf16(w16 + 8) : load8(w32 + 8);
+            for (int r = 0; r < xr; r++) {
+                lo[r * wr + c] += wl * load8(x + r * k_in + k);
+                hi[r * wr + c] += wh * load8(x + r * k_in + k + 8);
+            }
+        }
+    }
+    for (int i = 0; i < xr * wr; i++) {
+        memcpy(&acc[i], &lo[i], sizeof lo[i]);
+        memcpy((char *)&acc[i] + sizeof lo[i], &hi[i], sizeof hi[i]);
+    }
+}
+#endif
+
 static inline __attribute__((always_inline)) void tile_dot(const float *x, int xr, const void *const *w_rows, int wr,
                                                            int bf16_w, int64_t k_in, float *sums) {
     v16 acc[X_TILE * RUNS];
+    int64_t k = k_in / 16 * 16;
+#if defined(__AVX512F__)
     for (int i = 0; i < xr * wr; i++) acc[i] = (v16){0};
-    int64_t k = 0;
-    for (; k + 16 <= k_in; k += 16) {
+    for (int64_t j = 0; j < k; j += 16) {
         v16 w[RUNS];
         for (int c = 0; c < wr; c++)
-            w[c] = bf16_w ? load16_bf16((const uint16_t *)w_rows[c] + k) : load16((const float *)w_rows[c] + k);
+            w[c] = bf16_w ? load16_bf16((const uint16_t *)w_rows[c] + j) : load16((const float *)w_rows[c] + j);
         for (int r = 0; r < xr; r++) {
-            v16 xv = load16(x + r * k_in + k);
+            v16 xv = load16(x + r * k_in + j);
             IN_REGISTER(xv);
             for (int c = 0; c < wr; c++) acc[r * wr + c] += w[c] * xv;
         }
     }
+#else
+    tile_dot_halves(x, xr, w_rows, wr, bf16_w, k_in, acc);
+#endif
     hsums(acc, xr * wr, sums);
     for (int r = 0; r < xr; r++)
         for (int c = 0; c < wr; c++) {

@@ -82,7 +82,6 @@ static inline __attribute__((always_inline)) void hsums(const v16 *acc, int n, f
  * computes it. */
 #if !defined(__AVX512F__)
 typedef float v8 __attribute__((vector_size(32)));
-typedef uint16_t u16x8 __attribute__((vector_size(16)));
 typedef uint32_t u32x8 __attribute__((vector_size(32)));
 
 static inline v8 load8(const float *p) {
@@ -91,17 +90,22 @@ static inline v8 load8(const float *p) {
     return v;
 }
 
-static inline v8 load8_bf16(const uint16_t *p) { /* 8 bf16 values as float32: the bits shifted up */
-    u16x8 h;
-    memcpy(&h, p, sizeof h);
-    return (v8)(__builtin_convertvector(h, u32x8) << 16);
+/* 16 bf16 weights as float32 without widening them lane by lane: as 8 32-bit words, each holding an even input's
+ * bf16 in its low half and the next (odd) input's in its high half, shifted up and masked: two instructions where
+ * widening took five. They meet x deinterleaved to match (`widen_x`). */
+static inline void load16_bf16_pairs(const uint16_t *p, v8 *even, v8 *odd) {
+    u32x8 pairs;
+    memcpy(&pairs, p, sizeof pairs);
+    *even = (v8)(pairs << 16);
+    *odd = (v8)(pairs & 0xFFFF0000u);
 }
 
-/* tile_dot's sums without AVX-512: each pair's 16-lane accumulator kept as its two 8-lane halves (lanes 0-7 and
- * 8-15), the same products into the same lanes, so the same results. Why: GCC 12 keeps 64-byte vectors in memory
- * where the CPU has no 64-byte registers, every `acc +=` a round trip through the stack in 64-bit pieces (the bf16
- * GEMV ran ~10 GB/s and the fp32 one compute-bound on a Zen 3). A weight row's halves are loaded once for the xr
- * rows of x: 2 xr wr accumulators, in registers up to wr = 4 at one or two rows. */
+/* tile_dot's sums without AVX-512: each pair's 16-lane accumulator kept as two 8-lane halves, each lane summed as
+ * one lane of the 16 would be (fp32: lanes 0-7 and 8-15; bf16: even inputs in the first half, odd in the second,
+ * against x deinterleaved). Why: GCC 12 keeps 64-byte vectors in memory where the CPU has no 64-byte registers,
+ * every `acc +=` a round trip through the stack in 64-bit pieces (the bf16 GEMV ran ~10 GB/s and the fp32 one
+ * compute-bound on a Zen 3). A weight row's halves are loaded once for the xr rows of x: 2 xr wr accumulators, in
+ * registers up to wr = 4 at one or two rows. */
 static inline __attribute__((always_inline)) void tile_dot_halves(const float *x, int xr, const void *const *w_rows,
                                                                   int wr, int bf16_w, int64_t k_in, v16 *acc) {
     v8 lo[X_TILE * RUNS], hi[X_TILE * RUNS];
@@ -110,7 +114,11 @@ static inline __attribute__((always_inline)) void tile_dot_halves(const float *x
         for (int c = 0; c < wr; c++) {
             const float *w32 = (const float *)w_rows[c] + k;
             const uint16_t *w16 = (const uint16_t *)w_rows[c] + k;
-            v8 wl = bf16_w ? load8_bf16(w16) : load8(w32), wh = bf16_w ? load8_bf16(w16 + 8) : load8(w32 + 8);
+            v8 wl, wh;
+            if (bf16_w)
+                load16_bf16_pairs(w16, &wl, &wh);
+            else
+                wl = load8(w32), wh = load8(w32 + 8);
             for (int r = 0; r < xr; r++) {
                 lo[r * wr + c] += wl * load8(x + r * k_in + k);
                 hi[r * wr + c] += wh * load8(x + r * k_in + k + 8);
@@ -259,6 +267,24 @@ GEMV_KIND(gemv_bf16_dot, GEMV_BF16_DOT_PRODUCTS)
 GEMV_KIND(gemv_bf16_widen, GEMV_BF16_WIDEN)
 #endif
 
+#if !defined(GEMV_BF16_DOT)
+/* x as float32 for the widening tiles; without AVX-512 each full 16 inputs deinterleaved, its 8 even inputs then
+ * its 8 odd ones (load16_bf16_pairs' order), the tail after the last 16 as it is */
+static void widen_x(const uint16_t *x_bf16, int64_t rows, int64_t k_in, float *x) {
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *src = x_bf16 + r * k_in;
+        float *dst = x + r * k_in;
+        int64_t k = 0;
+#if !defined(__AVX512F__)
+        for (; k + 16 <= k_in; k += 16)
+            for (int i = 0; i < 8; i++)
+                dst[k + i] = duet_bf16_to_f32(src[k + 2 * i]), dst[k + 8 + i] = duet_bf16_to_f32(src[k + 2 * i + 1]);
+#endif
+        for (; k < k_in; k++) dst[k] = duet_bf16_to_f32(src[k]);
+    }
+}
+#endif
+
 /* y [rows, n_out] = x [rows, k_in] · w [n_out, k_in]ᵀ + bias (float32 or NULL), all float32; rows 1..GEMV_MAX_ROWS
  * (0 otherwise: nothing written), x and y contiguous */
 int duet_gemv_f32(const float *x, int64_t rows, const float *w, const float *bias, float *y, int64_t n_out,
@@ -276,7 +302,7 @@ int duet_gemv_bf16(const uint16_t *x_bf16, int64_t rows, const uint16_t *w, cons
     gemv_bf16_dot(x_bf16, rows, w, bias, y, n_out, k_in);
 #else
     float *x = malloc(sizeof(float) * (size_t)(rows * k_in > 0 ? rows * k_in : 1));
-    for (int64_t k = 0; k < rows * k_in; k++) x[k] = duet_bf16_to_f32(x_bf16[k]);
+    widen_x(x_bf16, rows, k_in, x);
     gemv_bf16_widen(x, rows, w, bias, y, n_out, k_in);
     free(x);
 #endif

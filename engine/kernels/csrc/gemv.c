@@ -76,10 +76,6 @@ static inline __attribute__((always_inline)) void hsums(const v16 *acc, int n, f
 #define IN_REGISTER(v) (void)(v)
 #endif
 
-/* The tiles: sums[r * wr + c] = x row r . weight row c for r < xr, c < wr (both compile-time in every caller, so
- * the loops unroll into xr * wr accumulators), x rows contiguous [xr, k_in]. Each pair has one accumulator over k,
- * reduced in one tree, then the tail in scalars: the same arithmetic whatever tile, run, thread or row count
- * computes it. */
 #if !defined(__AVX512F__)
 typedef float v8 __attribute__((vector_size(32)));
 typedef uint32_t u32x8 __attribute__((vector_size(32)));
@@ -132,6 +128,10 @@ static inline __attribute__((always_inline)) void tile_dot_halves(const float *x
 }
 #endif
 
+/* The tiles: sums[r * wr + c] = x row r . weight row c for r < xr, c < wr (both compile-time in every caller, so
+ * the loops unroll into xr * wr accumulators), x rows contiguous [xr, k_in]. Each pair has one accumulator over k,
+ * reduced in one tree, then the tail in scalars: the same arithmetic whatever tile, run, thread or row count
+ * computes it. */
 static inline __attribute__((always_inline)) void tile_dot(const float *x, int xr, const void *const *w_rows, int wr,
                                                            int bf16_w, int64_t k_in, float *sums) {
     v16 acc[X_TILE * RUNS];

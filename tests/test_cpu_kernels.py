@@ -5,7 +5,8 @@ rounding points); within a few float32 ulps where the kernel computes exp or 1/s
 another order (RMS, SiLU, attention scores); bf16 outputs within one bf16 ulp of the twin, attention
 within the Triton kernels' tolerance (the twin rounds its intermediate products to bf16, the kernel
 does not). Shapes cover the parallel and serial paths, odd sizes, strided rows and GQA ratios; each
-kernel test runs on the build for this CPU and on a build without AVX-512 (the plain loops).
+kernel test runs on the build for this CPU, on a build without AVX-512 (its AVX2 paths where the CPU has
+AVX2) and on one without any vector extension (the plain loops).
 """
 
 from __future__ import annotations
@@ -35,17 +36,22 @@ BF16_ULP = 2**-7  # relative spacing of bf16 values
 ATTN_TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
 
 
+EXTRA_BUILDS = {"portable": ["-mno-avx512f"],  # what CPUs without AVX-512 run: AVX2 paths where the CPU has it
+                "plain": ["-mno-avx512f", "-mno-avx2", "-mno-fma"]}  # the plain loops, on any CPU
+
+
 @pytest.fixture(scope="module")
-def portable_library():
-    """The same source built without AVX-512: the plain loops that CPUs without it run."""
-    return cpu_native.load(cpu_native._build(cpu_native._compiler(), [*cpu_native.FLAGS, "-mno-avx512f"]))
+def extra_libraries():
+    """The same source built without AVX-512, and without any vector extension."""
+    return {name: cpu_native.load(cpu_native._build(cpu_native._compiler(), [*cpu_native.FLAGS, *flags]))
+            for name, flags in EXTRA_BUILDS.items()}
 
 
-@pytest.fixture(params=["native", "portable"])
+@pytest.fixture(params=["native", *EXTRA_BUILDS])
 def kernels(request, monkeypatch):
-    """Runs a test on the library as built for this CPU and on the portable build (the same wrappers)."""
-    if request.param == "portable":
-        monkeypatch.setattr(cpu_native, "_library", request.getfixturevalue("portable_library"))
+    """Runs a test on the library as built for this CPU and on the other builds (the same wrappers)."""
+    if request.param != "native":
+        monkeypatch.setattr(cpu_native, "_library", request.getfixturevalue("extra_libraries")[request.param])
     return request.param
 
 

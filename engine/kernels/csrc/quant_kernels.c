@@ -89,28 +89,14 @@ static __attribute__((unused)) void int4_tile_plain(const float *x, int64_t ldx,
     }
 }
 
-/* sums[r] += m · xsum[r] over the groups: the mins' share of the factored int4 form (the vector paths) */
-static inline void add_min_terms(int rt, const float *m, const float *xsum, int64_t groups, float *sums) {
-    for (int r = 0; r < rt; r++) {
-        float acc = 0.0f;
-        int64_t g = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-        /* eight groups a step: the scalar loop's chain of dependent adds was ~7 % of the int4 GEMV's time on a
-         * Zen 3 */
-        __m256 v = _mm256_setzero_ps();
-        for (; g + 8 <= groups; g += 8)
-            v = _mm256_fmadd_ps(_mm256_loadu_ps(m + g), _mm256_loadu_ps(xsum + r * groups + g), v);
-        __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-        acc = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
-#endif
-        for (; g < groups; g++) acc += m[g] * xsum[r * groups + g];
-        sums[r] += acc;
-    }
-}
-
 #if defined(__AVX2__) /* AVX-512 builds too: duet_dequantize_row unpacks with these in every build that has AVX2 */
 #include <immintrin.h>
+
+static inline float hsum256(__m256 v) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
 
 /* a block's 32 raw q values as 4 vectors of 8 floats: int8 signed; int4 byte j's low nibble is input j, its high
  * nibble input j + 16 */
@@ -141,18 +127,30 @@ static inline void unpack_int4_block_avx2(const uint8_t *q, __m256 w[4]) {
 }
 #endif
 
+/* sums[r] += m · xsum[r] over the groups: the mins' share of the factored int4 form (the vector paths) */
+static inline void add_min_terms(int rt, const float *m, const float *xsum, int64_t groups, float *sums) {
+    for (int r = 0; r < rt; r++) {
+        float acc = 0.0f;
+        int64_t g = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+        /* eight groups a step: the scalar loop's chain of dependent adds was ~7 % of the int4 GEMV's time on a
+         * Zen 3 */
+        __m256 v = _mm256_setzero_ps();
+        for (; g + 8 <= groups; g += 8)
+            v = _mm256_fmadd_ps(_mm256_loadu_ps(m + g), _mm256_loadu_ps(xsum + r * groups + g), v);
+        acc = hsum256(v);
+#endif
+        for (; g < groups; g++) acc += m[g] * xsum[r * groups + g];
+        sums[r] += acc;
+    }
+}
+
 /* ---- AVX2: a 32-input block is 4 vectors of 8 ----------------------------------------------------------------
  * Factored form: acc[r] += s * (x[r, block] · q) (and, int4, + m * sum(x[r, group]) afterwards): the dot product
  * on the raw q values in two independent chains, scaled once, so dequantizing costs one FMA a block, not four
  * (a GEMV here is bound by these instructions, not by DRAM). One accumulator per row: its chain is one FMA a
  * block, shorter than the block's other work. */
 #if defined(QUANT_AVX2)
-static inline float hsum256(__m256 v) {
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
-}
-
 static inline __attribute__((always_inline)) void block_fma_avx2(const float *x, int64_t ldx, const int rt,
                                                                  const __m256 q[4], __m256 scale,
                                                                  __m256 acc[ROW_TILE]) {
@@ -718,13 +716,6 @@ static __attribute__((unused)) void q8_tile_plain(const int8_t *qx, const float 
 
 #if defined(__AVX2__) && defined(__FMA__) /* AVX-512 CPUs have AVX2: this path serves their builds too */
 #define QUANT_INT8_DOT 1
-#ifndef QUANT_AVX2
-static inline float hsum256(__m256 v) {
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
-}
-#endif
 
 /* One block against rt rows: u8 weights (int4 nibbles, or |q8|) times s8 activations (sign-adjusted for int8) */
 static inline __attribute__((always_inline)) void q8_block_avx2(const int8_t *qx, int64_t k_in, const int rt,

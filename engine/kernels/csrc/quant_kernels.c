@@ -816,7 +816,12 @@ static inline __attribute__((always_inline)) void q8_int4_gemv_avx2(const int8_t
         __m128 dxp = _mm_castpd_ps(_mm_load_sd((const double *)(dx + 2 * p)));
         for (int i = 0; i < n; i++) {
             const uint8_t *wq = qweight + i * row_bytes + BLOCK * p;
-            _mm_prefetch((const char *)wq + 4 * row_bytes, _MM_HINT_T0); /* the next step's rows */
+            /* 2 KB ahead, and the scales and mins as far ahead in rows (a quarter of the bytes): from DRAM, the
+             * hardware prefetcher alone kept too few reads in flight for these three streams (a Zen 3's 30 layers
+             * of linears 7.9 -> 9.4 GB/s on one thread, 13.7 -> 15.3 on two) */
+            _mm_prefetch((const char *)wq + 2048, _MM_HINT_T0);
+            _mm_prefetch((const char *)(s + i * blocks + 2 * p) + 512, _MM_HINT_T0);
+            _mm_prefetch((const char *)(m + i * blocks + 2 * p) + 512, _MM_HINT_T0);
             __m256i w = _mm256_loadu_si256((const __m256i *)wq);
             __m256i lo = _mm256_and_si256(w, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble);
             /* int16 sums of 4 products each: at most 4 * 15 * 127 */

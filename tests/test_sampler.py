@@ -5,8 +5,10 @@ one the parameters allow. Every random source has a fixed seed, so nothing here 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import replace
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -14,6 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
+from test_cpu_kernels import EXTRA_BUILDS
 
 from engine.kernels import cpu_native
 from engine.sampler import (
@@ -233,7 +236,22 @@ def test_greedy_is_argmax_with_ties_to_the_lowest_id() -> None:
     assert out.token_ids[5] == 1
 
 
-ARGMAXES = [pytest.param(greedy_argmax, id="native"), pytest.param(argmax_two_level, id="two-level")]
+@functools.cache
+def _library(build: str):
+    return cpu_native.load(cpu_native._build(cpu_native._compiler(), [*cpu_native.FLAGS, *EXTRA_BUILDS[build]]))
+
+
+def _greedy_argmax_on(build: str):
+    """greedy_argmax through the C library built as tests/test_cpu_kernels.py's `build` (its AVX2 or plain loop)."""
+    def argmax(logits: torch.Tensor) -> torch.Tensor:
+        with mock.patch.object(cpu_native, "_library", _library(build)):
+            return greedy_argmax(logits)
+    return argmax
+
+
+ARGMAXES = [pytest.param(greedy_argmax, id="native"),
+            *(pytest.param(_greedy_argmax_on(build), id=build) for build in EXTRA_BUILDS),
+            pytest.param(argmax_two_level, id="two-level")]
 
 
 @pytest.mark.parametrize("argmax", ARGMAXES)
@@ -242,7 +260,7 @@ def test_greedy_argmax_is_torch_argmax_with_ties_nan_and_inf(argmax, vocab) -> N
     """The C pass and the two-level search against torch.argmax, on rows built to catch every edge: ties within a
     vector or chunk and across them, the maximum in the short last chunk or on the very last token, NaNs (in the
     first vector, in a later one, on the last token), all -inf."""
-    if argmax is greedy_argmax:
+    if argmax is not argmax_two_level:
         assert cpu_native.native_library() is not None  # the C pass, not the fallback
     gen = torch.Generator().manual_seed(vocab)
     logits = torch.randn(12, vocab, generator=gen)

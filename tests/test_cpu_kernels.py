@@ -11,6 +11,8 @@ AVX2) and on one without any vector extension (the plain loops).
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import json
 import os
 import random
@@ -40,11 +42,16 @@ EXTRA_BUILDS = {"portable": ["-mno-avx512f"],  # what CPUs without AVX-512 run: 
                 "plain": ["-mno-avx512f", "-mno-avx2", "-mno-fma"]}  # the plain loops, on any CPU
 
 
+@functools.cache
+def extra_library(build: str) -> ctypes.CDLL:
+    """The same source built as EXTRA_BUILDS[build] (tests/test_sampler.py runs its argmax tests on these too)."""
+    return cpu_native.load(cpu_native._build(cpu_native._compiler(), [*cpu_native.FLAGS, *EXTRA_BUILDS[build]]))
+
+
 @pytest.fixture(scope="module")
 def extra_libraries():
     """The same source built without AVX-512, and without any vector extension."""
-    return {name: cpu_native.load(cpu_native._build(cpu_native._compiler(), [*cpu_native.FLAGS, *flags]))
-            for name, flags in EXTRA_BUILDS.items()}
+    return {name: extra_library(name) for name in EXTRA_BUILDS}
 
 
 @pytest.fixture(params=["native", *EXTRA_BUILDS])

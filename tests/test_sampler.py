@@ -5,7 +5,6 @@ one the parameters allow. Every random source has a fixed seed, so nothing here 
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import replace
 from unittest import mock
@@ -16,7 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
-from test_cpu_kernels import EXTRA_BUILDS
+from test_cpu_kernels import EXTRA_BUILDS, extra_library
 
 from engine.kernels import cpu_native
 from engine.sampler import (
@@ -236,15 +235,10 @@ def test_greedy_is_argmax_with_ties_to_the_lowest_id() -> None:
     assert out.token_ids[5] == 1
 
 
-@functools.cache
-def _library(build: str):
-    return cpu_native.load(cpu_native._build(cpu_native._compiler(), [*cpu_native.FLAGS, *EXTRA_BUILDS[build]]))
-
-
 def _greedy_argmax_on(build: str):
     """greedy_argmax through the C library built as tests/test_cpu_kernels.py's `build` (its AVX2 or plain loop)."""
     def argmax(logits: torch.Tensor) -> torch.Tensor:
-        with mock.patch.object(cpu_native, "_library", _library(build)):
+        with mock.patch.object(cpu_native, "_library", extra_library(build)):
             return greedy_argmax(logits)
     return argmax
 

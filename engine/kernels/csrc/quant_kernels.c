@@ -480,6 +480,15 @@ static inline __attribute__((always_inline)) void row_indices(RowRuns runs, int6
         o[i] = runs.lo + (n == 1 ? j : runs.adjacent ? RUNS * j + i : i * runs.run + j);
 }
 
+/* A thread's share of a one-row pass, inside a parallel region: ROWS(args..., runs, j, n) for each step j of its
+ * rows, RUNS rows a step, then its leftover rows one at a time */
+#define EACH_THREAD_ROW_STEP(n_out, adjacent, ROWS, ...)                                                           \
+    do {                                                                                                           \
+        RowRuns runs_ = thread_row_runs(n_out, adjacent);                                                           \
+        for (int64_t j_ = 0; j_ < runs_.run; j_++) ROWS(__VA_ARGS__, runs_, j_, RUNS);                               \
+        for (int64_t j_ = RUNS * runs_.run; j_ < runs_.hi - runs_.lo; j_++) ROWS(__VA_ARGS__, runs_, j_, 1);         \
+    } while (0)
+
 static inline __attribute__((always_inline)) void int8_rows(const float *x, const int8_t *qweight, const float *scales,
                                                             int64_t group, const float *bias, void *y, int64_t k_in,
                                                             int bf16, RowRuns runs, int64_t j, int n) {
@@ -564,13 +573,7 @@ void duet_int8_linear(const void *x, int64_t ldx, const int8_t *qweight, const f
 #if defined(QUANT_GEMV4)
     if (rows == 1) {
 #pragma omp parallel if (n_out * k_in >= PARALLEL_MIN_WEIGHTS)
-        {
-            RowRuns runs = thread_row_runs(n_out, 0);
-            for (int64_t j = 0; j < runs.run; j++)
-                int8_rows(xf, qweight, scales, group, bias, y, k_in, bf16, runs, j, 4);
-            for (int64_t j = RUNS * runs.run; j < runs.hi - runs.lo; j++)
-                int8_rows(xf, qweight, scales, group, bias, y, k_in, bf16, runs, j, 1);
-        }
+        EACH_THREAD_ROW_STEP(n_out, 0, int8_rows, xf, qweight, scales, group, bias, y, k_in, bf16);
         free(owned);
         return;
     }
@@ -607,13 +610,7 @@ void duet_int4_linear(const void *x, int64_t ldx, const uint8_t *qweight, const 
 #if defined(QUANT_GEMV4)
     if (rows == 1) {
 #pragma omp parallel if (n_out * k_in >= PARALLEL_MIN_WEIGHTS)
-        {
-            RowRuns runs = thread_row_runs(n_out, 1);
-            for (int64_t j = 0; j < runs.run; j++)
-                int4_rows(xf, qweight, scales, mins, xsum, bias, y, k_in, bf16, runs, j, 4);
-            for (int64_t j = RUNS * runs.run; j < runs.hi - runs.lo; j++)
-                int4_rows(xf, qweight, scales, mins, xsum, bias, y, k_in, bf16, runs, j, 1);
-        }
+        EACH_THREAD_ROW_STEP(n_out, 1, int4_rows, xf, qweight, scales, mins, xsum, bias, y, k_in, bf16);
         free(xsum);
         free(owned);
         return;
@@ -935,13 +932,7 @@ void duet_quantized_linear_q8(const void *x, int64_t ldx, int kind, const void *
         first = n_out;
         if (kind == 8) { /* as runs side by side, as the float path (a 28 MB int8 lm_head 2-3x faster on a Zen 3) */
 #pragma omp parallel if (n_out * k_in >= PARALLEL_MIN_WEIGHTS)
-            {
-                RowRuns runs = thread_row_runs(n_out, 0);
-                for (int64_t j = 0; j < runs.run; j++)
-                    q8_int8_rows(qx, dx, qweight, scales, group, bias, y, k_in, bf16, runs, j, 4);
-                for (int64_t j = RUNS * runs.run; j < runs.hi - runs.lo; j++)
-                    q8_int8_rows(qx, dx, qweight, scales, group, bias, y, k_in, bf16, runs, j, 1);
-            }
+            EACH_THREAD_ROW_STEP(n_out, 0, q8_int8_rows, qx, dx, qweight, scales, group, bias, y, k_in, bf16);
         } else { /* int4: four adjacent rows at a time (the last few one at a time) */
 #pragma omp parallel for schedule(static) if (n_out * k_in >= PARALLEL_MIN_WEIGHTS)
             for (int64_t o = 0; o < n_out; o += 4) {

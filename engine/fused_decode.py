@@ -12,6 +12,10 @@ Applies when: CPU, the C kernels built, no tensor parallelism, fp32 or bf16 acti
 linears either `QuantizedLinear`s bound to a native kernel or `FastLinear`s with a C GEMV of the activations'
 dtype. The structs point into the model's tensors and the KV
 caches given at construction: valid while those live (a ModelRunner owns both for its life).
+
+`argmax` goes on to each row's greedy token in one more call (final norm, lm_head, argmax) where the lm_head is such
+a linear too: for steps whose sampling is only that argmax (engine/sampler.py's `reduces_to_argmax`), which then
+skip the logits' wrappers and the sampler (~0.4-0.7 ms a step at batch 1, 4-6 %, tenth session's prototype).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.kernels import cpu_native
-from engine.linear_fast import FastLinear
+from engine.linear_fast import GEMV_ROWS, FastLinear
 from engine.model import LlamaForCausalLM
 from engine.quantized_linear import QuantizedLinear
 
@@ -65,15 +69,20 @@ class FusedDecode:
         bound = [[_bind_linear(m, dtype) for m in _linears(layer)] for layer in model.layers]
         if any(b is None for layer in bound for b in layer):
             return None
-        return cls(model, kv_caches, lib, bound)
+        # the lm_head only as far as its plain calls run the same C kernel: a dense one's up to GEMV_ROWS rows (a
+        # tied dense lm_head, F.linear on the embedding, never)
+        lm_head = None if model.lm_head is None else _bind_linear(model.lm_head, dtype, dense_rows=GEMV_ROWS)
+        return cls(model, kv_caches, lib, bound, lm_head)
 
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[KVCache], lib: ctypes.CDLL,
-                 bound: list[list[_BoundLinear]]):
+                 bound: list[list[_BoundLinear]], lm_head: _BoundLinear | None = None):
         self.model, self.kv_caches = model, kv_caches
         # the most rows every linear's own dispatch gives its C kernel (quantized: more go to dequantize + GEMM;
         # dense: more go to oneDNN's GEMM, which reads the weight once for all rows)
         self.max_rows = min(b.max_rows for layer in bound for b in layer)
         self._layers, self._scratch_bytes = lib.duet_decode_layers, lib.duet_decode_layer_scratch_bytes
+        self._argmax, self._argmax_scratch_bytes = lib.duet_decode_argmax, lib.duet_decode_argmax_scratch_bytes
+        self.argmax_max_rows = 0 if lm_head is None else min(self.max_rows, lm_head.max_rows)
         config, dtype = model.config, model.embed_tokens.weight.dtype
         k_cache = kv_caches[0][0]
         self.shape = _LayerShape(config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
@@ -86,6 +95,11 @@ class FusedDecode:
                                                       for layer, linears in zip(model.layers, bound)))
         self.k_caches = (p * len(kv_caches))(*(k.data_ptr() for k, _ in kv_caches))
         self.v_caches = (p * len(kv_caches))(*(v.data_ptr() for _, v in kv_caches))
+        if lm_head is not None:
+            self._held.append(lm_head.owner)
+            self.lm_head, self.final_norm = _QLinear(*lm_head.fields), self._dense(model.norm.weight)
+        # argmax's buffers (the logits among them: ~0.2 MB a row), kept from step to step
+        self._argmax_scratch = torch.empty(0, dtype=torch.uint8)
 
     def _bind(self, layer, linears: list[_BoundLinear]) -> _LayerWeights:
         norms = [self._dense(n.weight) for n in (layer.input_layernorm, layer.post_attention_layernorm)]
@@ -103,8 +117,31 @@ class FusedDecode:
         more rows than the linears' C kernels take."""
         return meta.num_decode_tokens == num_tokens <= self.max_rows and meta.decode_mask is not None
 
+    def takes_argmax(self, num_tokens: int) -> bool:
+        """Whether `argmax` runs a step of this many rows (one `applies_to`)."""
+        return num_tokens <= self.argmax_max_rows
+
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The model's forward (hidden states after the final norm) for a decode-only step (`applies_to`)."""
+        x, residual = self._run_layers(input_ids, positions, meta)
+        return self.model.norm.add_and_norm(x, residual)[0]
+
+    def argmax(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> list[int]:
+        """Each row's greedy token for a step that `takes_argmax`: `greedy_argmax(model.compute_logits(self(...)))`,
+        the same numbers (the same kernels on the same inputs), without keeping the logits."""
+        x, residual = self._run_layers(input_ids, positions, meta)
+        rows = x.shape[0]
+        needed = self._argmax_scratch_bytes(ctypes.byref(self.shape), self.lm_head.n_out, rows)
+        if self._argmax_scratch.numel() < needed:
+            self._argmax_scratch = torch.empty(needed, dtype=torch.uint8)
+        token_ids = torch.empty(rows, dtype=torch.int64)
+        self._argmax(ctypes.byref(self.shape), self.final_norm, ctypes.byref(self.lm_head), x.data_ptr(),
+                     residual.data_ptr(), rows, self._argmax_scratch.data_ptr(), token_ids.data_ptr())
+        return token_ids.tolist()
+
+    def _run_layers(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                    meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the last layer's output, the residual stream without it): the pair the final norm adds."""
         model, shape = self.model, self.shape
         rows = input_ids.shape[0]
         x = model.embed_tokens(input_ids)
@@ -120,7 +157,7 @@ class FusedDecode:
         if bad:
             raise ValueError(f"slot_mapping[{bad - 1}] = {int(slots[bad - 1])} is invalid: must be in "
                              f"[0, {shape.num_blocks * shape.block_size})")
-        return model.norm.add_and_norm(x, residual)[0]
+        return x, residual
 
 
 class _BoundLinear(NamedTuple):
@@ -133,9 +170,9 @@ def _linears(layer) -> tuple:
     return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
 
 
-def _bind_linear(m, dtype: torch.dtype) -> _BoundLinear | None:
-    """A linear as the C layer runs it, or None where it cannot (not bound to a C kernel, sharded, or a dense
-    weight of another dtype than the activations')."""
+def _bind_linear(m, dtype: torch.dtype, dense_rows: int = DENSE_ROWS) -> _BoundLinear | None:
+    """A linear as the C layer runs it (a dense one for up to `dense_rows` rows), or None where it cannot (not bound
+    to a C kernel, sharded, or a dense weight of another dtype than the activations')."""
     if isinstance(m, QuantizedLinear):
         kernel = m.native_kernel() if m.all_reduce is None else None
         return None if kernel is None else _BoundLinear(kernel.struct_fields(), m.native_max_rows(), kernel)
@@ -144,5 +181,5 @@ def _bind_linear(m, dtype: torch.dtype) -> _BoundLinear | None:
         return None
     bias = 0 if gemv.bias is None else gemv.bias.data_ptr()
     kind = DENSE_BF16 if dtype == torch.bfloat16 else DENSE_F32
-    return _BoundLinear((kind, 0, gemv.weight.data_ptr(), 0, 0, bias, 0, m.out_features, m.in_features), DENSE_ROWS,
+    return _BoundLinear((kind, 0, gemv.weight.data_ptr(), 0, 0, bias, 0, m.out_features, m.in_features), dense_rows,
                         gemv)

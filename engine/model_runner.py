@@ -8,10 +8,13 @@ One runner serves every engine; what differs between them are parts it composes,
     execute(chunks)
       ├─ graph_replayer (CUDA, tp_size 1): a decode-only step that fits a bucket replays a captured
       │    CUDA graph on padded static buffers (engine/cuda_graphs.py) ─────────────────────┐
-      └─ else eagerly: prepare_inputs                                                      │
+      └─ else eagerly: prepare_inputs                                                       │
            ├─ step_broadcaster (tp_size > 1): the packed step goes to the follower ranks    │
            │    first, so they run the same forward in lockstep (engine/tp_runner.py)       │
-           └─ model forward (CPU fast paths are in the model: engine/linear_fast.py)        │
+           ├─ fused decode (CPU, a decode-only step, C linears): the layers in one C call   │
+           │    (engine/fused_decode.py); a step whose sampling is only the argmax of each  │
+           │    row (Sampler.reduces_to_argmax) gets its tokens in one more call, no `sample`│
+           └─ else the model forward (CPU fast paths in the model: engine/linear_fast.py)   │
       sample: logits of the rows that sample ─▶ Sampler.sample, once, on this rank ◀────────┘
 """
 
@@ -103,6 +106,9 @@ class ModelRunner:
             self.step_broadcaster.broadcast_step(input_ids, positions, meta, sample_rows(ordered)[0])
         fused = self._fused_decode_for(input_ids, meta) if on_layer_done is None else None
         if fused is not None:  # a decode-only step on CPU with C linears: one C call for the layers
+            if fused.takes_argmax(input_ids.shape[0]) and self._only_argmax(ordered):  # and one for the tokens
+                token_ids = fused.argmax(input_ids, positions, meta)
+                return {c.request_id: SampledTokens([t], None) for c, t in zip(ordered, token_ids, strict=True)}
             hidden = fused(input_ids, positions, meta)
         else:
             hidden = self.model(input_ids, positions, self.kv_caches, meta, on_layer_done)
@@ -127,10 +133,13 @@ class ModelRunner:
         if len(rows) < hidden.shape[0]:  # else every token is a sampled decode: all rows, in order
             hidden = hidden.index_select(0, self._on_device(int64_tensor(rows)))
         logits = self.model.compute_logits(hidden)
-        sampling_rows = [SamplingRow(c.sampling_params, c.prompt_token_ids, c.output_token_ids, c.proposed_token_ids,
-                                     c.eos_token_ids, c.grammar, c.proposal_probs if c.proposed_token_ids else None)
-                         for c in sample_chunks]
+        sampling_rows = [_sampling_row(c) for c in sample_chunks]
         return {c.request_id: s for c, s in zip(sample_chunks, self.sampler.sample(logits, sampling_rows))}
+
+    def _only_argmax(self, ordered: list[ScheduledChunk]) -> bool:
+        """Whether every token of the step is sampled, one per chunk (no proposals), by the argmax of its raw
+        logits alone (`Sampler.reduces_to_argmax`)."""
+        return all(c.sample for c in ordered) and self.sampler.reduces_to_argmax([_sampling_row(c) for c in ordered])
 
     def prepare_inputs(self, ordered: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Flatten decodes-then-prefills into input ids, positions, slots and attention metadata.
@@ -197,6 +206,12 @@ def sample_rows(ordered: list[ScheduledChunk]) -> tuple[list[int], list[Schedule
             rows.extend(range(offset - 1 - num_proposed, offset))
             chunks.append(chunk)
     return rows, chunks
+
+
+def _sampling_row(chunk: ScheduledChunk) -> SamplingRow:
+    return SamplingRow(chunk.sampling_params, chunk.prompt_token_ids, chunk.output_token_ids,
+                       chunk.proposed_token_ids, chunk.eos_token_ids, chunk.grammar,
+                       chunk.proposal_probs if chunk.proposed_token_ids else None)
 
 
 def _width(chunk: ScheduledChunk) -> int:

@@ -159,6 +159,16 @@ class Sampler:
         return [SampledTokens([token_id], None if lp is None else [lp])
                 for token_id, lp in zip(out.token_ids, out.logprobs, strict=True)]
 
+    def reduces_to_argmax(self, rows: Sequence[SamplingRow]) -> bool:
+        """Whether `sample` gives each row exactly the argmax of its raw logits (ties -> lowest id) and nothing more:
+        every row greedy, with no stage above that changes its logits (grammar, logit_bias, min_tokens' stop mask,
+        penalties), no logprobs and no proposals. A caller that computes that argmax itself (the CPU's fused decode,
+        engine/fused_decode.py) may then skip this sampler. Kept next to the stages: one that gains a condition
+        must add it here (tests/test_sampler.py checks each against `sample`)."""
+        return all(row.params.greedy and row.grammar is None and not row.params.logit_bias
+                   and row.step >= row.params.min_tokens and not _has_penalty(row.params)
+                   and row.params.logprobs is None and not row.proposed_token_ids for row in rows)
+
     def _verify(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledTokens]:
         """Speculative rows: every position of every row drawn in one batch of plain rows, then each row keeps
         its draws up to the first that differs from its proposal there."""

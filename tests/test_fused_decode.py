@@ -1,11 +1,13 @@
 """engine/fused_decode.py (a decode-only step's layers in one C call each) against the plain forward of
 engine/model.py on the same weights and caches: the same kernels on the same inputs in the same order, so hidden
-states and the K/V written are equal bit for bit, and so are greedy tokens."""
+states and the K/V written are equal bit for bit, and so are greedy tokens (`FusedDecode.argmax` against the plain
+path's logits and the sampler's argmax)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from test_gguf import write_gguf_from_hf
 
 from engine import LLM, SamplingParams
 from engine.config import ModelConfig
@@ -14,7 +16,8 @@ from engine.kernels import cpu_native
 from engine.kernels.quant_linear import NATIVE_MAX_ROWS
 from engine.linear_fast import GEMV_ROWS, FastLinear, fast_linears
 from engine.model_runner import ModelRunner, allocate_kv_caches
-from engine.quantized_linear import use_int8_activations
+from engine.quantized_linear import QuantizedLinear, use_int8_activations
+from engine.sampler import greedy_argmax
 from engine.scheduler import ScheduledChunk
 from engine.tiny_model import make_tiny_model
 from engine.weights import build_model
@@ -142,3 +145,94 @@ def test_the_engine_gives_the_plain_forwards_tokens(tiny_dir, monkeypatch):
     plain = LLM(tiny_dir, quantization="int4", max_model_len=256)
     assert [o.outputs[0].token_ids for o in plain.generate(prompts, GREEDY)] == got
     assert plain.engine.runner._fused_decode is None
+
+
+@pytest.fixture(scope="module")
+def tiny_q8_gguf(tiny_dir, tmp_path_factory):
+    """The tiny checkpoint as a GGUF with Q8_0 matrices, its lm_head (output.weight) among them: kept quantized."""
+    return write_gguf_from_hf(tiny_dir, tmp_path_factory.mktemp("tiny-q8") / "tiny.gguf", "llama",
+                              quantize_matrices=True)
+
+
+def _dense_model(tiny_dir, dtype):
+    model = build_model(ModelConfig.from_dir(tiny_dir), tiny_dir, dtype, 256, quantization="none")
+    fast_linears(model)
+    return model
+
+
+@pytest.mark.parametrize("weights,activations,dtype", [("q8_0", "float", torch.float32),
+                                                       ("q8_0", "int8", torch.float32),
+                                                       ("q8_0", "float", torch.bfloat16),
+                                                       ("dense", "float", torch.float32),
+                                                       ("dense", "float", torch.bfloat16)])
+def test_argmax_gives_the_plain_paths_greedy_tokens(tiny_dir, tiny_q8_gguf, weights, activations, dtype,
+                                                     monkeypatch):
+    """Each row's token from `argmax` (final norm, lm_head, argmax in C) equals the argmax of the plain forward's
+    logits (`compute_logits`, the sampler's `greedy_argmax`), step after step: a quantized lm_head for every row
+    count its C kernel takes, a dense one (FastLinear's C GEMV, the tiny weights let through by lowering
+    MIN_GEMV_BYTES) only up to GEMV_ROWS, where its plain calls leave the GEMV."""
+    if weights == "dense":
+        monkeypatch.setattr("engine.linear_fast.MIN_GEMV_BYTES", 0)
+        model = _dense_model(tiny_dir, dtype)
+    else:
+        kw = {"quantized_activations": "int8"} if activations == "int8" else {}
+        model = LLM(tiny_q8_gguf, dtype=str(dtype).removeprefix("torch."), max_model_len=256, **kw).engine.runner.model
+        assert isinstance(model.lm_head, QuantizedLinear) and model.lm_head.int8_activations == (activations == "int8")
+    caches = allocate_kv_caches(model, num_blocks=16, block_size=BLOCK, dtype=dtype)
+    plain_caches = [(k.clone(), v.clone()) for k, v in caches]
+    runner = ModelRunner(model, caches, BLOCK, sampler=None)
+    fused = FusedDecode.for_model(model, caches)
+    assert fused is not None and fused.takes_argmax(3)
+    want_max = GEMV_ROWS if weights == "dense" else min(fused.max_rows, model.lm_head.native_max_rows())
+    assert fused.argmax_max_rows == want_max and not fused.takes_argmax(want_max + 1)
+    gen = torch.Generator().manual_seed(3)
+    lengths = [5, 16, 33]
+    tables = [[1, 2, 3], [4, 5, 6], [7, 8, 9, 10]]
+    prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in lengths]
+    with torch.inference_mode():
+        ids, pos, meta = runner.prepare_inputs([chunk(i, p, 0, t) for i, (p, t) in enumerate(zip(prompts, tables))])
+        for kv in (caches, plain_caches):
+            model(ids, pos, kv, meta)
+        tokens = [p[-1] for p in prompts]
+        for step in range(4):  # each step feeds back the tokens the fused path chose
+            ids, pos, meta = runner.prepare_inputs([chunk(i, [t], n + step, tb) for i, (t, n, tb) in
+                                                    enumerate(zip(tokens, lengths, tables))])
+            got = fused.argmax(ids, pos, meta)
+            want = greedy_argmax(model.compute_logits(model(ids, pos, plain_caches, meta))).tolist()
+            assert got == want
+            for (k, v), (pk, pv) in zip(caches, plain_caches):
+                assert torch.equal(k, pk) and torch.equal(v, pv)
+            tokens = got
+
+
+def test_the_engine_takes_argmax_only_for_steps_that_sample_by_argmax_alone(tiny_q8_gguf, monkeypatch):
+    """Through the engine: a batch of plain greedy requests takes `argmax` on its decode steps; a step holding a
+    request that wants logprobs, a penalty or a min_tokens stop mask samples through the sampler as before; every
+    request's tokens (and logprobs) equal those of an engine without the fused path."""
+    argmax_steps = []
+    real_argmax = FusedDecode.argmax
+
+    def spy(self, input_ids, positions, meta):
+        argmax_steps.append(input_ids.shape[0])
+        return real_argmax(self, input_ids, positions, meta)
+
+    monkeypatch.setattr(FusedDecode, "argmax", spy)
+    prompts = [[3, 9, 27, 81], list(range(40, 75)), [500, 7]]
+    penalized = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, repetition_penalty=1.3)
+    with_logprobs = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
+    min_tokens = SamplingParams(max_tokens=12, temperature=0.0, min_tokens=6, stop_token_ids=[0, 1, 2])
+    batches = {"greedy": [GREEDY] * 3, "penalty": [GREEDY, penalized, GREEDY], "logprobs": [with_logprobs] * 3,
+               "min_tokens": [min_tokens, GREEDY, GREEDY]}
+    llm = LLM(tiny_q8_gguf, max_model_len=256)
+    got, steps = {}, {}
+    for name, params in batches.items():
+        argmax_steps.clear()
+        got[name] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)]
+        steps[name] = list(argmax_steps)
+    assert steps["greedy"] == [3] * 11  # every decode step after the prefill's first token
+    assert steps["penalty"] == steps["logprobs"] == []
+    assert steps["min_tokens"] and len(steps["min_tokens"]) < 11  # from the step min_tokens no longer masks
+    monkeypatch.setattr(FusedDecode, "for_model", classmethod(lambda cls, model, caches: None))
+    plain = LLM(tiny_q8_gguf, max_model_len=256)
+    for name, params in batches.items():
+        assert [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in plain.generate(prompts, params)] == got[name]

@@ -19,6 +19,7 @@ from test_cpu_kernels import EXTRA_BUILDS, extra_library
 
 from engine.kernels import cpu_native
 from engine.sampler import (
+    SampledTokens,
     Sampler,
     SamplingRow,
     apply_penalties,
@@ -283,6 +284,46 @@ def test_greedy_argmax_matches_torch_argmax_on_coarse_values(argmax, rows, vocab
     gen = torch.Generator().manual_seed(seed)
     logits = torch.randint(0, levels + 1, (rows, vocab), generator=gen).float()
     assert torch.equal(argmax(logits), logits.argmax(dim=-1))
+
+
+class AllowOnly:
+    """A grammar allowing one token (pure logic: what the sampler reads of engine/grammar_state.py's state)."""
+
+    def __init__(self, vocab: int, token_id: int):
+        self.num_words, self.token_id = -(-vocab // 32), token_id
+
+    def fill_bitmask(self, row: torch.Tensor) -> None:
+        row[self.token_id // 32] |= 1 << (self.token_id % 32)
+
+
+def test_reduces_to_argmax_exactly_for_rows_whose_sample_is_the_raw_argmax() -> None:
+    """`reduces_to_argmax` lets a caller skip the sampler (engine/fused_decode.py's argmax): true for plain greedy
+    rows, whose tokens are the raw argmax and nothing more; false for every row a stage treats otherwise, each
+    shown here to get something else from `sample` on these logits (token 1 best, token 2 close behind)."""
+    logits = torch.tensor([[0.1, 3.0, 2.9, -1.0, 0.5, 0.0, 0.2, 1.0]])
+    sampler = Sampler(seed=0)
+    greedy = SamplingParams(temperature=0.0)
+    plain = [row(greedy), row(greedy, [5], [4, 6]), row(SamplingParams(temperature=0.0, min_tokens=2), [5], [4, 6]),
+             SamplingRow(SamplingParams(temperature=0.0, min_tokens=1), [5], [], eos_token_ids=frozenset({3}))]
+    for r in plain[:3]:
+        assert sampler.reduces_to_argmax([r]) and sampler.sample(logits, [r]) == [SampledTokens([1], None)]
+    assert not sampler.reduces_to_argmax([plain[3]])  # eos masked on its first token, whichever the eos
+    others = {
+        "temperature": row(SamplingParams(temperature=1.0, seed=0)),
+        "logit_bias": row(SamplingParams(temperature=0.0, logit_bias={2: 0.5})),
+        "min_tokens": SamplingRow(SamplingParams(temperature=0.0, min_tokens=1), [5], [], eos_token_ids=frozenset({1})),
+        "repetition_penalty": row(SamplingParams(temperature=0.0, repetition_penalty=2.0), [1]),
+        "frequency_penalty": row(SamplingParams(temperature=0.0, frequency_penalty=0.5), [5], [1]),
+        "presence_penalty": row(SamplingParams(temperature=0.0, presence_penalty=0.5), [5], [1]),
+        "logprobs": row(SamplingParams(temperature=0.0, logprobs=0)),
+        "grammar": SamplingRow(greedy, [5], [], grammar=AllowOnly(8, 2)),
+        "proposals": SamplingRow(greedy, [5], [], proposed_token_ids=[1]),
+    }
+    for name, r in others.items():
+        assert not sampler.reduces_to_argmax([r]) and not sampler.reduces_to_argmax([plain[0], r]), name
+        width = 1 + len(r.proposed_token_ids)
+        assert sampler.sample(logits.expand(width, -1), [r]) != [SampledTokens([1], None)], name
+    assert sampler.reduces_to_argmax(plain[:3])
 
 
 def test_greedy_rows_in_a_mixed_batch_take_the_penalized_argmax() -> None:

@@ -14,6 +14,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+
 void duet_add_rms_norm(const void *x, int64_t x_stride, const void *residual, int64_t residual_stride,
                        const void *weight, float eps, void *out, void *residual_out, int64_t rows, int64_t hidden,
                        int bf16);
@@ -34,6 +36,7 @@ int duet_gemv_f32(const float *x, int64_t rows, const float *w, const float *bia
                   int64_t k_in);
 int duet_gemv_bf16(const uint16_t *x_bf16, int64_t rows, const uint16_t *w, const uint16_t *bias, uint16_t *y,
                    int64_t n_out, int64_t k_in);
+void duet_argmax_rows(const float *x, int64_t ldx, int64_t rows, int64_t n, int64_t *out);
 void duet_quantized_linear_q8(const void *x, int64_t ldx, int kind, const void *qweight, const float *scales,
                               const float *mins, int64_t group, const float *bias, void *y, int64_t rows,
                               int64_t n_out, int64_t k_in, int bf16);
@@ -146,4 +149,32 @@ int64_t duet_decode_layers(const duet_layer_shape *s, const duet_layer_weights *
         if (bad) return bad;
     }
     return 0;
+}
+
+/* Scratch bytes duet_decode_argmax needs for `rows` tokens and a vocabulary of `vocab`. */
+int64_t duet_decode_argmax_scratch_bytes(const duet_layer_shape *s, int64_t vocab, int64_t rows) {
+    int64_t esize = s->bf16 ? 2 : 4;
+    return rows * (2 * s->hidden * esize /* xn, residual sum */ + vocab * esize + (s->bf16 ? vocab * 4 : 0));
+}
+
+/* Each row's greedy token after the layers (x and residual as duet_decode_layers leaves them): the final norm of
+ * x + residual, the lm_head, then the row's argmax (the first maximum; a NaN counts as the maximum), bf16 logits
+ * widened to float32 as `.float()` does: the kernels and inputs the plain path runs for rows whose sampling is
+ * only that argmax (engine/sampler.py's `reduces_to_argmax`), without its wrappers and the logits it keeps.
+ * token_ids [rows]. */
+void duet_decode_argmax(const duet_layer_shape *s, const void *norm, const duet_qlinear *lm_head, const void *x,
+                        const void *residual, int64_t rows, void *scratch, int64_t *token_ids) {
+    int bf16 = s->bf16;
+    int64_t esize = bf16 ? 2 : 4, vocab = lm_head->n_out;
+    char *p = scratch;
+    void *xn = p;           p += rows * s->hidden * esize;
+    void *residual_sum = p; p += rows * s->hidden * esize;
+    void *logits = p;       p += rows * vocab * esize;
+    float *logits_f32 = bf16 ? (float *)p : logits;
+
+    duet_add_rms_norm(x, s->hidden, residual, s->hidden, norm, s->eps, xn, residual_sum, rows, s->hidden, bf16);
+    qlinear(lm_head, xn, logits, rows, bf16);
+    if (bf16)
+        for (int64_t i = 0; i < rows * vocab; i++) logits_f32[i] = duet_bf16_to_f32(((const uint16_t *)logits)[i]);
+    duet_argmax_rows(logits_f32, vocab, rows, vocab, token_ids);
 }

@@ -82,6 +82,7 @@ class FusedDecode:
         self.max_rows = min(b.max_rows for layer in bound for b in layer)
         self._layers, self._scratch_bytes = lib.duet_decode_layers, lib.duet_decode_layer_scratch_bytes
         self._argmax, self._argmax_scratch_bytes = lib.duet_decode_argmax, lib.duet_decode_argmax_scratch_bytes
+        self._inputs = lib.duet_decode_inputs
         self.argmax_max_rows = 0 if lm_head is None else min(self.max_rows, lm_head.max_rows)
         config, dtype = model.config, model.embed_tokens.weight.dtype
         k_cache = kv_caches[0][0]
@@ -98,8 +99,15 @@ class FusedDecode:
         if lm_head is not None:
             self._held.append(lm_head.owner)
             self.lm_head, self.final_norm = _QLinear(*lm_head.fields), self._dense(model.norm.weight)
-        # argmax's buffers (the logits among them: ~0.2 MB a row), kept from step to step
-        self._argmax_scratch = torch.empty(0, dtype=torch.uint8)
+        embed, cos, sin = (t.contiguous() for t in (model.embed_tokens.weight, model.rotary.cos, model.rotary.sin))
+        self._held += [embed, cos, sin]
+        self._tables = (embed.data_ptr(), embed.shape[0], cos.data_ptr(), sin.data_ptr(), cos.shape[0])
+        # A step's buffers, kept from step to step (grown when a step needs more), so that a step allocates nothing:
+        # x, residual, cos and sin of its rows (the activations' dtype), and the scratch of the layers' call and of
+        # argmax's (one after the other; argmax's holds the logits: ~0.2 MB a row)
+        self._step = torch.empty(0, dtype=dtype)
+        self._scratch = torch.empty(0, dtype=torch.uint8)
+        self._scratch_bytes_by_rows: dict[int, int] = {}
 
     def _bind(self, layer, linears: list[_BoundLinear]) -> _LayerWeights:
         norms = [self._dense(n.weight) for n in (layer.input_layernorm, layer.post_attention_layernorm)]
@@ -123,41 +131,58 @@ class FusedDecode:
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The model's forward (hidden states after the final norm) for a decode-only step (`applies_to`)."""
-        x, residual = self._run_layers(input_ids, positions, meta)
+        rows, hidden = self._run_layers(input_ids, positions, meta), self.shape.hidden
+        x, residual = self._step[: 2 * rows * hidden].view(2, rows, hidden)
         return self.model.norm.add_and_norm(x, residual)[0]
 
     def argmax(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> list[int]:
         """Each row's greedy token for a step that `takes_argmax`: `greedy_argmax(model.compute_logits(self(...)))`,
         the same numbers (the same kernels on the same inputs), without keeping the logits."""
-        x, residual = self._run_layers(input_ids, positions, meta)
-        rows = x.shape[0]
-        needed = self._argmax_scratch_bytes(ctypes.byref(self.shape), self.lm_head.n_out, rows)
-        if self._argmax_scratch.numel() < needed:
-            self._argmax_scratch = torch.empty(needed, dtype=torch.uint8)
-        token_ids = torch.empty(rows, dtype=torch.int64)
-        self._argmax(ctypes.byref(self.shape), self.final_norm, ctypes.byref(self.lm_head), x.data_ptr(),
-                     residual.data_ptr(), rows, self._argmax_scratch.data_ptr(), token_ids.data_ptr())
-        return token_ids.tolist()
+        rows = self._run_layers(input_ids, positions, meta)
+        x = self._step.data_ptr()
+        token_ids = (ctypes.c_int64 * rows)()
+        self._argmax(ctypes.byref(self.shape), self.final_norm, ctypes.byref(self.lm_head), x,
+                     x + rows * self.shape.hidden * self._step.element_size(), rows, self._scratch.data_ptr(),
+                     token_ids)
+        return list(token_ids)
 
-    def _run_layers(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                    meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the last layer's output, the residual stream without it): the pair the final norm adds."""
-        model, shape = self.model, self.shape
-        rows = input_ids.shape[0]
-        x = model.embed_tokens(input_ids)
-        cos, sin = (t.reshape(rows, shape.head_dim).contiguous() for t in model.rotary.cos_sin(positions, x.dtype))
+    def _run_layers(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> int:
+        """Runs a step's layers (input_ids and positions int64 and contiguous, as ModelRunner.prepare_inputs makes
+        them); returns its rows. Leaves at the start of the step buffer x [rows, hidden], the last layer's output,
+        and after it residual [rows, hidden], the stream without it: the pair the final norm adds (valid until the
+        next step)."""
+        shape, rows = self.shape, input_ids.shape[0]
+        hidden, head_dim, esize = shape.hidden, shape.head_dim, self._step.element_size()
+        if self._step.numel() < 2 * rows * (hidden + head_dim):
+            self._step = torch.empty(2 * rows * (hidden + head_dim), dtype=self._step.dtype)
+        scratch_bytes = self._scratch_bytes_by_rows.get(rows) or self._scratch_bytes_for(rows)
+        if self._scratch.numel() < scratch_bytes:
+            self._scratch = torch.empty(scratch_bytes, dtype=torch.uint8)
+        x = self._step.data_ptr()
+        residual, cos = x + rows * hidden * esize, x + 2 * rows * hidden * esize
+        sin = cos + rows * head_dim * esize
+        bad = self._inputs(ctypes.byref(shape), input_ids.data_ptr(), positions.data_ptr(), rows, *self._tables, x,
+                           cos, sin)
+        if bad:
+            name, index, ids, end = (("input_ids", bad - 1, input_ids, self._tables[1]) if bad > 0 else
+                                     ("positions", -bad - 1, positions, self._tables[4]))
+            raise ValueError(f"{name}[{index}] = {int(ids[index])} is invalid: must be in [0, {end})")
         slots = meta.slot_mapping.contiguous()
         block_ids, mask = meta.decode_block_ids.contiguous(), meta.decode_mask.contiguous()
-        width = block_ids.numel() // rows
-        scratch = torch.empty(self._scratch_bytes(ctypes.byref(shape), rows), dtype=torch.uint8)
-        residual = torch.empty_like(x)  # x (the embeddings, a fresh tensor) becomes the last layer's output
-        bad = self._layers(ctypes.byref(shape), self.layers, len(self.layers), self.k_caches, self.v_caches,
-                           x.data_ptr(), residual.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
-                           block_ids.data_ptr(), mask.data_ptr(), rows, width, scratch.data_ptr())
+        bad = self._layers(ctypes.byref(shape), self.layers, len(self.layers), self.k_caches, self.v_caches, x,
+                           residual, cos, sin, slots.data_ptr(), block_ids.data_ptr(), mask.data_ptr(), rows,
+                           block_ids.numel() // rows, self._scratch.data_ptr())
         if bad:
             raise ValueError(f"slot_mapping[{bad - 1}] = {int(slots[bad - 1])} is invalid: must be in "
                              f"[0, {shape.num_blocks * shape.block_size})")
-        return x, residual
+        return rows
+
+    def _scratch_bytes_for(self, rows: int) -> int:
+        """The scratch a step of `rows` needs: the layers' call's or argmax's, the larger."""
+        shape = ctypes.byref(self.shape)
+        argmax = self._argmax_scratch_bytes(shape, self.lm_head.n_out, rows) if self.argmax_max_rows else 0
+        self._scratch_bytes_by_rows[rows] = max(self._scratch_bytes(shape, rows), argmax)
+        return self._scratch_bytes_by_rows[rows]
 
 
 class _BoundLinear(NamedTuple):

@@ -125,6 +125,23 @@ def test_a_bad_slot_is_refused_before_anything_is_written(tiny_dir):
         FusedDecode.for_model(model, caches)(ids, pos, meta)
 
 
+@pytest.mark.parametrize("field,value,message", [
+    ("input_ids", 512, r"input_ids\[0\] = 512 is invalid: must be in \[0, 512\)"),
+    ("input_ids", -1, r"input_ids\[0\] = -1 is invalid"),
+    ("positions", 256, r"positions\[0\] = 256 is invalid: must be in \[0, 256\)")])
+def test_a_bad_token_id_or_position_is_refused_before_anything_is_written(tiny_dir, field, value, message):
+    """The embedding rows and rotary angles are gathered in C (`duet_decode_inputs`): an index past its table is
+    refused there, naming it, as nn.Embedding and the rotary tables' indexing refuse it in the plain forward."""
+    model = build_model(ModelConfig.from_dir(tiny_dir), tiny_dir, torch.float32, 256, quantization="int4")
+    caches = allocate_kv_caches(model, num_blocks=4, block_size=BLOCK, dtype=torch.float32)
+    runner = ModelRunner(model, caches, BLOCK, sampler=None)
+    ids, pos, meta = runner.prepare_inputs([chunk(0, [7], 3, [1])])
+    (ids if field == "input_ids" else pos)[0] = value
+    with pytest.raises(ValueError, match=message):
+        FusedDecode.for_model(model, caches)(ids, pos, meta)
+    assert all(not k.any() and not v.any() for k, v in caches)
+
+
 def test_it_applies_only_where_every_linear_is_quantized_and_bound(tiny_dir):
     config = ModelConfig.from_dir(tiny_dir)
     dense = build_model(config, tiny_dir, torch.float32, 256, quantization="none")

@@ -123,12 +123,14 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "duet_decode_layers": [p, p, i64, p, p, p, p, p, p, p, p, p, i64, i64, p],  # engine/fused_decode.py
         "duet_decode_layer_scratch_bytes": [p, i64],
         "duet_decode_argmax": [p, p, p, p, p, i64, p, p],  # engine/fused_decode.py
+        "duet_decode_inputs": [p, p, p, i64, p, i64, p, p, i64, p, p, p],
         "duet_decode_argmax_scratch_bytes": [p, i64, i64],
         "duet_argmax_rows": [p, i64, i64, i64, p],
     }
     returns = {"duet_rotary_store_kv": i64, "duet_quant_vector_bits": i32, "duet_quant_int8_dot_bits": i32,
                "duet_quant_panels_bf16_available": i32, "duet_decode_layers": i64,
-               "duet_decode_layer_scratch_bytes": i64, "duet_decode_argmax_scratch_bytes": i64}
+               "duet_decode_layer_scratch_bytes": i64, "duet_decode_argmax_scratch_bytes": i64,
+               "duet_decode_inputs": i64}
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, returns.get(name)

@@ -134,6 +134,37 @@ static int64_t decode_layer(const duet_layer_shape *s, const duet_layer_weights 
     return 0;
 }
 
+/* The step's inputs for duet_decode_layers, gathered by index: x [rows, hidden] the rows of the embedding table
+ * embed [vocab, hidden] (the activations' dtype) at token_ids, and cos / sin [rows, head_dim] the rows of the rotary
+ * tables cos_table / sin_table [max_positions, head_dim] (float32) at positions, in the activations' dtype (bf16
+ * rounded to nearest even, as torch's `.to()`): nn.Embedding and RotaryEmbedding.cos_sin, the same numbers, without
+ * their dispatch. Returns 0; or, before anything is written, 1 + the index of a token id outside [0, vocab) or
+ * -(1 + the index) of a position outside [0, max_positions). */
+int64_t duet_decode_inputs(const duet_layer_shape *s, const int64_t *token_ids, const int64_t *positions,
+                           int64_t rows, const void *embed, int64_t vocab, const float *cos_table,
+                           const float *sin_table, int64_t max_positions, void *x, void *cos_t, void *sin_t) {
+    for (int64_t r = 0; r < rows; r++) {
+        if (token_ids[r] < 0 || token_ids[r] >= vocab) return 1 + r;
+        if (positions[r] < 0 || positions[r] >= max_positions) return -(1 + r);
+    }
+    int64_t esize = s->bf16 ? 2 : 4, hd = s->head_dim;
+    for (int64_t r = 0; r < rows; r++) {
+        memcpy((char *)x + r * s->hidden * esize, (const char *)embed + token_ids[r] * s->hidden * esize,
+               (size_t)(s->hidden * esize));
+        const float *c = cos_table + positions[r] * hd, *sn = sin_table + positions[r] * hd;
+        if (s->bf16) {
+            for (int64_t d = 0; d < hd; d++) {
+                ((uint16_t *)cos_t)[r * hd + d] = duet_f32_to_bf16(c[d]);
+                ((uint16_t *)sin_t)[r * hd + d] = duet_f32_to_bf16(sn[d]);
+            }
+        } else {
+            memcpy((float *)cos_t + r * hd, c, sizeof(float) * (size_t)hd);
+            memcpy((float *)sin_t + r * hd, sn, sizeof(float) * (size_t)hd);
+        }
+    }
+    return 0;
+}
+
 /* The model's layers in order (w, k_caches and v_caches [n_layers]), in place: x [rows, hidden] holds the
  * embeddings on entry and the last layer's MLP output on return, residual [rows, hidden] (written) the stream
  * without it: the pair the final norm adds. Why one call for all layers: 30 ctypes calls of 16 arguments cost

@@ -41,10 +41,12 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: where each token's K and V are written
     num_decode_tokens: int  # the first num_decode_tokens tokens are decodes
     decode_block_ids: torch.Tensor | None  # [num_decodes * max_blocks] int64: block tables, padded, flat
-    decode_mask: torch.Tensor | None  # [num_decodes, max_blocks * block_size] float32: 0 or -inf past the end
+    # [num_decodes, max_blocks * block_size] float32: 0 over each context, -inf past its end: the lengths below as
+    # the torch twin reads them, built once a step where it runs (the Triton and C kernels read the lengths)
+    decode_mask: torch.Tensor | None
     prefills: list[PrefillChunk]
-    # [num_decodes] int32 context lengths, for the Triton kernel; given, decode_mask may be None (the twin
-    # then builds it from these): CUDA steps send lengths, not a mask
+    # [num_decodes] int32 context lengths; a step with decodes has them or the mask (the kernel that needs the other
+    # form derives it: engine/kernels/decode_attention.py)
     decode_context_lens: torch.Tensor | None = None
 
 

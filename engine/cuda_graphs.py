@@ -41,8 +41,7 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.config import EngineConfig
-from engine.kernels import use_triton
-from engine.kernels.decode_attention import mask_from_context_lens
+from engine.kernels.decode_attention import mask_from_context_lens, twin_runs
 from engine.kv_cache_manager import cdiv
 from engine.model import KVCache, LlamaForCausalLM
 from engine.scheduler import ScheduledChunk
@@ -183,8 +182,9 @@ class GraphReplayer:
         rows = self.rows[:, :bucket]
         tables = self.block_tables[:bucket]
         context_lens = rows[_LENS].to(torch.int32)
-        # the twin (CPU, or CUDA without triton) takes a mask: build it once here, not once per layer
-        mask = None if use_triton(tables) else mask_from_context_lens(rows[_LENS], tables.shape[1] * self.block_size)
+        # the twin (CUDA without triton) takes a mask: build it once here, not once per layer
+        twin = twin_runs(self.kv_caches[0][0].dtype, tables.device)
+        mask = mask_from_context_lens(rows[_LENS], tables.shape[1] * self.block_size) if twin else None
         meta = AttentionMetadata(
             slot_mapping=rows[_SLOTS],
             num_decode_tokens=bucket,

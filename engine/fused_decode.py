@@ -121,9 +121,9 @@ class FusedDecode:
         return t.data_ptr()
 
     def applies_to(self, meta: AttentionMetadata, num_tokens: int) -> bool:
-        """Whether a step is one this path runs: decodes only, with the padded mask the C attention reads, and no
+        """Whether a step is one this path runs: decodes only, with the context lengths the C attention reads, and no
         more rows than the linears' C kernels take."""
-        return meta.num_decode_tokens == num_tokens <= self.max_rows and meta.decode_mask is not None
+        return meta.num_decode_tokens == num_tokens <= self.max_rows and meta.decode_context_lens is not None
 
     def takes_argmax(self, num_tokens: int) -> bool:
         """Whether `argmax` runs a step of this many rows (one `applies_to`)."""
@@ -168,9 +168,9 @@ class FusedDecode:
                                      ("positions", -bad - 1, positions, self._tables[4]))
             raise ValueError(f"{name}[{index}] = {int(ids[index])} is invalid: must be in [0, {end})")
         slots = meta.slot_mapping.contiguous()
-        block_ids, mask = meta.decode_block_ids.contiguous(), meta.decode_mask.contiguous()
+        block_ids, context_lens = meta.decode_block_ids.contiguous(), meta.decode_context_lens.contiguous()
         bad = self._layers(ctypes.byref(shape), self.layers, len(self.layers), self.k_caches, self.v_caches, x,
-                           residual, cos, sin, slots.data_ptr(), block_ids.data_ptr(), mask.data_ptr(), rows,
+                           residual, cos, sin, slots.data_ptr(), block_ids.data_ptr(), context_lens.data_ptr(), rows,
                            block_ids.numel() // rows, self._scratch.data_ptr())
         if bad:
             raise ValueError(f"slot_mapping[{bad - 1}] = {int(slots[bad - 1])} is invalid: must be in "

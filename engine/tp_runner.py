@@ -43,6 +43,7 @@ import torch.distributed as dist
 from engine.attention import AttentionMetadata, PrefillChunk
 from engine.config import EngineConfig, ModelConfig
 from engine.follower_ops import MAX_OP_BYTES, CallResult, CallStatus, FollowerHooks, OpDecodeError, decode_op, encode_op
+from engine.kernels.decode_attention import context_lens_from_mask, mask_from_context_lens, twin_runs
 from engine.model import KVCache, LlamaForCausalLM
 from engine.ports import pick_free_port
 
@@ -60,9 +61,9 @@ def pack_step(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionM
     parts = [input_ids, positions, meta.slot_mapping]
     if num_decodes:
         width = meta.decode_block_ids.numel() // num_decodes
-        context_lens = meta.decode_context_lens  # CUDA steps carry lengths; CPU steps a mask
+        context_lens = meta.decode_context_lens  # a step carries lengths, and a mask where the twin runs
         if context_lens is None:
-            context_lens = (meta.decode_mask == 0).sum(dim=1)
+            context_lens = context_lens_from_mask(meta.decode_mask)
         parts += [meta.decode_block_ids, context_lens]
     tables = [p.block_table for p in meta.prefills]
     desc = [[p.query_start, p.num_query_tokens, p.num_context_tokens, p.block_table.numel()] for p in meta.prefills]
@@ -73,8 +74,10 @@ def pack_step(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionM
     return header, payload
 
 
-def unpack_step(header: torch.Tensor, payload: torch.Tensor, block_size: int, device: torch.device | None = None):
-    """The inverse of `pack_step`: (input_ids, positions, meta, sample_rows), tensors on `device` (CPU default)."""
+def unpack_step(header: torch.Tensor, payload: torch.Tensor, block_size: int, device: torch.device | None = None,
+                dtype: torch.dtype = torch.float32):
+    """The inverse of `pack_step`: (input_ids, positions, meta, sample_rows), tensors on `device` (CPU default), the
+    decodes' mask too where attention over caches of `dtype` runs the twin there."""
     _, num_tokens, num_decodes, width, num_prefills, _, num_samples = header.tolist()
     cursor = 0
 
@@ -93,12 +96,9 @@ def unpack_step(header: torch.Tensor, payload: torch.Tensor, block_size: int, de
     decode_block_ids = decode_mask = decode_context_lens = None
     if num_decodes:
         decode_block_ids = put(take(num_decodes * width))
-        context_lens = take(num_decodes)
-        if on_device:  # the Triton kernel takes lengths
-            decode_context_lens = context_lens.to(device, torch.int32)
-        else:  # the torch twin takes a mask
-            past_end = torch.arange(width * block_size) >= context_lens.unsqueeze(1)
-            decode_mask = torch.zeros(past_end.shape).masked_fill_(past_end, float("-inf"))
+        decode_context_lens = take(num_decodes).to(device or "cpu", torch.int32)
+        if twin_runs(dtype, decode_context_lens.device):  # the mask too, built once here, not once a layer
+            decode_mask = mask_from_context_lens(decode_context_lens, width * block_size)
     desc = take(4 * num_prefills).view(num_prefills, 4).tolist()
     prefills = [PrefillChunk(q0, nq, nctx, put(take(n))) for q0, nq, nctx, n in desc]
     sample_rows = take(num_samples).tolist()
@@ -194,7 +194,8 @@ def follow(model: LlamaForCausalLM, kv_caches: list[KVCache], block_size: int, g
             + int(header[6])
         payload = torch.empty(size, dtype=torch.int64)
         dist.broadcast(payload, src=0, group=group)
-        input_ids, positions, meta, sample_rows = unpack_step(header, payload, block_size, device)
+        input_ids, positions, meta, sample_rows = unpack_step(header, payload, block_size, device,
+                                                              kv_caches[0][0].dtype)
         hidden = model(input_ids, positions, kv_caches, meta, hooks.layer_callback())
         if sample_rows:
             model.compute_logits(hidden[sample_rows])  # joins the all-gather; rank 0 samples

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from engine.attention import write_kv
 from engine.kernels import cpu_native
 from engine.kernels.activation import silu_and_mul_torch
-from engine.kernels.decode_attention import decode_attention_torch
+from engine.kernels.decode_attention import context_lens_from_mask, decode_attention_torch
 from engine.kernels.rmsnorm import fused_add_rms_norm_torch, rms_norm_torch
 from engine.rope import RotaryEmbedding, apply_rotary
 
@@ -195,7 +195,7 @@ def test_decode_attention_matches_the_twin(dtype, seed):
     group, kv_heads, head_dim = rng.choice([1, 2, 7, 8]), rng.choice([1, 2, 4]), rng.choice([40, 64, 80, 128])
     q, k_cache, v_cache, block_ids, mask = paged_decode_case(rng, dtype, lens, group, kv_heads, head_dim, block_size)
     scale = head_dim**-0.5
-    got = cpu_native.decode_attention_native(q, k_cache, v_cache, block_ids, mask, scale)
+    got = cpu_native.decode_attention_native(q, k_cache, v_cache, block_ids, context_lens_from_mask(mask), scale)
     want = decode_attention_torch(q, k_cache, v_cache, block_ids, mask, scale)
     assert got.shape == q.shape and got.dtype == dtype
     assert scaled_error(got, want) < ATTN_TOL[dtype], (lens, group, kv_heads, head_dim, block_size)
@@ -210,21 +210,22 @@ def test_decode_attention_over_split_contexts_matches_the_twin(dtype):
     rng = random.Random(5)
     for lens, kv_heads in (([1000], 3), ([130], 1), ([1, 300], 1), ([700], 2), ([64, 65], 1)):
         q, k_cache, v_cache, block_ids, mask = paged_decode_case(rng, dtype, lens, 3, kv_heads, 64, 16)
-        got = cpu_native.decode_attention_native(q, k_cache, v_cache, block_ids, mask, 0.125)
+        got = cpu_native.decode_attention_native(q, k_cache, v_cache, block_ids, context_lens_from_mask(mask), 0.125)
         want = decode_attention_torch(q, k_cache, v_cache, block_ids, mask, 0.125)
         assert scaled_error(got, want) < ATTN_TOL[dtype], lens
 
 
 def test_decode_attention_rejects_what_the_kernel_cannot_take():
     q, k_cache, v_cache, block_ids, mask = paged_decode_case(random.Random(0), torch.float32, [5], 2, 2, 64, 16)
+    lens = context_lens_from_mask(mask)
     with pytest.raises(ValueError, match="dtype"):
-        cpu_native.decode_attention_native(q, k_cache.bfloat16(), v_cache, block_ids, mask, 0.125)
-    with pytest.raises(ValueError, match="mask shape"):
-        cpu_native.decode_attention_native(q, k_cache, v_cache, block_ids, mask[:, :8], 0.125)
+        cpu_native.decode_attention_native(q, k_cache.bfloat16(), v_cache, block_ids, lens, 0.125)
+    with pytest.raises(ValueError, match="context_lens has 2 elements: must have 1"):
+        cpu_native.decode_attention_native(q, k_cache, v_cache, block_ids, lens.repeat(2), 0.125)
     with pytest.raises(ValueError, match="head_dim"):
         big = torch.zeros(1, 4, 1024)
         cpu_native.decode_attention_native(big, torch.zeros(2, 2, 16, 1024), torch.zeros(2, 2, 16, 1024),
-                                           block_ids, mask, 0.125)
+                                           block_ids, lens, 0.125)
 
 
 def test_model_step_matches_the_twins(tiny_llama_dir):

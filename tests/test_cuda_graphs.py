@@ -269,8 +269,7 @@ def test_static_path_with_triton_kernels_under_the_interpreter():
 
 @pytest.mark.skipif(not (HAVE_TRITON and INTERPRETED), reason="runs in the interpreter test's child process")
 def test_interpreted_triton_static_steps_match_the_eager_twins(tiny_llama_dir, monkeypatch):
-    modules = ["engine.cuda_graphs"] + [f"engine.kernels.{m}" for m in ("decode_attention", "prefix_attention",
-                                                                       "rmsnorm", "rotary")]
+    modules = [f"engine.kernels.{m}" for m in ("decode_attention", "prefix_attention", "rmsnorm", "rotary")]
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(4, 512, (n,), generator=g).tolist() for n in (1, 20, 7, 35, 3)]
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=1) for n in (24, 6, 15, 10, 2)]

@@ -283,7 +283,8 @@ def dispatcher_cases():
     x, r, w = torch.randn(3, 32), torch.randn(3, 32), torch.randn(32)
     xr, cos, sin = torch.randn(3, 4, 32), torch.randn(3, 1, 32), torch.randn(3, 1, 32)
     return [
-        (kernels.decode_attention, kernels.decode_attention_torch, cpu_native.decode_attention_native,
+        (kernels.decode_attention, kernels.decode_attention_torch,  # the C kernel reads the mask's lengths
+         lambda q, k, v, t, m, s: cpu_native.decode_attention_native(q, k, v, t, context_lens_from_mask(m), s),
          (q, k, v, tables.flatten(), mask, 0.125)),
         (kernels.rms_norm, kernels.rms_norm_torch, lambda *a: cpu_native.add_rms_norm_native(a[0], None, *a[1:])[0],
          (x, w, 1e-6)),

@@ -92,12 +92,13 @@ def test_generate_cli_with_tp(tiny_llama_dir):
     assert json.loads(out.stdout)["token_ids"] == ref.token_ids
 
 
-def test_step_payload_round_trip_with_a_mask_or_with_lengths():
-    """Rank 0 packs a step as int64 on the host whether its metadata carries a mask (CPU) or lengths (CUDA); a
-    follower rebuilds the same step for its own device."""
+def test_step_payload_round_trip_with_a_mask_or_with_lengths(monkeypatch):
+    """Rank 0 packs a step as int64 on the host whether its metadata carries a mask or lengths; a follower rebuilds
+    the same step for its own device: the lengths, and the mask where its attention runs the torch twin."""
     import torch
 
     from engine.attention import AttentionMetadata, PrefillChunk
+    from engine.kernels import cpu_native
     from engine.tp_runner import pack_step, unpack_step
 
     bs, lens = 4, [3, 9]
@@ -112,10 +113,15 @@ def test_step_payload_round_trip_with_a_mask_or_with_lengths():
                                   decode_context_lens=torch.tensor(lens, dtype=torch.int32))
     packed = [pack_step(ids, pos, meta, bs, [1, 4]) for meta in (with_mask, with_lens)]
     assert all(torch.equal(a, b) for a, b in zip(*packed))
-    i2, p2, meta, rows = unpack_step(*packed[1], bs)  # on CPU: the torch twin's mask comes back
+    i2, p2, meta, rows = unpack_step(*packed[1], bs)  # on CPU: the lengths, which the C attention reads
     assert torch.equal(i2, ids) and torch.equal(p2, pos) and rows == [1, 4]
-    assert torch.equal(meta.decode_mask, mask) and torch.equal(meta.decode_block_ids, block_ids)
-    assert torch.equal(meta.slot_mapping, slots) and meta.decode_context_lens is None
+    assert meta.decode_context_lens.tolist() == lens and meta.decode_context_lens.dtype == torch.int32
+    assert (meta.decode_mask is None) == (cpu_native.native_library() is not None)
+    assert torch.equal(meta.decode_block_ids, block_ids) and torch.equal(meta.slot_mapping, slots)
+    monkeypatch.setattr(cpu_native, "_library", None)  # no C kernels: the torch twin's mask comes back too
+    monkeypatch.setattr(cpu_native, "_tried", True)
+    meta = unpack_step(*packed[1], bs)[2]
+    assert torch.equal(meta.decode_mask, mask) and meta.decode_context_lens.tolist() == lens
     (chunk,) = meta.prefills
     assert (chunk.query_start, chunk.num_query_tokens, chunk.num_context_tokens) == (2, 3, 7)
     assert torch.equal(chunk.block_table, prefill.block_table)

@@ -287,10 +287,12 @@ def decode_attention_native(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     block_ids: torch.Tensor,
-    mask: torch.Tensor,
+    context_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """As `decode_attention_torch` (same arguments), read in place from the paged cache: no gathered copy."""
+    """As `decode_attention_torch`, read in place from the paged cache (no gathered copy), with each sequence's
+    context length (`context_lens` [B]) where the twin takes the mask: a length is read within [0, width *
+    block_size] (the block tables' width), so no length reads outside its table."""
     lib = native_library()
     batch, heads, head_dim = q.shape
     kv_heads, num_blocks, block_size = k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]
@@ -303,14 +305,12 @@ def decode_attention_native(
                          f"multiple of kv_heads, at most {MAX_GROUP} per kv head, and head_dim <= {MAX_HEAD_DIM}")
     q = _unit_last(q)
     width = block_ids.numel() // batch
-    if mask.shape != (batch, width * block_size):
-        raise ValueError(f"decode mask shape {tuple(mask.shape)} is invalid: must be ({batch}, {width * block_size})")
     block_ids = _dense(block_ids, torch.int64, batch * width, "block_ids")
-    mask = _dense(mask, torch.float32, batch * width * block_size, "decode mask")
+    context_lens = _dense(context_lens, torch.int32, batch, "context_lens")
     out = torch.empty((batch, heads, head_dim), dtype=q.dtype)
     lib.duet_decode_attention(q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
-                              block_ids.data_ptr(), mask.data_ptr(), out.data_ptr(), batch, heads, kv_heads, head_dim,
-                              num_blocks, block_size, width, scale, _bf16(q))
+                              block_ids.data_ptr(), context_lens.data_ptr(), out.data_ptr(), batch, heads, kv_heads,
+                              head_dim, num_blocks, block_size, width, scale, _bf16(q))
     return out
 
 

@@ -40,24 +40,30 @@ def decode_attention(
     scale: float,
     context_lens: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q [B, heads, head_dim] -> [B, heads, head_dim]; Triton on CUDA, the twin otherwise.
+    """q [B, heads, head_dim] -> [B, heads, head_dim]: Triton on CUDA, the C kernel on CPU, else the twin.
 
-    `block_ids` [B * width] are the block tables padded to a common width, flat; `mask`
-    [B, width * block_size] is 0 over each sequence's context and -inf past its end (as the model runner
-    builds it, once per step), so a sequence's context length is its count of zeros. `context_lens` [B]
-    int32, when given, are those lengths and `mask` may be None (whichever path needs the other form
-    derives it).
+    `block_ids` [B * width] are the block tables padded to a common width, flat; `context_lens` [B] int32 each
+    sequence's context length, which the kernels read; `mask` [B, width * block_size], 0 over each context and -inf
+    past its end, the same lengths as the twin reads them. Either may be None: whichever path needs
+    the other form derives it (the model runner gives the lengths, and the mask once a step where the twin runs).
     """
-    if use_triton(q):
-        block_tables = block_ids.view(q.shape[0], -1)
+    if use_triton(q) or (k_cache.dtype == q.dtype and use_native(q)):
         if context_lens is None:
             context_lens = context_lens_from_mask(mask)
-        return decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale)
+        if use_triton(q):
+            return decode_attention_triton(q, k_cache, v_cache, block_ids.view(q.shape[0], -1), context_lens, scale)
+        return decode_attention_native(q, k_cache, v_cache, block_ids, context_lens, scale)
     if mask is None:
         mask = mask_from_context_lens(context_lens, block_ids.numel() // q.shape[0] * k_cache.shape[2])
-    if k_cache.dtype == q.dtype and use_native(q):
-        return decode_attention_native(q, k_cache, v_cache, block_ids, mask, scale)
     return decode_attention_torch(q, k_cache, v_cache, block_ids, mask, scale)
+
+
+def twin_runs(dtype: torch.dtype, device: torch.device | str) -> bool:
+    """Whether `decode_attention` runs the torch twin, which reads a mask, for q and caches of `dtype` on `device`:
+    a caller that builds a step's inputs once builds the mask then too (`mask_from_context_lens`), rather than have
+    every layer derive it from the lengths."""
+    probe = torch.empty(0, dtype=dtype, device=device)
+    return not (use_triton(probe) or use_native(probe))
 
 
 def context_lens_from_mask(mask: torch.Tensor) -> torch.Tensor:

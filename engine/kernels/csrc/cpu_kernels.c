@@ -294,9 +294,8 @@ int64_t duet_rotary_store_kv(const void *x, int64_t x_st, int64_t x_sh, const vo
 
 /* ---- Paged decode attention: one query token per sequence over its cached context -------------------
  * q [B, heads, D] (strides q_sb, q_sh; unit last); k_cache/v_cache [kv_heads, num_blocks, block_size, D]
- * contiguous; block_ids [B * width] int64 (each sequence's table, padded); mask [B, width * block_size]
- * float32, 0 over the context and -inf past it (a row's context length is its count of zeros);
- * out [B, heads, D] contiguous. Query head j reads kv head j / (heads / kv_heads).
+ * contiguous; block_ids [B * width] int64 (each sequence's table, padded); context_lens [B] int32 (read within
+ * [0, width * block_size]: no length reads past its table); out [B, heads, D] contiguous. Query head j reads kv head j / (heads / kv_heads).
  *
  * One task per (sequence, kv head): its `group` query heads share each K/V row read. The context is
  * walked in tiles of at most ATTN_TILE tokens, each within one cache block (rows contiguous in memory):
@@ -614,8 +613,8 @@ static int64_t context_splits(int64_t tasks, int64_t max_len) {
 }
 
 void duet_decode_attention(const void *q, int64_t q_sb, int64_t q_sh, const void *k_cache, const void *v_cache,
-                           const int64_t *block_ids, const float *mask, void *out, int64_t batch, int64_t heads,
-                           int64_t kv_heads, int64_t head_dim, int64_t num_blocks, int64_t block_size,
+                           const int64_t *block_ids, const int32_t *context_lens, void *out, int64_t batch,
+                           int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t num_blocks, int64_t block_size,
                            int64_t width, float scale, int bf16) {
     int64_t group = heads / kv_heads;
     int64_t max_len = width * block_size, tasks = batch * kv_heads, splits = context_splits(tasks, max_len);
@@ -633,8 +632,7 @@ void duet_decode_attention(const void *q, int64_t q_sb, int64_t q_sh, const void
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < tasks * splits; task++) {
             int64_t b = task / splits / kv_heads, kvh = task / splits % kv_heads, split = task % splits;
-            int64_t len = 0;
-            for (int64_t t = 0; t < max_len; t++) len += mask[b * max_len + t] == 0.0f;
+            int64_t len = context_lens[b] < 0 ? 0 : context_lens[b] < max_len ? context_lens[b] : max_len;
             int64_t from = len * split / splits, to = len * (split + 1) / splits;
             attend_range(q, q_sb, q_sh, k_cache, v_cache, block_ids + b * width, b, kvh, from, to, group, head_dim,
                          num_blocks, block_size, scale, bf16, &work);

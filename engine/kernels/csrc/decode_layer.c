@@ -25,8 +25,8 @@ int64_t duet_rotary_store_kv(const void *x, int64_t x_st, int64_t x_sh, const vo
                              const int64_t *slots, int64_t num_slots, int64_t tokens, int64_t heads,
                              int64_t kv_heads, int64_t head_dim, int bf16);
 void duet_decode_attention(const void *q, int64_t q_sb, int64_t q_sh, const void *k_cache, const void *v_cache,
-                           const int64_t *block_ids, const float *mask, void *out, int64_t batch, int64_t heads,
-                           int64_t kv_heads, int64_t head_dim, int64_t num_blocks, int64_t block_size,
+                           const int64_t *block_ids, const int32_t *context_lens, void *out, int64_t batch,
+                           int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t num_blocks, int64_t block_size,
                            int64_t width, float scale, int bf16);
 void duet_int8_linear(const void *x, int64_t ldx, const int8_t *qweight, const float *scales, int64_t group,
                       const float *bias, void *y, int64_t rows, int64_t n_out, int64_t k_in, int bf16);
@@ -90,13 +90,14 @@ int64_t duet_decode_layer_scratch_bytes(const duet_layer_shape *s, int64_t rows)
  * residual [rows, hidden] or NULL. Writes out [rows, hidden] (this layer's MLP output) and residual_out
  * [rows, hidden] (the stream without it: DecoderLayer.forward's pair), and the step's K/V at `slots` of the
  * caches [kv_heads, num_blocks, block_size, head_dim]; out may be x and residual_out residual (both are read only
- * by the first norm, before anything is written). cos/sin [rows, head_dim]; block_ids [rows * width] and mask
- * [rows, width * block_size] as decode attention takes them. Returns 0, or 1 + the index of a slot outside the
+ * by the first norm, before anything is written). cos/sin [rows, head_dim]; block_ids [rows * width] and
+ * context_lens [rows] as decode attention takes them. Returns 0, or 1 + the index of a slot outside the
  * cache (nothing after the K/V store ran). */
 static int64_t decode_layer(const duet_layer_shape *s, const duet_layer_weights *w, const void *x,
                             const void *residual, void *out, void *residual_out, const void *cos_t,
                             const void *sin_t, void *k_cache, void *v_cache, const int64_t *slots,
-                            const int64_t *block_ids, const float *mask, int64_t rows, int64_t width, void *scratch) {
+                            const int64_t *block_ids, const int32_t *context_lens, int64_t rows, int64_t width,
+                            void *scratch) {
     int bf16 = s->bf16;
     int64_t esize = bf16 ? 2 : 4, hd = s->head_dim;
     int64_t qkv_width = (s->heads + 2 * s->kv_heads) * hd, qk_width = (s->heads + s->kv_heads) * hd;
@@ -123,8 +124,8 @@ static int64_t decode_layer(const duet_layer_shape *s, const duet_layer_weights 
                                        qkv_width, k_cache, v_cache, slots, s->num_blocks * s->block_size, rows,
                                        s->heads + s->kv_heads, s->kv_heads, hd, bf16);
     if (bad) return bad;
-    duet_decode_attention(qk, qk_width, hd, k_cache, v_cache, block_ids, mask, attn, rows, s->heads, s->kv_heads, hd,
-                          s->num_blocks, s->block_size, width, s->scale, bf16);
+    duet_decode_attention(qk, qk_width, hd, k_cache, v_cache, block_ids, context_lens, attn, rows, s->heads,
+                          s->kv_heads, hd, s->num_blocks, s->block_size, width, s->scale, bf16);
     qlinear(&w->o, attn, o, rows, bf16);
     duet_add_rms_norm(o, s->hidden, residual_mid, s->hidden, w->post_norm, s->eps, xn2, residual_out, rows,
                       s->hidden, bf16);
@@ -172,11 +173,11 @@ int64_t duet_decode_inputs(const duet_layer_shape *s, const int64_t *token_ids, 
  * slots), before anything is written. */
 int64_t duet_decode_layers(const duet_layer_shape *s, const duet_layer_weights *w, int64_t n_layers,
                            void *const *k_caches, void *const *v_caches, void *x, void *residual, const void *cos_t,
-                           const void *sin_t, const int64_t *slots, const int64_t *block_ids, const float *mask,
-                           int64_t rows, int64_t width, void *scratch) {
+                           const void *sin_t, const int64_t *slots, const int64_t *block_ids,
+                           const int32_t *context_lens, int64_t rows, int64_t width, void *scratch) {
     for (int64_t l = 0; l < n_layers; l++) {
         int64_t bad = decode_layer(s, &w[l], x, l ? residual : NULL, x, residual, cos_t, sin_t, k_caches[l],
-                                   v_caches[l], slots, block_ids, mask, rows, width, scratch);
+                                   v_caches[l], slots, block_ids, context_lens, rows, width, scratch);
         if (bad) return bad;
     }
     return 0;

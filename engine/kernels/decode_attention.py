@@ -47,11 +47,12 @@ def decode_attention(
     past its end, the same lengths as the twin reads them. Either may be None: whichever path needs
     the other form derives it (the model runner gives the lengths, and the mask once a step where the twin runs).
     """
-    if use_triton(q) or (k_cache.dtype == q.dtype and use_native(q)):
-        if context_lens is None:
-            context_lens = context_lens_from_mask(mask)
-        if use_triton(q):
-            return decode_attention_triton(q, k_cache, v_cache, block_ids.view(q.shape[0], -1), context_lens, scale)
+    triton, native = use_triton(q), k_cache.dtype == q.dtype and use_native(q)
+    if (triton or native) and context_lens is None:
+        context_lens = context_lens_from_mask(mask)
+    if triton:
+        return decode_attention_triton(q, k_cache, v_cache, block_ids.view(q.shape[0], -1), context_lens, scale)
+    if native:
         return decode_attention_native(q, k_cache, v_cache, block_ids, context_lens, scale)
     if mask is None:
         mask = mask_from_context_lens(context_lens, block_ids.numel() // q.shape[0] * k_cache.shape[2])

@@ -295,7 +295,8 @@ int64_t duet_rotary_store_kv(const void *x, int64_t x_st, int64_t x_sh, const vo
 /* ---- Paged decode attention: one query token per sequence over its cached context -------------------
  * q [B, heads, D] (strides q_sb, q_sh; unit last); k_cache/v_cache [kv_heads, num_blocks, block_size, D]
  * contiguous; block_ids [B * width] int64 (each sequence's table, padded); context_lens [B] int32 (read within
- * [0, width * block_size]: no length reads past its table); out [B, heads, D] contiguous. Query head j reads kv head j / (heads / kv_heads).
+ * [0, width * block_size]: no length reads past its table); out [B, heads, D] contiguous. Query head j reads kv
+ * head j / (heads / kv_heads).
  *
  * One task per (sequence, kv head): its `group` query heads share each K/V row read. The context is
  * walked in tiles of at most ATTN_TILE tokens, each within one cache block (rows contiguous in memory):

@@ -80,7 +80,7 @@ class ModelRunner:
         self.graph_replayer = graph_replayer
         self.step_broadcaster = step_broadcaster
         self.device = kv_caches[0][0].device
-        self._twin_attention = twin_runs(kv_caches[0][0].dtype, self.device)  # decode attention reads a mask
+        self._twin_attention = twin_runs(kv_caches[0][0].dtype, self.device)  # decode steps need the twin's mask
         self._fused_decode: FusedDecode | None | bool = False  # built on the first decode step (False: not yet)
 
     @torch.inference_mode()

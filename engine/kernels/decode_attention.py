@@ -44,8 +44,8 @@ def decode_attention(
 
     `block_ids` [B * width] are the block tables padded to a common width, flat; `context_lens` [B] int32 each
     sequence's context length, which the kernels read; `mask` [B, width * block_size], 0 over each context and -inf
-    past its end, the same lengths as the twin reads them. Either may be None: whichever path needs
-    the other form derives it (the model runner gives the lengths, and the mask once a step where the twin runs).
+    past its end, the same lengths as the twin reads them. Either may be None: whichever path needs the other form
+    derives it (the model runner gives the lengths, and the mask too, once a step, where the twin runs).
     """
     triton, native = use_triton(q), k_cache.dtype == q.dtype and use_native(q)
     if (triton or native) and context_lens is None:

@@ -489,15 +489,21 @@ static inline __attribute__((always_inline)) void row_indices(RowRuns runs, int6
         for (int64_t j_ = RUNS * runs_.run; j_ < runs_.hi - runs_.lo; j_++) ROWS(__VA_ARGS__, runs_, j_, 1);         \
     } while (0)
 
+/* The n rows of step j of a thread's runs, of an int8 weight: their indices o, values q and scales s */
+static inline void int8_row_pointers(RowRuns runs, int64_t j, int n, const int8_t *qweight, const float *scales,
+                                     int64_t group, int64_t k_in, int64_t *o, const int8_t **q, const float **s) {
+    row_indices(runs, j, n, o);
+    for (int i = 0; i < n; i++) q[i] = qweight + o[i] * k_in, s[i] = scales + o[i] * (k_in / group);
+}
+
 static inline __attribute__((always_inline)) void int8_rows(const float *x, const int8_t *qweight, const float *scales,
                                                             int64_t group, const float *bias, void *y, int64_t k_in,
                                                             int bf16, RowRuns runs, int64_t j, int n) {
-    int64_t o[RUNS], groups = k_in / group;
+    int64_t o[RUNS];
     const int8_t *q[RUNS];
     const float *s[RUNS];
     float sums[RUNS];
-    row_indices(runs, j, n, o);
-    for (int i = 0; i < n; i++) q[i] = qweight + o[i] * k_in, s[i] = scales + o[i] * groups;
+    int8_row_pointers(runs, j, n, qweight, scales, group, k_in, o, q, s);
     INT8_GEMV4(x, q, s, group, k_in, n, sums);
     for (int i = 0; i < n; i++) store(y, o[i], sums[i], bias, o[i], bf16);
 }
@@ -811,12 +817,11 @@ static inline __attribute__((always_inline)) void q8_int8_rows(const int8_t *qx,
                                                                int64_t group, const float *bias, void *y,
                                                                int64_t k_in, int bf16, RowRuns runs, int64_t j,
                                                                int n) {
-    int64_t o[RUNS], groups = k_in / group;
+    int64_t o[RUNS];
     const int8_t *q[RUNS];
     const float *s[RUNS];
     float sums[RUNS];
-    row_indices(runs, j, n, o);
-    for (int i = 0; i < n; i++) q[i] = qweight + o[i] * k_in, s[i] = scales + o[i] * groups;
+    int8_row_pointers(runs, j, n, qweight, scales, group, k_in, o, q, s);
     q8_int8_gemv4_avx2(qx, dx, k_in, q, s, group, n, sums);
     for (int i = 0; i < n; i++) store(y, o[i], sums[i], bias, o[i], bf16);
 }

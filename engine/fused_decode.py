@@ -13,9 +13,10 @@ linears either `QuantizedLinear`s bound to a native kernel or `FastLinear`s with
 dtype. The structs point into the model's tensors and the KV
 caches given at construction: valid while those live (a ModelRunner owns both for its life).
 
-`argmax` goes on to each row's greedy token in one more call (final norm, lm_head, argmax) where the lm_head is such
-a linear too: for steps whose sampling is only that argmax (engine/sampler.py's `reduces_to_argmax`), which then
-skip the logits' wrappers and the sampler (~0.4-0.7 ms a step at batch 1, 4-6 %, tenth session's prototype).
+Where the lm_head is such a linear too, `logits` goes on to the step's logits in one more call (final norm, lm_head),
+without their wrappers (~0.3-0.5 ms a step at batch 1), and `argmax` to each row's greedy token (and the argmax):
+for steps whose sampling is only that argmax (engine/sampler.py's `reduces_to_argmax`), which then skip the sampler
+too (~0.4-0.7 ms a step at batch 1, 4-6 %, tenth session's prototype).
 """
 
 from __future__ import annotations
@@ -82,8 +83,8 @@ class FusedDecode:
         self.max_rows = min(b.max_rows for layer in bound for b in layer)
         self._layers, self._scratch_bytes = lib.duet_decode_layers, lib.duet_decode_layer_scratch_bytes
         self._argmax, self._argmax_scratch_bytes = lib.duet_decode_argmax, lib.duet_decode_argmax_scratch_bytes
-        self._inputs = lib.duet_decode_inputs
-        self.argmax_max_rows = 0 if lm_head is None else min(self.max_rows, lm_head.max_rows)
+        self._logits, self._inputs = lib.duet_decode_logits, lib.duet_decode_inputs
+        self.lm_head_max_rows = 0 if lm_head is None else min(self.max_rows, lm_head.max_rows)
         config, dtype = model.config, model.embed_tokens.weight.dtype
         k_cache = kv_caches[0][0]
         self.shape = _LayerShape(config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
@@ -104,7 +105,7 @@ class FusedDecode:
         self._tables = (embed.data_ptr(), embed.shape[0], cos.data_ptr(), sin.data_ptr(), cos.shape[0])
         # A step's buffers, kept from step to step (grown when a step needs more), so that a step allocates nothing:
         # x, residual, cos and sin of its rows (the activations' dtype), and the scratch of the layers' call and of
-        # argmax's (one after the other; argmax's holds the logits: ~0.2 MB a row)
+        # the lm_head's (one after the other; the lm_head's holds the logits: ~0.2 MB a row)
         self._step = torch.empty(0, dtype=dtype)
         self._scratch = torch.empty(0, dtype=torch.uint8)
         self._scratch_bytes_by_rows: dict[int, int] = {}
@@ -125,9 +126,9 @@ class FusedDecode:
         more rows than the linears' C kernels take."""
         return meta.num_decode_tokens == num_tokens <= self.max_rows and meta.decode_context_lens is not None
 
-    def takes_argmax(self, num_tokens: int) -> bool:
-        """Whether `argmax` runs a step of this many rows (one `applies_to`)."""
-        return num_tokens <= self.argmax_max_rows
+    def takes_lm_head(self, num_tokens: int) -> bool:
+        """Whether `logits` and `argmax` run a step of this many rows (one `applies_to`)."""
+        return num_tokens <= self.lm_head_max_rows
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The model's forward (hidden states after the final norm) for a decode-only step (`applies_to`)."""
@@ -135,16 +136,29 @@ class FusedDecode:
         x, residual = self._step[: 2 * rows * hidden].view(2, rows, hidden)
         return self.model.norm.add_and_norm(x, residual)[0]
 
-    def argmax(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> list[int]:
-        """Each row's greedy token for a step that `takes_argmax`: `greedy_argmax(model.compute_logits(self(...)))`,
-        the same numbers (the same kernels on the same inputs), without keeping the logits."""
+    def logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """float32 logits [rows, vocab] for a step that `takes_lm_head`: `model.compute_logits(self(...))`, the same
+        numbers (the same kernels on the same inputs). A view of this object's buffer: valid until the next step."""
         rows = self._run_layers(input_ids, positions, meta)
-        x = self._step.data_ptr()
+        vocab = self.lm_head.n_out
+        at = self._argmax_scratch_bytes(ctypes.byref(self.shape), vocab, rows) - 4 * rows * vocab  # its tail
+        logits = self._scratch[at : at + 4 * rows * vocab].view(torch.float32).view(rows, vocab)
+        self._logits(*self._lm_head_args(rows), logits.data_ptr())
+        return logits
+
+    def argmax(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> list[int]:
+        """Each row's greedy token for a step that `takes_lm_head`: `greedy_argmax(self.logits(...))`, without
+        keeping the logits."""
+        rows = self._run_layers(input_ids, positions, meta)
         token_ids = (ctypes.c_int64 * rows)()
-        self._argmax(ctypes.byref(self.shape), self.final_norm, ctypes.byref(self.lm_head), x,
-                     x + rows * self.shape.hidden * self._step.element_size(), rows, self._scratch.data_ptr(),
-                     token_ids)
+        self._argmax(*self._lm_head_args(rows), token_ids)
         return list(token_ids)
+
+    def _lm_head_args(self, rows: int) -> tuple:
+        """duet_decode_logits' and duet_decode_argmax's leading arguments, after `_run_layers`."""
+        x = self._step.data_ptr()
+        return (ctypes.byref(self.shape), self.final_norm, ctypes.byref(self.lm_head), x,
+                x + rows * self.shape.hidden * self._step.element_size(), rows, self._scratch.data_ptr())
 
     def _run_layers(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> int:
         """Runs a step's layers (input_ids and positions int64 and contiguous, as ModelRunner.prepare_inputs makes
@@ -178,10 +192,10 @@ class FusedDecode:
         return rows
 
     def _scratch_bytes_for(self, rows: int) -> int:
-        """The scratch a step of `rows` needs: the layers' call's or argmax's, the larger."""
+        """The scratch a step of `rows` needs: the layers' call's or the lm_head's, the larger."""
         shape = ctypes.byref(self.shape)
-        argmax = self._argmax_scratch_bytes(shape, self.lm_head.n_out, rows) if self.argmax_max_rows else 0
-        self._scratch_bytes_by_rows[rows] = max(self._scratch_bytes(shape, rows), argmax)
+        lm_head = self._argmax_scratch_bytes(shape, self.lm_head.n_out, rows) if self.lm_head_max_rows else 0
+        self._scratch_bytes_by_rows[rows] = max(self._scratch_bytes(shape, rows), lm_head)
         return self._scratch_bytes_by_rows[rows]
 
 

@@ -12,8 +12,9 @@ One runner serves every engine; what differs between them are parts it composes,
            ├─ step_broadcaster (tp_size > 1): the packed step goes to the follower ranks    │
            │    first, so they run the same forward in lockstep (engine/tp_runner.py)       │
            ├─ fused decode (CPU, a decode-only step, C linears): the layers in one C call   │
-           │    (engine/fused_decode.py); a step whose sampling is only the argmax of each  │
-           │    row (Sampler.reduces_to_argmax) gets its tokens in one more call, no `sample`│
+           │    (engine/fused_decode.py), the logits in one more (then the sampler); a step │
+           │    whose sampling is only each row's argmax (Sampler.reduces_to_argmax) gets   │
+           │    its tokens from that call instead, no `sample`                              │
            └─ else the model forward (CPU fast paths in the model: engine/linear_fast.py)   │
       sample: logits of the rows that sample ─▶ Sampler.sample, once, on this rank ◀────────┘
 """
@@ -108,9 +109,11 @@ class ModelRunner:
             self.step_broadcaster.broadcast_step(input_ids, positions, meta, sample_rows(ordered)[0])
         fused = self._fused_decode_for(input_ids, meta) if on_layer_done is None else None
         if fused is not None:  # a decode-only step on CPU with C linears: one C call for the layers
-            if fused.takes_argmax(input_ids.shape[0]) and self._only_argmax(ordered):  # and one for the tokens
-                token_ids = fused.argmax(input_ids, positions, meta)
-                return {c.request_id: SampledTokens([t], None) for c, t in zip(ordered, token_ids, strict=True)}
+            if fused.takes_lm_head(input_ids.shape[0]) and all(c.sample for c in ordered):  # and one for the logits
+                if self._only_argmax(ordered):  # or for the tokens, where sampling is their argmax alone
+                    token_ids = fused.argmax(input_ids, positions, meta)
+                    return {c.request_id: SampledTokens([t], None) for c, t in zip(ordered, token_ids, strict=True)}
+                return self._draw(fused.logits(input_ids, positions, meta), ordered)  # every row is sampled
             hidden = fused(input_ids, positions, meta)
         else:
             hidden = self.model(input_ids, positions, self.kv_caches, meta, on_layer_done)
@@ -134,14 +137,17 @@ class ModelRunner:
             return {}
         if len(rows) < hidden.shape[0]:  # else every token is a sampled decode: all rows, in order
             hidden = hidden.index_select(0, self._on_device(int64_tensor(rows)))
-        logits = self.model.compute_logits(hidden)
+        return self._draw(self.model.compute_logits(hidden), sample_chunks)
+
+    def _draw(self, logits: torch.Tensor, sample_chunks: list[ScheduledChunk]) -> dict[str, SampledTokens]:
+        """The sampler's tokens for `sample_chunks` from their rows' logits (`sample_rows`' order)."""
         sampling_rows = [_sampling_row(c) for c in sample_chunks]
         return {c.request_id: s for c, s in zip(sample_chunks, self.sampler.sample(logits, sampling_rows))}
 
     def _only_argmax(self, ordered: list[ScheduledChunk]) -> bool:
-        """Whether every token of the step is sampled, one per chunk (no proposals), by the argmax of its raw
-        logits alone (`Sampler.reduces_to_argmax`)."""
-        return all(c.sample for c in ordered) and self.sampler.reduces_to_argmax([_sampling_row(c) for c in ordered])
+        """Whether every token of the step (each chunk samples) is sampled by the argmax of its raw logits alone, one
+        per chunk (no proposals: `Sampler.reduces_to_argmax`)."""
+        return self.sampler.reduces_to_argmax([_sampling_row(c) for c in ordered])
 
     def prepare_inputs(self, ordered: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Flatten decodes-then-prefills into input ids, positions, slots and attention metadata.

@@ -32,6 +32,10 @@ Each row follows the vLLM / HF pipeline with its own parameters:
     / temperature ─► top-k ─► top-p ─► min-p ─► softmax ─► seeded: argmax with Gumbel noise (its own
                                                             generator); unseeded: inverse CDF, one uniform
 
+On CPU, temperature, the filters and the draw run in C (csrc/sample.c: a few passes over a row instead of ~30
+small torch ops, 1-3 ms a token at batch 1); the torch functions below are their twins, the path of every other
+device and the tests' reference.
+
 Filters set a dropped token's logit to -inf, so its probability is exactly 0 and it can never be drawn.
 Work that no row in the batch asks for is skipped: no penalty tensors, no top-k/top-p search, no draw
 for an all-greedy batch.
@@ -267,6 +271,8 @@ class Sampler:
             dtype=torch.float32,
             device=penalized.device,
         )
+        if cpu_native.use_native(penalized):
+            return cpu_native.sample_shape_native(penalized, table)  # the same pipeline in a few passes
         temperature, top_p, min_p, top_k_t = table.unbind(dim=1)
         x = finite_logits(penalized / temperature.unsqueeze(1))
         # every filter is a cutoff value per row: tokens with x >= cutoff stay
@@ -282,18 +288,23 @@ class Sampler:
         params = [row.params for row in rows]
         x, cutoff = self._shape(penalized, rows)
         seeded = [i for i, p in enumerate(params) if p.seed is not None]
+        unseeded = [i for i, p in enumerate(params) if p.seed is None]
+        uniforms = {i: seeded_uniforms(rows[i], x.shape[1], x.device) for i in seeded}
+        u = (torch.rand(len(unseeded), dtype=torch.float64, device=x.device, generator=self._generator(x.device))
+             if unseeded else None)
+        if cpu_native.use_native(x):  # both draws in one pass or two over each row
+            u_of = dict(zip(unseeded, u.tolist() if u is not None else [], strict=True))
+            return cpu_native.sample_draw_native(x, cutoff, [uniforms.get(i) for i in range(len(rows))],
+                                                 [u_of.get(i, 0.0) for i in range(len(rows))])
         if not seeded:
-            u = torch.rand(len(rows), dtype=torch.float64, device=x.device, generator=self._generator(x.device))
             return draw_inverse_cdf(x, cutoff, u)
         token_ids = torch.empty(len(rows), dtype=torch.long, device=x.device)
         seeded_idx = torch.tensor(seeded, device=x.device)
         token_ids[seeded_idx] = draw_exponential_race(
             x.index_select(0, seeded_idx), cutoff.index_select(0, seeded_idx),
-            torch.stack([seeded_noise(rows[i], x.shape[1], x.device) for i in seeded]))
-        unseeded = [i for i, p in enumerate(params) if p.seed is None]
+            gumbel_noise(torch.stack([uniforms[i] for i in seeded])))
         if unseeded:
             unseeded_idx = torch.tensor(unseeded, device=x.device)
-            u = torch.rand(len(unseeded), dtype=torch.float64, device=x.device, generator=self._generator(x.device))
             token_ids[unseeded_idx] = draw_inverse_cdf(x.index_select(0, unseeded_idx),
                                                        cutoff.index_select(0, unseeded_idx), u)
         return token_ids
@@ -507,12 +518,18 @@ def min_p_cutoffs(x: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return x.amax(dim=-1) + min_p.log()
 
 
-def seeded_noise(row: SamplingRow, vocab: int, device: torch.device) -> torch.Tensor:
-    """A seeded row's Gumbel noise [V] float32 for this step, from its own (seed, step) generator (float32:
-    half float64's cost; its 2**-24 resolution only caps the noise at ~16.6, a tail of probability 6e-8)."""
+def seeded_uniforms(row: SamplingRow, vocab: int, device: torch.device) -> torch.Tensor:
+    """A seeded row's uniforms [V] float32 in [0, 1) for this step, from its own (seed, step) generator: the
+    randomness of its draw (float32: half float64's cost; its 2**-24 resolution only caps the Gumbel noise at
+    ~16.6, a tail of probability 6e-8)."""
     own = torch.Generator(device=device)
     own.manual_seed(step_seed(row.params.seed, row.step))
-    return torch.rand(vocab, dtype=torch.float32, device=device, generator=own).log_().neg_().log_().neg_()
+    return torch.rand(vocab, dtype=torch.float32, device=device, generator=own)
+
+
+def gumbel_noise(u: torch.Tensor) -> torch.Tensor:
+    """Gumbel noise -log(-log(u)) of uniforms u in [0, 1) (a new tensor; -inf at u = 0: never drawn)."""
+    return u.log().neg_().log_().neg_()
 
 
 def draw_exponential_race(x: torch.Tensor, cutoff: torch.Tensor, gumbel: torch.Tensor) -> torch.Tensor:

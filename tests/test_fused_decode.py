@@ -1,7 +1,7 @@
 """engine/fused_decode.py (a decode-only step's layers in one C call each) against the plain forward of
 engine/model.py on the same weights and caches: the same kernels on the same inputs in the same order, so hidden
-states and the K/V written are equal bit for bit, and so are greedy tokens (`FusedDecode.argmax` against the plain
-path's logits and the sampler's argmax)."""
+states, the K/V written and the logits are equal bit for bit, and so are greedy tokens (`FusedDecode.argmax` against
+the plain path's logits and the sampler's argmax)."""
 
 from __future__ import annotations
 
@@ -182,12 +182,11 @@ def _dense_model(tiny_dir, dtype):
                                                        ("q8_0", "float", torch.bfloat16),
                                                        ("dense", "float", torch.float32),
                                                        ("dense", "float", torch.bfloat16)])
-def test_argmax_gives_the_plain_paths_greedy_tokens(tiny_dir, tiny_q8_gguf, weights, activations, dtype,
-                                                     monkeypatch):
-    """Each row's token from `argmax` (final norm, lm_head, argmax in C) equals the argmax of the plain forward's
-    logits (`compute_logits`, the sampler's `greedy_argmax`), step after step: a quantized lm_head for every row
-    count its C kernel takes, a dense one (FastLinear's C GEMV, the tiny weights let through by lowering
-    MIN_GEMV_BYTES) only up to GEMV_ROWS, where its plain calls leave the GEMV."""
+def test_logits_and_argmax_give_the_plain_paths(tiny_dir, tiny_q8_gguf, weights, activations, dtype, monkeypatch):
+    """`logits` (final norm and lm_head in C) equals the plain forward's `compute_logits` bit for bit, and each row's
+    token from `argmax` the sampler's `greedy_argmax` of them, step after step (alternating the two): a quantized
+    lm_head for every row count its C kernel takes, a dense one (FastLinear's C GEMV, the tiny weights let through by
+    lowering MIN_GEMV_BYTES) only up to GEMV_ROWS, where its plain calls leave the GEMV."""
     if weights == "dense":
         monkeypatch.setattr("engine.linear_fast.MIN_GEMV_BYTES", 0)
         model = _dense_model(tiny_dir, dtype)
@@ -199,9 +198,9 @@ def test_argmax_gives_the_plain_paths_greedy_tokens(tiny_dir, tiny_q8_gguf, weig
     plain_caches = [(k.clone(), v.clone()) for k, v in caches]
     runner = ModelRunner(model, caches, BLOCK, sampler=None)
     fused = FusedDecode.for_model(model, caches)
-    assert fused is not None and fused.takes_argmax(3)
+    assert fused is not None and fused.takes_lm_head(3)
     want_max = GEMV_ROWS if weights == "dense" else min(fused.max_rows, model.lm_head.native_max_rows())
-    assert fused.argmax_max_rows == want_max and not fused.takes_argmax(want_max + 1)
+    assert fused.lm_head_max_rows == want_max and not fused.takes_lm_head(want_max + 1)
     gen = torch.Generator().manual_seed(3)
     lengths = [5, 16, 33]
     tables = [[1, 2, 3], [4, 5, 6], [7, 8, 9, 10]]
@@ -214,8 +213,14 @@ def test_argmax_gives_the_plain_paths_greedy_tokens(tiny_dir, tiny_q8_gguf, weig
         for step in range(4):  # each step feeds back the tokens the fused path chose
             ids, pos, meta = runner.prepare_inputs([chunk(i, [t], n + step, tb) for i, (t, n, tb) in
                                                     enumerate(zip(tokens, lengths, tables))])
-            got = fused.argmax(ids, pos, meta)
-            want = greedy_argmax(model.compute_logits(model(ids, pos, plain_caches, meta))).tolist()
+            logits = model.compute_logits(model(ids, pos, plain_caches, meta))
+            if step % 2:
+                got = fused.argmax(ids, pos, meta)
+            else:  # the logits themselves, bit for bit
+                got_logits = fused.logits(ids, pos, meta)
+                assert got_logits.dtype == torch.float32 and torch.equal(got_logits, logits)
+                got = greedy_argmax(got_logits).tolist()
+            want = greedy_argmax(logits).tolist()
             assert got == want
             for (k, v), (pk, pv) in zip(caches, plain_caches):
                 assert torch.equal(k, pk) and torch.equal(v, pv)
@@ -224,31 +229,39 @@ def test_argmax_gives_the_plain_paths_greedy_tokens(tiny_dir, tiny_q8_gguf, weig
 
 def test_the_engine_takes_argmax_only_for_steps_that_sample_by_argmax_alone(tiny_q8_gguf, monkeypatch):
     """Through the engine: a batch of plain greedy requests takes `argmax` on its decode steps; a step holding a
-    request that wants logprobs, a penalty or a min_tokens stop mask samples through the sampler as before; every
-    request's tokens (and logprobs) equal those of an engine without the fused path."""
-    argmax_steps = []
-    real_argmax = FusedDecode.argmax
+    request that wants logprobs, a penalty, a min_tokens stop mask or a seeded draw samples from `logits` through the
+    sampler; every request's tokens (and logprobs) equal those of an engine without the fused path."""
+    argmax_steps, logits_steps = [], []
+    real_argmax, real_logits = FusedDecode.argmax, FusedDecode.logits
 
     def spy(self, input_ids, positions, meta):
         argmax_steps.append(input_ids.shape[0])
         return real_argmax(self, input_ids, positions, meta)
 
+    def logits_spy(self, input_ids, positions, meta):
+        logits_steps.append(input_ids.shape[0])
+        return real_logits(self, input_ids, positions, meta)
+
     monkeypatch.setattr(FusedDecode, "argmax", spy)
+    monkeypatch.setattr(FusedDecode, "logits", logits_spy)
     prompts = [[3, 9, 27, 81], list(range(40, 75)), [500, 7]]
     penalized = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, repetition_penalty=1.3)
     with_logprobs = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
     min_tokens = SamplingParams(max_tokens=12, temperature=0.0, min_tokens=6, stop_token_ids=[0, 1, 2])
+    seeded = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, ignore_eos=True, seed=7, logprobs=1)
     batches = {"greedy": [GREEDY] * 3, "penalty": [GREEDY, penalized, GREEDY], "logprobs": [with_logprobs] * 3,
-               "min_tokens": [min_tokens, GREEDY, GREEDY]}
+               "min_tokens": [min_tokens, GREEDY, GREEDY], "seeded": [seeded, GREEDY, seeded]}
     llm = LLM(tiny_q8_gguf, max_model_len=256)
-    got, steps = {}, {}
+    got, steps, sampled_steps = {}, {}, {}
     for name, params in batches.items():
         argmax_steps.clear()
+        logits_steps.clear()
         got[name] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)]
-        steps[name] = list(argmax_steps)
-    assert steps["greedy"] == [3] * 11  # every decode step after the prefill's first token
-    assert steps["penalty"] == steps["logprobs"] == []
-    assert steps["min_tokens"] and len(steps["min_tokens"]) < 11  # from the step min_tokens no longer masks
+        steps[name], sampled_steps[name] = list(argmax_steps), list(logits_steps)
+    assert steps["greedy"] == [3] * 11 and sampled_steps["greedy"] == []  # every decode step after the prefill's
+    assert steps["penalty"] == steps["logprobs"] == steps["seeded"] == []
+    assert sampled_steps["penalty"] == sampled_steps["logprobs"] == sampled_steps["seeded"] == [3] * 11
+    assert steps["min_tokens"] and len(steps["min_tokens"]) + len(sampled_steps["min_tokens"]) == 11
     monkeypatch.setattr(FusedDecode, "for_model", classmethod(lambda cls, model, caches: None))
     plain = LLM(tiny_q8_gguf, max_model_len=256)
     for name, params in batches.items():

@@ -12,7 +12,7 @@ from unittest import mock
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
 from test_cpu_kernels import EXTRA_BUILDS, extra_library
@@ -25,7 +25,10 @@ from engine.sampler import (
     apply_penalties,
     apply_top_k_top_p,
     argmax_two_level,
+    draw_exponential_race,
+    draw_inverse_cdf,
     greedy_argmax,
+    gumbel_noise,
     splitmix64,
     step_seed,
     top_k_top_p_cutoffs,
@@ -80,6 +83,16 @@ def assert_matches(counts: np.ndarray, expected: np.ndarray) -> float:
     return pvalue
 
 
+@pytest.fixture(params=["native", "twin"])
+def sampling(request, monkeypatch) -> str:
+    """Runs a test on the C sampling (csrc/sample.c: the CPU's) and on its torch twins (every other device's)."""
+    if request.param == "twin":
+        monkeypatch.setattr(cpu_native, "use_native", lambda x: False)
+    else:
+        assert cpu_native.native_library() is not None
+    return request.param
+
+
 # --- shaped distributions ---------------------------------------------------------------------------------
 
 
@@ -95,7 +108,7 @@ def assert_matches(counts: np.ndarray, expected: np.ndarray) -> float:
     ],
     ids=["temperature-0.5", "temperature-2", "top-k", "top-p", "min-p", "all-filters"],
 )
-def test_unseeded_samples_follow_shaped_distribution(params: SamplingParams) -> None:
+def test_unseeded_samples_follow_shaped_distribution(params: SamplingParams, sampling) -> None:
     expected = reference_probs(LOGITS, params)
     assert_matches(sample_counts([params] * N_SAMPLES), expected)
 
@@ -120,26 +133,26 @@ def test_chi_square_has_power_to_reject_a_wrong_temperature() -> None:
     assert chisquare(counts, wrong * counts.sum()).pvalue < 1e-6
 
 
-def test_seeded_rows_with_distinct_seeds_follow_shaped_distribution() -> None:
+def test_seeded_rows_with_distinct_seeds_follow_shaped_distribution(sampling) -> None:
     params = SamplingParams(temperature=0.8, top_k=6, top_p=0.85)
     batch = [SamplingParams(temperature=0.8, top_k=6, top_p=0.85, seed=s) for s in range(N_SAMPLES)]
     assert_matches(sample_counts(batch), reference_probs(LOGITS, params))
 
 
-def test_one_seed_across_steps_follows_shaped_distribution() -> None:
+def test_one_seed_across_steps_follows_shaped_distribution(sampling) -> None:
     params = SamplingParams(temperature=1.5, seed=7)
     rows = [row(params, output=range(step)) for step in range(N_SAMPLES)]  # range: len() is the step
     out = Sampler()(torch.tensor(LOGITS).expand(N_SAMPLES, len(LOGITS)), rows)
     assert_matches(np.bincount(out.token_ids, minlength=len(LOGITS)), reference_probs(LOGITS, params))
 
 
-def test_top_k_keeps_every_token_tied_with_the_kth() -> None:
+def test_top_k_keeps_every_token_tied_with_the_kth(sampling) -> None:
     logits = [3.0, 2.0, 2.0, 1.0, 0.0]
     counts = sample_counts([SamplingParams(top_k=2)] * 3000, logits)
     assert counts[3:].sum() == 0 and counts[:3].min() > 0
 
 
-def test_top_p_and_min_p_at_their_extremes_keep_only_the_best_token() -> None:
+def test_top_p_and_min_p_at_their_extremes_keep_only_the_best_token(sampling) -> None:
     counts = sample_counts([SamplingParams(top_p=0.01)] * 500 + [SamplingParams(min_p=1.0)] * 500)
     assert counts[0] == 1000
 
@@ -470,9 +483,10 @@ def batches(draw):
     return torch.tensor(logits), rows
 
 
-@settings(max_examples=100, deadline=None, derandomize=True, database=None)
+@settings(max_examples=100, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])  # `sampling` holds for every example
 @given(batches())
-def test_sampled_token_is_always_allowed_and_seeded_rows_reproduce_alone(batch) -> None:
+def test_sampled_token_is_always_allowed_and_seeded_rows_reproduce_alone(sampling, batch) -> None:
     logits, rows = batch
     out = Sampler(seed=0)(logits, rows)
     penalized = apply_penalties(logits, rows)
@@ -525,9 +539,10 @@ def extreme_batches(draw):
     return torch.tensor(logits, dtype=torch.float32), rows
 
 
-@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@settings(max_examples=300, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])  # `sampling` holds for every example
 @given(extreme_batches())
-def test_every_accepted_value_samples_a_valid_token_for_every_row(batch) -> None:
+def test_every_accepted_value_samples_a_valid_token_for_every_row(sampling, batch) -> None:
     logits, rows = batch
     sampled = Sampler(seed=0).sample(logits, rows)
     for s in sampled:
@@ -545,7 +560,7 @@ def test_a_temperature_too_small_to_divide_by_is_greedy(temperature) -> None:
     assert Sampler()(logits, rows).token_ids == greedy.token_ids
 
 
-def test_top_p_below_float32_keeps_the_best_token_and_nan_logits_are_never_drawn() -> None:
+def test_top_p_below_float32_keeps_the_best_token_and_nan_logits_are_never_drawn(sampling) -> None:
     logits = torch.tensor([[0.5, 2.0, 1.0, -1.0], [math.nan, 1.0, math.nan, 0.5], [math.nan] * 4])
     rows = [row(SamplingParams(top_p=1e-300, seed=1)), row(SamplingParams(temperature=1.0, seed=2)),
             row(SamplingParams(temperature=0.7, seed=3))]
@@ -636,3 +651,96 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached_then_not():
     reached = SamplingRow(params, [5], [4, 4], eos_token_ids=eos)
     ignoring = SamplingRow(SamplingParams(temperature=0, min_tokens=2, ignore_eos=True), [5], [], eos_token_ids=eos)
     assert Sampler()(torch.cat([logits] * 3), [under, reached, ignoring]).token_ids == [2, 0, 0]
+
+
+# --- the C sampling (csrc/sample.c) against its torch twins ---------------------------------------------
+
+
+def twin_shape(logits: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The twin's (x, cutoff), row by row: batched, the twin searches every row among as many candidates as the
+    largest top-k asks for (the C search sizes each row's own), which only matters for ties past a row's own."""
+    rows = [row(SamplingParams(temperature=float(t), top_p=float(p), min_p=float(m), top_k=int(k)))
+            for t, p, m, k in table.tolist()]
+    with mock.patch.object(cpu_native, "use_native", lambda x: False):
+        shaped = [Sampler()._shape(logits[i : i + 1], [r]) for i, r in enumerate(rows)]
+    return torch.cat([x for x, _ in shaped]), torch.cat([cutoff for _, cutoff in shaped])
+
+
+def shape_cases(vocab: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows peaked, flat and in between, coarse (ties), with NaN, +-inf and all -inf; every filter combination."""
+    base = [torch.randn(vocab, generator=gen) * scale for scale in (0.05, 1.0, 4.0, 12.0)]
+    odd = torch.randn(vocab, generator=gen) * 3
+    odd[[1, vocab // 2]] = math.nan
+    odd[2] = math.inf
+    odd[[3, vocab - 1]] = -math.inf
+    tied = torch.randint(-6, 6, (vocab,), generator=gen).float() / 2  # ties at every k-th and cutoff
+    rows = [*base, odd, tied, torch.full((vocab,), -math.inf)]
+    params = [(t, p, m, k) for t in (0.3, 1.0, 2.5) for p in (1.0, 0.9, 0.3, 1e-30) for m in (0.0, 0.05)
+              for k in (1, 5, 64, 65, 1000, 1025, vocab - 1, vocab)]
+    logits = torch.stack([rows[i % len(rows)] for i in range(len(params))])
+    # top-k 3 with the 3rd tied 4 ways: top-p 0.9 renormalizes over all 6 and keeps the 3s (over 3 it would not)
+    kth_tie = torch.cat([torch.tensor([5.0, 4.0, 3.0, 3.0, 3.0, 3.0]), torch.rand(vocab - 6, generator=gen) - 5])
+    logits = torch.cat([logits, kth_tie.unsqueeze(0)])
+    return logits, torch.tensor([*params, (1.0, 0.9, 0.0, 3)], dtype=torch.float32)
+
+
+@pytest.mark.parametrize("build", ["native", *EXTRA_BUILDS])
+@pytest.mark.parametrize("vocab", [70, 1030, 5000])
+def test_native_shape_is_the_twins_exactly(build, vocab) -> None:
+    """x bit for bit (one division, the same finite-making) and the same cutoff for every filter combination:
+    top-k on both sides of each candidate level (64, 1024), top-p found among the candidates or past them (a flat
+    row sorted whole), top-p over a top-k with ties at the k-th, min-p, and rows with NaN / inf / nothing finite."""
+    logits, table = shape_cases(vocab, torch.Generator().manual_seed(vocab))
+    library = cpu_native.native_library() if build == "native" else extra_library(build)
+    with mock.patch.object(cpu_native, "_library", library):
+        x, cutoff = cpu_native.sample_shape_native(logits, table)
+    want_x, want_cutoff = twin_shape(logits, table)
+    assert torch.equal(x, want_x)
+    assert torch.equal(cutoff, want_cutoff)
+    assert cutoff[-1] == 3.0
+    assert (cutoff == -math.inf).sum() == ((table[:, 1] >= 1) & (table[:, 3] >= vocab) & (table[:, 2] == 0)).sum()
+
+
+@pytest.mark.parametrize("build", ["native", *EXTRA_BUILDS])
+def test_native_draws_are_the_twins(build) -> None:
+    """Gumbel-max: the same token as the twin on the same uniforms (its noise within an ulp or two, so only a
+    near-tie of the two best scores could differ: none here). Inverse CDF: the same token, or a neighbour of it
+    only where u * total lies within the twin's float32 cumsum error of the boundary between them (checked as
+    such, in float64)."""
+    gen = torch.Generator().manual_seed(5)
+    vocab, n = 3000, 96
+    logits = torch.randn(n, vocab, generator=gen) * torch.linspace(0.1, 8.0, n).unsqueeze(1)
+    table = torch.tensor([[1.0, (0.5, 0.9, 1.0)[i % 3], 0.0, (vocab, 20)[i % 2]] for i in range(n)])
+    x, cutoff = twin_shape(logits, table)
+    u = torch.rand(n, vocab, generator=gen)
+    u[0, :] = 0.0  # every noise -inf: the first kept token
+    u[1, x[1].argmax()] = 0.0  # the best token can never win
+    uniform = torch.rand(n, dtype=torch.float64, generator=gen)
+    library = cpu_native.native_library() if build == "native" else extra_library(build)
+    with mock.patch.object(cpu_native, "_library", library):
+        seeded = cpu_native.sample_draw_native(x, cutoff, list(u), [0.0] * n)
+        unseeded = cpu_native.sample_draw_native(x, cutoff, [None] * n, uniform.tolist())
+    assert torch.equal(seeded, draw_exponential_race(x, cutoff, gumbel_noise(u)))
+    assert seeded[0] == int((x[0] >= cutoff[0]).nonzero()[0]) and seeded[1] != x[1].argmax()
+    twin = draw_inverse_cdf(x, cutoff, uniform)
+    weights = (x.double() - x.double().amax(dim=1, keepdim=True)).exp() * (x >= cutoff.unsqueeze(1))
+    cdf = weights.cumsum(dim=1)
+    target = uniform * cdf[:, -1]
+    for i in range(n):
+        assert x[i, unseeded[i]] >= cutoff[i]
+        assert cdf[i, unseeded[i]] > target[i] * (1 - 1e-12)  # the exact inverse CDF's token
+        assert unseeded[i] == 0 or cdf[i, unseeded[i] - 1] <= target[i] * (1 + 1e-12)
+        if unseeded[i] != twin[i]:
+            a, b = sorted((int(unseeded[i]), int(twin[i])))
+            assert abs(float(cdf[i, a]) - float(target[i])) < 1e-5 * float(cdf[i, -1]), (i, a, b)
+    assert (unseeded == twin).sum() >= n - 2
+
+
+def test_sampler_takes_the_native_path_on_cpu() -> None:
+    """The CPU's Sampler runs csrc/sample.c (the twins would give these very tokens: the tests above)."""
+    logits = torch.randn(2, 500, generator=torch.Generator().manual_seed(1))
+    rows = [row(SamplingParams(temperature=0.9, top_p=0.8, seed=4)), row(SamplingParams(temperature=1.2))]
+    with mock.patch.object(cpu_native, "sample_draw_native", wraps=cpu_native.sample_draw_native) as draw, \
+            mock.patch.object(cpu_native, "sample_shape_native", wraps=cpu_native.sample_shape_native) as shape:
+        Sampler(seed=0)(logits, rows)
+    assert shape.call_count == 1 and draw.call_count == 1

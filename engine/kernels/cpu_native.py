@@ -41,7 +41,7 @@ log = logging.getLogger("duet.engine")
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = (CSRC / "cpu_kernels.c", CSRC / "gemv.c", CSRC / "quant_kernels.c", CSRC / "quant_vnni.c",
-           CSRC / "quant_panels.c", CSRC / "decode_layer.c")
+           CSRC / "quant_panels.c", CSRC / "decode_layer.c", CSRC / "sample.c")
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-ffp-contract=off", "-fno-math-errno",
          "-fno-trapping-math", "-shared", "-fPIC"]
 DTYPES = (torch.float32, torch.bfloat16)
@@ -123,9 +123,12 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "duet_decode_layers": [p, p, i64, p, p, p, p, p, p, p, p, p, i64, i64, p],  # engine/fused_decode.py
         "duet_decode_layer_scratch_bytes": [p, i64],
         "duet_decode_argmax": [p, p, p, p, p, i64, p, p],  # engine/fused_decode.py
+        "duet_decode_logits": [p, p, p, p, p, i64, p, p],
         "duet_decode_inputs": [p, p, p, i64, p, i64, p, p, i64, p, p, p],
         "duet_decode_argmax_scratch_bytes": [p, i64, i64],
         "duet_argmax_rows": [p, i64, i64, i64, p],
+        "duet_sample_shape": [p, i64, i64, i64, p, p, i64, p],  # engine/sampler.py
+        "duet_sample_draw": [p, i64, p, i64, i64, p, p, p, p],
     }
     returns = {"duet_rotary_store_kv": i64, "duet_quant_vector_bits": i32, "duet_quant_int8_dot_bits": i32,
                "duet_quant_panels_bf16_available": i32, "duet_decode_layers": i64,
@@ -226,6 +229,34 @@ def argmax_native(x: torch.Tensor) -> torch.Tensor:
     x = _unit_last(x)
     out = torch.empty(x.shape[0], dtype=torch.int64)
     lib.duet_argmax_rows(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], out.data_ptr())
+    return out
+
+
+def sample_shape_native(logits: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`Sampler._shape` for float32 logits [rows, V] on CPU: (x, cutoff), x [rows, V] the logits over each row's
+    temperature made finite, cutoff [rows] the value below which top-k / top-p / min-p drop a token. table
+    [rows, 4] float32: temperature (> 0), top_p, min_p, top_k (V for none)."""
+    lib = native_library()
+    logits, table = _unit_last(logits), table.contiguous()
+    rows, vocab = logits.shape
+    x, cutoff = torch.empty((rows, vocab), dtype=torch.float32), torch.empty(rows, dtype=torch.float32)
+    lib.duet_sample_shape(logits.data_ptr(), logits.stride(0), rows, vocab, table.data_ptr(), x.data_ptr(),
+                          x.stride(0), cutoff.data_ptr())
+    return x, cutoff
+
+
+def sample_draw_native(x: torch.Tensor, cutoff: torch.Tensor, uniforms: list[torch.Tensor | None],
+                       u: list[float]) -> torch.Tensor:
+    """Token ids [rows] drawn from softmax(x) over x >= cutoff, x float32 [rows, V] on CPU: row i by the Gumbel-max
+    trick on `uniforms[i]` (V float32 uniforms) where it has them, else by the inverse CDF at u[i] in [0, 1)."""
+    lib = native_library()
+    x, cutoff = _unit_last(x), cutoff.contiguous()
+    rows, vocab = x.shape
+    dense = [None if t is None else _dense(t, torch.float32, vocab, "uniforms") for t in uniforms]
+    pointers = (ctypes.c_void_p * rows)(*[None if t is None else t.data_ptr() for t in dense])
+    out, work = torch.empty(rows, dtype=torch.int64), torch.empty(vocab, dtype=torch.float32)
+    lib.duet_sample_draw(x.data_ptr(), x.stride(0), cutoff.data_ptr(), rows, vocab, pointers,
+                         (ctypes.c_double * rows)(*u), work.data_ptr(), out.data_ptr())
     return out
 
 

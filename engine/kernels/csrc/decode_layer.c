@@ -183,30 +183,37 @@ int64_t duet_decode_layers(const duet_layer_shape *s, const duet_layer_weights *
     return 0;
 }
 
-/* Scratch bytes duet_decode_argmax needs for `rows` tokens and a vocabulary of `vocab`. */
+/* Scratch bytes duet_decode_logits and duet_decode_argmax need for `rows` tokens and a vocabulary of `vocab`. */
 int64_t duet_decode_argmax_scratch_bytes(const duet_layer_shape *s, int64_t vocab, int64_t rows) {
     int64_t esize = s->bf16 ? 2 : 4;
-    return rows * (2 * s->hidden * esize /* xn, residual sum */ + vocab * esize + (s->bf16 ? vocab * 4 : 0));
+    return rows * (2 * s->hidden * esize /* xn, residual sum */ + (s->bf16 ? vocab * 2 : 0) + vocab * 4);
 }
 
-/* Each row's greedy token after the layers (x and residual as duet_decode_layers leaves them): the final norm of
- * x + residual, the lm_head, then the row's argmax (the first maximum; a NaN counts as the maximum), bf16 logits
- * widened to float32 as `.float()` does: the kernels and inputs the plain path runs for rows whose sampling is
- * only that argmax (engine/sampler.py's `reduces_to_argmax`), without its wrappers and the logits it keeps.
- * token_ids [rows]. */
-void duet_decode_argmax(const duet_layer_shape *s, const void *norm, const duet_qlinear *lm_head, const void *x,
-                        const void *residual, int64_t rows, void *scratch, int64_t *token_ids) {
+/* Each row's logits after the layers (x and residual as duet_decode_layers leaves them): the final norm of
+ * x + residual, then the lm_head, into logits [rows, vocab] float32 (bf16 ones widened as `.float()` does):
+ * `compute_logits(norm(...))`, the kernels and inputs of the plain path without its wrappers. */
+void duet_decode_logits(const duet_layer_shape *s, const void *norm, const duet_qlinear *lm_head, const void *x,
+                        const void *residual, int64_t rows, void *scratch, float *logits) {
     int bf16 = s->bf16;
     int64_t esize = bf16 ? 2 : 4, vocab = lm_head->n_out;
     char *p = scratch;
     void *xn = p;           p += rows * s->hidden * esize;
     void *residual_sum = p; p += rows * s->hidden * esize;
-    void *logits = p;       p += rows * vocab * esize;
-    float *logits_f32 = bf16 ? (float *)p : logits;
+    uint16_t *logits_bf16 = (uint16_t *)p;
 
     duet_add_rms_norm(x, s->hidden, residual, s->hidden, norm, s->eps, xn, residual_sum, rows, s->hidden, bf16);
-    qlinear(lm_head, xn, logits, rows, bf16);
+    qlinear(lm_head, xn, bf16 ? (void *)logits_bf16 : (void *)logits, rows, bf16);
     if (bf16)
-        for (int64_t i = 0; i < rows * vocab; i++) logits_f32[i] = duet_bf16_to_f32(((const uint16_t *)logits)[i]);
-    duet_argmax_rows(logits_f32, vocab, rows, vocab, token_ids);
+        for (int64_t i = 0; i < rows * vocab; i++) logits[i] = duet_bf16_to_f32(logits_bf16[i]);
+}
+
+/* Each row's greedy token (the first maximum of its logits as duet_decode_logits computes them; a NaN counts as
+ * the maximum): for rows whose sampling is only that argmax (engine/sampler.py's `reduces_to_argmax`), without the
+ * sampler and the logits it keeps. token_ids [rows]. */
+void duet_decode_argmax(const duet_layer_shape *s, const void *norm, const duet_qlinear *lm_head, const void *x,
+                        const void *residual, int64_t rows, void *scratch, int64_t *token_ids) {
+    int64_t vocab = lm_head->n_out;
+    float *logits = (float *)((char *)scratch + duet_decode_argmax_scratch_bytes(s, vocab, rows)) - rows * vocab;
+    duet_decode_logits(s, norm, lm_head, x, residual, rows, scratch, logits);
+    duet_argmax_rows(logits, vocab, rows, vocab, token_ids);
 }

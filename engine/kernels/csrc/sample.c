@@ -1,0 +1,280 @@
+/* Sampling a row's token from its logits, for engine/sampler.py's rows with temperature > 0: the same pipeline as
+ * its torch twins (`Sampler._shape`, `draw_exponential_race`, `draw_inverse_cdf`), in a few passes over the row.
+ * Why: at batch 1 the twins are ~30 small torch ops a row (topk, logsumexp, cumsum, masks, log of V uniforms),
+ * 1-3 ms a token on a 2-core CPU against ~6-10 ms for the whole decode step; here a row costs ~0.1 ms.
+ *
+ *   logits --/ temperature, NaN -> -inf, +inf -> FLT_MAX--> x --top-k, top-p (on the best few, widening), min-p-->
+ *   cutoff;  seeded: argmax over x >= cutoff of x + Gumbel(u_i);  unseeded: inverse CDF of exp(x - max) at u
+ *
+ * Sums run in double (the twins' cumsums run in float32): a cutoff or a draw can differ from the twin's only where
+ * the twin's rounding decides it (a top-p mass or a uniform within ~1e-6 of a boundary). */
+
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { FEW_CANDIDATES = 64, MORE_CANDIDATES = 1024 }; /* engine/sampler.py's CANDIDATES */
+
+/* exp(x) for x <= 0 (Cody-Waite reduction, Cephes' degree-6 polynomial, ~1 ulp), 0 below -87 (where expf is
+ * subnormal) and for -inf. Written without calls or branches so the loops below vectorize: glibc's expf is a call
+ * per element (~4x slower over a row). */
+void duet_argmax_rows(const float *x, int64_t ldx, int64_t rows, int64_t n, int64_t *out); /* cpu_kernels.c */
+
+static inline float exp_nonpositive(float x) {
+    float c = x < -87.0f ? -87.0f : x;
+    float n = __builtin_rintf(c * 1.44269504088896341f);
+    float r = c - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = fmaf(p, r, 1.3981999507e-3f);
+    p = fmaf(p, r, 8.3334519073e-3f);
+    p = fmaf(p, r, 4.1665795894e-2f);
+    p = fmaf(p, r, 1.6666665459e-1f);
+    p = fmaf(p, r, 5.0000001201e-1f);
+    p = p * r * r + r + 1.0f;
+    uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return x < -87.0f ? 0.0f : p * scale;
+}
+
+/* log(x) for a positive normal x (Cephes' logf polynomial, ~1 ulp), without calls or branches (see above). */
+static inline float log_positive(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    float e = (float)((int32_t)(bits >> 23) - 127);
+    bits = (bits & 0x007fffffu) | 0x3f800000u; /* the mantissa m in [1, 2) */
+    float m;
+    memcpy(&m, &bits, sizeof m);
+    int high = m > 1.41421356f; /* m in [sqrt(1/2), sqrt(2)) */
+    m = high ? 0.5f * m : m;
+    e = high ? e + 1.0f : e;
+    float f = m - 1.0f, z = f * f;
+    float y = 7.0376836292e-2f;
+    y = fmaf(y, f, -1.1514610310e-1f);
+    y = fmaf(y, f, 1.1676998740e-1f);
+    y = fmaf(y, f, -1.2420140846e-1f);
+    y = fmaf(y, f, 1.4249322787e-1f);
+    y = fmaf(y, f, -1.6668057665e-1f);
+    y = fmaf(y, f, 2.0000714765e-1f);
+    y = fmaf(y, f, -2.4999993993e-1f);
+    y = fmaf(y, f, 3.3333331174e-1f);
+    y = y * f * z;
+    y += -2.12194440e-4f * e;
+    y += -0.5f * z;
+    return f + y + 0.693359375f * e;
+}
+
+/* Gumbel noise -log(-log(u)) of a uniform u in [0, 1): -inf at u = 0 (never the argmax), as the twin's. */
+static inline float gumbel(float u) {
+    float t = -log_positive(u > FLT_MIN ? u : 1.0f); /* -log(u) > 0 */
+    float g = -log_positive(t > FLT_MIN ? t : 1.0f);
+    return u > FLT_MIN ? (t > FLT_MIN ? g : INFINITY) : -INFINITY;
+}
+
+enum { LANES = 8 }; /* independent accumulators: the loops below vectorize (no float reassociation needed) */
+
+/* max(x[0..n)), -inf for an empty or all -inf x; x holds no NaN */
+static float max_of(const float *x, int64_t n) {
+    float lane[LANES], m = -INFINITY;
+    for (int j = 0; j < LANES; j++) lane[j] = -INFINITY;
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int j = 0; j < LANES; j++) lane[j] = x[i + j] > lane[j] ? x[i + j] : lane[j];
+    for (; i < n; i++) m = x[i] > m ? x[i] : m;
+    for (int j = 0; j < LANES; j++) m = lane[j] > m ? lane[j] : m;
+    return m;
+}
+
+/* sum of exp(x - max) over x[0..n) (every x <= max) */
+static double sum_exp(const float *x, int64_t n, float max) {
+    float lane[LANES] = {0};
+    double sum = 0.0;
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int j = 0; j < LANES; j++) lane[j] += exp_nonpositive(x[i + j] - max);
+    for (; i < n; i++) sum += exp_nonpositive(x[i] - max);
+    for (int j = 0; j < LANES; j++) sum += lane[j];
+    return sum;
+}
+
+static int descending(const void *a, const void *b) {
+    float x = *(const float *)a, y = *(const float *)b;
+    return (x < y) - (x > y);
+}
+
+/* The `num` largest values of x [n] into best, sorted descending (num <= n): a min-heap of the best so far, so a
+ * pass is one compare per element (the heap changes ~num * ln(n / num) times). */
+static void best_values(const float *x, int64_t n, int64_t num, float *best) {
+    for (int64_t i = 0; i < num; i++) { /* heapify as we go: sift up */
+        int64_t j = i;
+        best[j] = x[i];
+        while (j > 0 && best[(j - 1) / 2] > best[j]) {
+            float t = best[j];
+            best[j] = best[(j - 1) / 2];
+            best[(j - 1) / 2] = t;
+            j = (j - 1) / 2;
+        }
+    }
+    for (int64_t i = num; i < n; i++) {
+        if (!(x[i] > best[0])) continue;
+        int64_t j = 0;
+        float v = x[i];
+        for (;;) { /* sift v down from the root */
+            int64_t c = 2 * j + 1;
+            if (c >= num) break;
+            if (c + 1 < num && best[c + 1] < best[c]) c++;
+            if (!(best[c] < v)) break;
+            best[j] = best[c];
+            j = c;
+        }
+        best[j] = v;
+    }
+    qsort(best, (size_t)num, sizeof(float), descending);
+}
+
+/* engine/sampler.py's `_cutoffs_in` for one row: the cutoff value among its best `num` values (sorted descending),
+ * and whether it lies within them. log_norm: logsumexp of the whole row (top-p's normalizer without a top-k). */
+static int cutoff_in(const float *best, int64_t num, int64_t top_k, float top_p, double log_norm, int64_t vocab,
+                     float *cutoff) {
+    int has_k = top_k < vocab && top_k <= num;
+    int64_t kept = num;
+    if (has_k) {
+        float kth = best[top_k - 1];
+        for (kept = top_k; kept < num && best[kept] >= kth;) kept++; /* ties with the k-th stay */
+    }
+    double norm = log_norm;
+    if (has_k) {
+        double sum = 0.0;
+        for (int64_t j = 0; j < kept; j++) sum += exp((double)best[j] - (double)best[0]);
+        norm = (double)best[0] + log(sum);
+    }
+    /* a token stays while the mass strictly before it is < top_p; top_p == 1 keeps all */
+    int64_t stays = 0;
+    double mass = 0.0;
+    while (stays < kept && best[stays] > -INFINITY && (top_p >= 1.0f || mass < (double)top_p)) {
+        mass += exp((double)best[stays] - norm);
+        stays++;
+    }
+    int64_t num_kept = stays > 1 ? stays : 1; /* the best token always stays */
+    *cutoff = best[num_kept - 1];
+    return has_k || num_kept < num;
+}
+
+enum { CHUNKS = 8 };
+
+/* The first i whose cumulative weight w[0] + ... + w[i] exceeds u * total (u in [0, 1), total > 0), or -1 for a
+ * total of 0. The sums run over CHUNKS contiguous ranges side by side (independent additions), and the cumulative
+ * weight at i is (the chunks before i's, chained) + (i's chunk up to i): the same additions as the total, so the
+ * last token's cumulative weight is the total itself and some token's exceeds any target below it. */
+static int64_t inverse_cdf(const float *w, int64_t n, double u) {
+    int64_t size = (n + CHUNKS - 1) / CHUNKS;
+    double chunk[CHUNKS] = {0};
+    for (int64_t i = 0; i < size; i++)
+        for (int q = 0; q < CHUNKS; q++)
+            if (q * size + i < n) chunk[q] += w[q * size + i];
+    double before[CHUNKS], total = 0.0;
+    for (int q = 0; q < CHUNKS; q++) {
+        before[q] = total;
+        total += chunk[q];
+    }
+    if (!(total > 0.0)) return -1;
+    double target = fmin(u * total, nextafter(total, 0.0));
+    for (int q = 0; q < CHUNKS; q++) {
+        if (!(before[q] + chunk[q] > target)) continue;
+        double partial = 0.0;
+        for (int64_t i = q * size; i < n && i < (q + 1) * size; i++) {
+            partial += w[i];
+            if (before[q] + partial > target) return i;
+        }
+    }
+    return -1; /* not reached */
+}
+
+/* x [rows, vocab] (ldx) = each row of logits [rows, vocab] (ld) over its temperature, NaN at -inf and +inf at
+ * FLT_MAX (a row with nothing finite: all 0, uniform), and cutoff [rows]: the value below which the row's top-k
+ * (top_k < vocab), top-p (< 1) and min-p (> 0) drop a token (-inf: none). params [rows, 4] float32: temperature
+ * (> 0), top_p, min_p, top_k (vocab for none): `Sampler._shape`'s table. */
+void duet_sample_shape(const float *logits, int64_t ld, int64_t rows, int64_t vocab, const float *params, float *x,
+                       int64_t ldx, float *cutoff) {
+    float *best = malloc(sizeof(float) * (size_t)(vocab > MORE_CANDIDATES ? vocab : MORE_CANDIDATES));
+    for (int64_t r = 0; r < rows; r++) {
+        const float *in = logits + r * ld;
+        float *xr = x + r * ldx, temperature = params[4 * r], top_p = params[4 * r + 1], min_p = params[4 * r + 2];
+        int64_t top_k = (int64_t)params[4 * r + 3];
+        for (int64_t i = 0; i < vocab; i++) {
+            float v = in[i] / temperature;
+            v = v != v ? -INFINITY : v;
+            xr[i] = v == INFINITY ? FLT_MAX : v;
+        }
+        float row_max = max_of(xr, vocab);
+        if (row_max == -INFINITY) {
+            memset(xr, 0, sizeof(float) * (size_t)vocab);
+            row_max = 0.0f;
+        }
+        float c = -INFINITY;
+        if (top_k < vocab || top_p < 1.0f) {
+            double log_norm = 0.0;
+            if (top_p < 1.0f) log_norm = (double)row_max + log(sum_exp(xr, vocab, row_max));
+            int64_t enabled_k = top_k < vocab ? top_k : 0, num = 0;
+            int found = 0;
+            for (int level = 0; level < 2 && !found; level++) {
+                int64_t size = level ? MORE_CANDIDATES : FEW_CANDIDATES;
+                int64_t next = size > enabled_k ? size : enabled_k;
+                if (next <= num) continue;
+                num = next;
+                if (num >= vocab) break;
+                best_values(xr, vocab, num, best);
+                found = cutoff_in(best, num, top_k, top_p, log_norm, vocab, &c);
+            }
+            if (!found) { /* a flat row: sort it whole */
+                memcpy(best, xr, sizeof(float) * (size_t)vocab);
+                qsort(best, (size_t)vocab, sizeof(float), descending);
+                cutoff_in(best, vocab, top_k, top_p, log_norm, vocab, &c);
+            }
+        }
+        if (min_p > 0.0f) { /* p_i / p_max = exp(x_i - max) >= min_p */
+            float m = row_max + logf(min_p);
+            c = m > c ? m : c;
+        }
+        cutoff[r] = c;
+    }
+    free(best);
+}
+
+/* Each row's token from x [rows, vocab] (ldx) restricted to x >= cutoff[r]: with uniforms[r] (V float32 uniforms
+ * in [0, 1)), the argmax of x + Gumbel noise (the first maximum); without (NULL), the inverse CDF of exp(x - max) in
+ * token-id order at u[r] in [0, 1): the first token whose cumulative weight exceeds u * total. work: vocab floats. */
+void duet_sample_draw(const float *x, int64_t ldx, const float *cutoff, int64_t rows, int64_t vocab,
+                      const float *const *uniforms, const double *u, float *work, int64_t *token_ids) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * ldx, c = cutoff[r];
+        int64_t pick = -1;
+        if (uniforms[r] != NULL) {
+            const float *ur = uniforms[r];
+            int64_t kept = 0;
+            for (int64_t i = 0; i < vocab; i++) kept += xr[i] >= c;
+            if (kept * 16 < vocab) { /* a few kept tokens (top-k, top-p): their noise alone */
+                float best = -INFINITY;
+                for (int64_t i = 0; i < vocab; i++)
+                    if (xr[i] >= c) {
+                        float score = xr[i] + gumbel(ur[i]);
+                        if (score > best) best = score, pick = i;
+                    }
+            } else { /* every token's, in vectors */
+                for (int64_t i = 0; i < vocab; i++) work[i] = xr[i] >= c ? xr[i] + gumbel(ur[i]) : -INFINITY;
+                duet_argmax_rows(work, vocab, 1, vocab, &pick);
+                if (work[pick] == -INFINITY) pick = -1;
+            }
+        } else {
+            float row_max = max_of(xr, vocab);
+            for (int64_t i = 0; i < vocab; i++) work[i] = xr[i] >= c ? exp_nonpositive(xr[i] - row_max) : 0.0f;
+            pick = inverse_cdf(work, vocab, u[r]);
+        }
+        if (pick < 0) /* every kept token scored -inf (a zero uniform each): the first kept token */
+            for (int64_t i = 0; i < vocab && pick < 0; i++)
+                if (xr[i] >= c) pick = i;
+        token_ids[r] = pick;
+    }
+}

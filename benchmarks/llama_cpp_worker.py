@@ -11,8 +11,10 @@ llama-cpp-python compiles the llama.cpp tree it vendors, with -march=native):
 It uses llama.cpp's own C API through llama-cpp-python's ctypes bindings (what `llama-batched-bench` does in C):
 one context with a sequence per batch row; a cell prefills `--prompt-len` tokens per sequence in one
 `llama_decode`, then times `--steps` decode steps, each one `llama_decode` of one token per sequence with logits
-for every row, as a serving engine's step needs them. No sampling is timed (the next token is a fixed id: a step's
-cost does not depend on which token it is). stdlib + llama_cpp only: nothing from duet.
+for every row, as a serving engine's step needs them. Greedy (`--temperature 0`, the default): no sampling is timed
+(the next token is a fixed id: a step's cost does not depend on which token it is); with `--temperature T` (and
+`--top-p P`) each row's next token is drawn by llama.cpp's sampler chain (temperature, top-p, then the draw: the
+order of vLLM's and duet's pipeline) and fed back. stdlib + llama_cpp only: nothing from duet.
 
 Protocol (as vllm_worker.py's `--serve`, so `vllm_session.PeerSession` drives both): one `READY_PREFIX` line once
 loaded and warmed up, then per stdin line `{"batch": B, "repeat": R}` one `CELL_PREFIX` line with
@@ -38,12 +40,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-batch", type=int, default=32, help="sequences the context holds")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--steps", type=int, default=32, help="timed decode steps per cell")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy, untimed (see the module docstring)")
+    p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--serve", action="store_true", help="answer cells from stdin (see the module docstring)")
     return p.parse_args(argv)
 
 
 class LlamaDecoder:
-    def __init__(self, path: str, threads: int, max_batch: int, positions: int):
+    def __init__(self, path: str, threads: int, max_batch: int, positions: int, temperature: float = 0.0,
+                 top_p: float = 1.0):
         import llama_cpp as lc
 
         self.lc = lc
@@ -62,6 +67,13 @@ class LlamaDecoder:
         self.vocab_size = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self.model))
         self.model_bytes = lc.llama_model_size(self.model)  # every tensor as stored: what a step reads (tied lm_head)
         self.batch = lc.llama_batch_init(params.n_batch, 0, 1)
+        self.sampler = None
+        if temperature > 0:
+            self.sampler = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
+            lc.llama_sampler_chain_add(self.sampler, lc.llama_sampler_init_temp(temperature))
+            if top_p < 1.0:
+                lc.llama_sampler_chain_add(self.sampler, lc.llama_sampler_init_top_p(top_p, 1))
+            lc.llama_sampler_chain_add(self.sampler, lc.llama_sampler_init_dist(1234))
 
     def _decode(self, rows: list[tuple[int, int, int, bool]]) -> None:
         """One llama_decode of (token, position, sequence, wants_logits) rows."""
@@ -80,16 +92,22 @@ class LlamaDecoder:
         first = 4 + seed % 1000
         self._decode([((first + 7 * s + p) % self.vocab_size, p, s, p == prompt_len - 1)
                       for s in range(batch) for p in range(prompt_len)])
+        tokens = [(first + s) % self.vocab_size for s in range(batch)]
         start = time.perf_counter()
         for step in range(steps):
-            self._decode([((first + s + step) % self.vocab_size, prompt_len + step, s, True) for s in range(batch)])
+            self._decode([(tokens[s], prompt_len + step, s, True) for s in range(batch)])
+            if self.sampler is not None:
+                tokens = [self.lc.llama_sampler_sample(self.sampler, self.ctx, s) for s in range(batch)]
+            else:
+                tokens = [(first + s + step + 1) % self.vocab_size for s in range(batch)]
         return batch * steps / (time.perf_counter() - start)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     started = time.perf_counter()
-    decoder = LlamaDecoder(args.model, args.threads, args.max_batch, args.prompt_len + args.steps + 1)
+    decoder = LlamaDecoder(args.model, args.threads, args.max_batch, args.prompt_len + args.steps + 1,
+                           args.temperature, args.top_p)
     decoder.cell(min(8, args.max_batch), args.prompt_len, 4, seed=999)  # warm-up: allocations, thread pool
     import llama_cpp
 

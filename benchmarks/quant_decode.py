@@ -3,6 +3,7 @@ roofline, and llama.cpp on the same file, interleaved in one run (issue 18's ben
 
     .venv/bin/python benchmarks/quant_decode.py                     # llama.cpp from $DUET_LLAMA_VENV (see below)
     .venv/bin/python benchmarks/quant_decode.py --modes auto,float32 --batches 1 --repeats 3 --no-llama
+    .venv/bin/python benchmarks/quant_decode.py --modes auto,auto-int8act --temperature 0.7 --top-p 0.9
 
 Modes (duet's `LLM(quantization=..., dtype=...)` on the same file):
     float32 / bfloat16   quantization="none": the file dequantized to a dense model of that dtype
@@ -14,11 +15,12 @@ Modes (duet's `LLM(quantization=..., dtype=...)` on the same file):
 A cell is `--steps` decode steps of `--batch` sequences after a `--prompt-len`-token prefill each, timed from the
 step after every sequence has its first token to the last: duet through its engine (`LLMEngine.step`: scheduler,
 model, greedy sampling), llama.cpp through its C API (`llama_decode` with logits for every row, no sampling:
-llama_cpp_worker.py, in its own venv; recipe there, or set $DUET_LLAMA_VENV). Figures: decode tokens/s,
-min / median / max over repeats; the roofline of a mode = read bandwidth / the bytes of weights a step reads
-(its linears as held, norms, the lm_head; one embedding row is ignored), with the bandwidth (a 1 GiB `sum`)
-sampled at every repeat of this run and its fastest sample used. Cells of every engine alternate, repeat by
-repeat, so a shared machine's drift hits all of them alike.
+llama_cpp_worker.py, in its own venv; recipe there, or set $DUET_LLAMA_VENV). With `--temperature T` (and `--top-p
+P`) both sample every row each step (unseeded; llama.cpp's sampler chain: temperature, top-p, the draw).
+Figures: decode tokens/s, min / median / max over repeats; the roofline of a mode = read bandwidth / the bytes of
+weights a step reads (its linears as held, norms, the lm_head; one embedding row is ignored), with the bandwidth (a
+1 GiB `sum`) sampled at every repeat of this run and its fastest sample used. Cells of every engine alternate,
+repeat by repeat, so a shared machine's drift hits all of them alike.
 """
 
 from __future__ import annotations
@@ -75,10 +77,11 @@ def engine_for(model_path: Path, mode: str, **engine_args) -> LLM:
     return LLM(model_path, quantization=quantization, dtype=dtype, quantized_activations=activations, **engine_args)
 
 
-def duet_cell(llm: LLM, batch: int, prompt_len: int, steps: int, repeat: int) -> float:
+def duet_cell(llm: LLM, batch: int, prompt_len: int, steps: int, repeat: int, temperature: float = 0.0,
+              top_p: float = 1.0) -> float:
     """Decode tokens/s of one cell (see the module docstring)."""
     engine = llm.engine
-    params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=steps + 1, temperature=temperature, top_p=top_p, ignore_eos=True)
     for prompt in make_prompts(1000 + repeat, batch, repeat, prompt_len, engine.model_config.vocab_size):
         engine.add_request({"prompt_token_ids": prompt}, params)
     started: set[str] = set()
@@ -102,6 +105,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--steps", type=int, default=32, help="timed decode steps per cell")
     p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (see the module docstring)")
+    p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--no-llama", action="store_true", help="skip llama.cpp")
     p.add_argument("--llama-venv", default=os.environ.get("DUET_LLAMA_VENV", "/work/llama-venv"))
     args = p.parse_args(argv)
@@ -109,7 +114,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     model_path = default_model_path()
     print(f"config: modes={modes} batches={batches} repeats={args.repeats} prompt_len={args.prompt_len} "
-          f"steps={args.steps} threads={args.threads} model={model_path.name}", flush=True)
+          f"steps={args.steps} threads={args.threads} temperature={args.temperature} top_p={args.top_p} "
+          f"model={model_path.name}", flush=True)
 
     engines: dict[str, LLM] = {}
     step_bytes: dict[str, int] = {}
@@ -121,7 +127,8 @@ def main(argv: list[str] | None = None) -> None:
     if not args.no_llama:
         cmd = [f"{args.llama_venv}/bin/python", str(Path(__file__).with_name("llama_cpp_worker.py")), "--model",
                str(model_path), "--threads", str(args.threads), "--max-batch", str(max(batches)), "--prompt-len",
-               str(args.prompt_len), "--steps", str(args.steps), "--serve"]
+               str(args.prompt_len), "--steps", str(args.steps), "--temperature", str(args.temperature), "--top-p",
+               str(args.top_p), "--serve"]
         llama = PeerSession(cmd, READY_PREFIX, CELL_PREFIX)
         step_bytes[LLAMA] = llama.ready["model_bytes"]
         print(f"llama.cpp: {llama.ready['env']}", flush=True)
@@ -138,7 +145,8 @@ def main(argv: list[str] | None = None) -> None:
                     if name == LLAMA:
                         rate = float(llama.ask(batch, repeat)["decode_tokens_per_s"])
                     else:
-                        rate = duet_cell(engines[name], batch, args.prompt_len, args.steps, repeat)
+                        rate = duet_cell(engines[name], batch, args.prompt_len, args.steps, repeat,
+                                         args.temperature, args.top_p)
                     rates[(name, batch)].append(rate)
                     print(f"repeat={repeat} batch={batch} {name}: {rate:.1f} tok/s", flush=True)
     finally:

@@ -128,7 +128,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "duet_decode_argmax_scratch_bytes": [p, i64, i64],
         "duet_argmax_rows": [p, i64, i64, i64, p],
         "duet_sample_shape": [p, i64, i64, i64, p, p, i64, p],  # engine/sampler.py
-        "duet_sample_draw": [p, i64, p, i64, i64, p, p, p, p],
+        "duet_sample_draw": [p, i64, p, i64, i64, p, p, p],
     }
     returns = {"duet_rotary_store_kv": i64, "duet_quant_vector_bits": i32, "duet_quant_int8_dot_bits": i32,
                "duet_quant_panels_bf16_available": i32, "duet_decode_layers": i64,
@@ -254,9 +254,9 @@ def sample_draw_native(x: torch.Tensor, cutoff: torch.Tensor, uniforms: list[tor
     rows, vocab = x.shape
     dense = [None if t is None else _dense(t, torch.float32, vocab, "uniforms") for t in uniforms]
     pointers = (ctypes.c_void_p * rows)(*[None if t is None else t.data_ptr() for t in dense])
-    out, work = torch.empty(rows, dtype=torch.int64), torch.empty(vocab, dtype=torch.float32)
+    out = torch.empty(rows, dtype=torch.int64)
     lib.duet_sample_draw(x.data_ptr(), x.stride(0), cutoff.data_ptr(), rows, vocab, pointers,
-                         (ctypes.c_double * rows)(*u), work.data_ptr(), out.data_ptr())
+                         (ctypes.c_double * rows)(*u), out.data_ptr())
     return out
 
 

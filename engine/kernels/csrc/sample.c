@@ -195,10 +195,13 @@ static int64_t inverse_cdf(const float *w, int64_t n, double u) {
 /* x [rows, vocab] (ldx) = each row of logits [rows, vocab] (ld) over its temperature, NaN at -inf and +inf at
  * FLT_MAX (a row with nothing finite: all 0, uniform), and cutoff [rows]: the value below which the row's top-k
  * (top_k < vocab), top-p (< 1) and min-p (> 0) drop a token (-inf: none). params [rows, 4] float32: temperature
- * (> 0), top_p, min_p, top_k (vocab for none): `Sampler._shape`'s table. */
+ * (> 0), top_p, min_p, top_k (vocab for none): `Sampler._shape`'s table. Rows in parallel. */
 void duet_sample_shape(const float *logits, int64_t ld, int64_t rows, int64_t vocab, const float *params, float *x,
                        int64_t ldx, float *cutoff) {
+#pragma omp parallel if (rows > 1)
+    {
     float *best = malloc(sizeof(float) * (size_t)(vocab > MORE_CANDIDATES ? vocab : MORE_CANDIDATES));
+#pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         const float *in = logits + r * ld;
         float *xr = x + r * ldx, temperature = params[4 * r], top_p = params[4 * r + 1], min_p = params[4 * r + 2];
@@ -241,13 +244,18 @@ void duet_sample_shape(const float *logits, int64_t ld, int64_t rows, int64_t vo
         cutoff[r] = c;
     }
     free(best);
+    }
 }
 
 /* Each row's token from x [rows, vocab] (ldx) restricted to x >= cutoff[r]: with uniforms[r] (V float32 uniforms
  * in [0, 1)), the argmax of x + Gumbel noise (the first maximum); without (NULL), the inverse CDF of exp(x - max) in
- * token-id order at u[r] in [0, 1): the first token whose cumulative weight exceeds u * total. work: vocab floats. */
+ * token-id order at u[r] in [0, 1): the first token whose cumulative weight exceeds u * total. Rows in parallel. */
 void duet_sample_draw(const float *x, int64_t ldx, const float *cutoff, int64_t rows, int64_t vocab,
-                      const float *const *uniforms, const double *u, float *work, int64_t *token_ids) {
+                      const float *const *uniforms, const double *u, int64_t *token_ids) {
+#pragma omp parallel if (rows > 1)
+    {
+    float *work = malloc(sizeof(float) * (size_t)vocab);
+#pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * ldx, c = cutoff[r];
         int64_t pick = -1;
@@ -276,5 +284,7 @@ void duet_sample_draw(const float *x, int64_t ldx, const float *cutoff, int64_t 
             for (int64_t i = 0; i < vocab && pick < 0; i++)
                 if (xr[i] >= c) pick = i;
         token_ids[r] = pick;
+    }
+    free(work);
     }
 }

@@ -416,26 +416,34 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
     logit * p. frequency f and presence r over output tokens only: logit -= f * count, then -= r * (count > 0).
     Returns `logits` itself when no row has a penalty, else a new tensor; `logits` is never written.
     Token ids must lie in [0, V).
+
+    Only the logits of tokens a row has seen change, so only they are computed (gathered by flat index, the same
+    float32 operations as over the whole row, scattered back): a few hundred values a row instead of V-wide
+    passes (batch 32 of 49k logits with a frequency penalty: 27 ms dense).
     """
     penalized = [i for i, row in enumerate(rows) if _has_penalty(row.params)]
     if not penalized:
         return logits
     device, vocab = logits.device, logits.shape[1]
-    sub = _take_rows(logits, penalized)  # may be `logits` itself: only out-of-place ops until the copy below
+    sub = _take_rows(logits, penalized)
+    # a dense copy of its own (index_select's already is one), written in place below
+    sub = (sub.clone(memory_format=torch.contiguous_format) if sub is logits else sub).view(-1)
     params = [rows[i].params for i in penalized]
     if any(p.repetition_penalty != 1.0 for p in params):
         seen_tokens = [chain(rows[i].prompt_token_ids, rows[i].output_token_ids) for i in penalized]
-        seen = _token_counts(seen_tokens, vocab, device) > 0
+        at, _ = _seen_logits(seen_tokens, vocab, device)
         # clamped to float32's finite range: 1e-300 would be 0 (x / 0 = inf) and 1e300 inf (0 * inf = NaN)
-        penalty = torch.tensor([p.repetition_penalty for p in params], device=device).unsqueeze(1)
-        penalty.clamp_(min=_FLOAT32.tiny, max=_FLOAT32.max)
-        sub = torch.where(seen, torch.where(sub > 0, sub / penalty, sub * penalty), sub)
+        penalty = torch.tensor([p.repetition_penalty for p in params], device=device)
+        penalty = penalty.clamp_(min=_FLOAT32.tiny, max=_FLOAT32.max)[at // vocab]
+        values = sub[at]
+        sub[at] = torch.where(values > 0, values / penalty, values * penalty)
     if any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params):
-        counts = _token_counts([rows[i].output_token_ids for i in penalized], vocab, device)
-        frequency = torch.tensor([p.frequency_penalty for p in params], device=device).unsqueeze(1)
-        presence = torch.tensor([p.presence_penalty for p in params], device=device).unsqueeze(1)
-        sub = sub - frequency * counts  # a new tensor, so the in-place step below is safe
-        sub -= presence * (counts > 0)
+        at, counts = _seen_logits([rows[i].output_token_ids for i in penalized], vocab, device)
+        row_of = at // vocab
+        frequency = torch.tensor([p.frequency_penalty for p in params], device=device)[row_of]
+        presence = torch.tensor([p.presence_penalty for p in params], device=device)[row_of]
+        sub[at] = sub[at] - frequency * counts - presence
+    sub = sub.view(len(penalized), vocab)
     if len(penalized) == len(rows):
         return sub
     return logits.index_copy(0, torch.tensor(penalized, device=device), sub)
@@ -601,20 +609,20 @@ def _has_penalty(params: SamplingParams) -> bool:
     return params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
 
 
-def _token_counts(token_lists: Sequence[Iterable[int]], vocab: int, device: torch.device) -> torch.Tensor:
-    """[len(token_lists), vocab] float32: how often each token id occurs in each row's list."""
+def _seen_logits(token_lists: Sequence[Iterable[int]], vocab: int, device: torch.device
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(at, counts): the flat indices row * vocab + token of every distinct token in each row's list (a row of
+    [len(token_lists), vocab]), and how often it occurs there (float32)."""
     flat: list[int] = []
     lengths: list[int] = []
     for tokens in token_lists:
         before = len(flat)
         flat.extend(tokens)
         lengths.append(len(flat) - before)
-    if flat and (min(flat) < 0 or max(flat) >= vocab):  # else index_add_ would count it in a neighbouring row
+    if flat and (min(flat) < 0 or max(flat) >= vocab):  # else it would count in a neighbouring row
         bad = next(t for t in flat if not 0 <= t < vocab)
         raise ValueError(f"token id {bad} is invalid: must be in [0, {vocab})")
     lengths_t = torch.tensor(lengths, device=device)
     rows = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths_t, output_size=len(flat))
-    ids = torch.tensor(flat, dtype=torch.long, device=device)
-    counts = torch.zeros(len(lengths), vocab, device=device)
-    counts.view(-1).index_add_(0, rows * vocab + ids, torch.ones(len(flat), device=device))
-    return counts
+    at, counts = torch.unique(rows * vocab + torch.tensor(flat, dtype=torch.long, device=device), return_counts=True)
+    return at, counts.float()

@@ -368,6 +368,47 @@ def test_penalties_give_exact_logits() -> None:
     assert torch.equal(logits, before)
 
 
+def dense_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """The penalties the obvious way, every row over the whole vocabulary (the sparse pass's reference)."""
+    out = logits.clone()
+    for i, r in enumerate(rows):
+        p, x = r.params, out[i]
+        seen = torch.zeros(logits.shape[1], dtype=torch.bool)
+        seen[list(r.prompt_token_ids) + list(r.output_token_ids)] = True
+        penalty = torch.tensor(p.repetition_penalty).clamp(min=torch.finfo(torch.float32).tiny,
+                                                           max=torch.finfo(torch.float32).max)
+        x = torch.where(seen, torch.where(x > 0, x / penalty, x * penalty), x)
+        counts = torch.bincount(torch.tensor(list(r.output_token_ids), dtype=torch.long),
+                                minlength=logits.shape[1]).float()
+        out[i] = x - torch.tensor(p.frequency_penalty) * counts - torch.tensor(p.presence_penalty) * (counts > 0)
+    return out
+
+
+@pytest.mark.parametrize("layout", ["dense", "column-major", "broadcast"])
+def test_penalties_equal_the_dense_formula_exactly(layout) -> None:
+    """Many rows, long prompt and output lists with repeats, every penalty alone and together, rows without any,
+    logits of any layout (only the seen tokens' logits are computed: they must be the dense formula's)."""
+    gen = torch.Generator().manual_seed(11)
+    vocab, n = 2000, 9
+    logits = torch.randn(n, vocab, generator=gen) * 5
+    if layout == "column-major":
+        logits = logits.t().contiguous().t()
+    elif layout == "broadcast":
+        logits = logits[:1].expand(n, vocab)
+    params = [SamplingParams(repetition_penalty=1.3), SamplingParams(frequency_penalty=0.7),
+              SamplingParams(presence_penalty=-0.4), SamplingParams(), SamplingParams(repetition_penalty=0.8,
+              frequency_penalty=-0.3, presence_penalty=1.5), SamplingParams(repetition_penalty=1e300),
+              SamplingParams(repetition_penalty=1e-300, frequency_penalty=2.0), SamplingParams(),
+              SamplingParams(presence_penalty=0.1)]
+    rows = [row(p, torch.randint(0, vocab, (300,), generator=gen).tolist(),
+                torch.randint(0, 200, (150,), generator=gen).tolist()) for p in params]
+    before = logits.clone()
+    got = apply_penalties(logits, rows)
+    assert torch.equal(got, dense_penalties(logits, rows))
+    assert torch.equal(logits, before)
+    assert torch.equal(apply_penalties(logits[3:4], rows[3:4]), logits[3:4])  # nothing to do: the input itself
+
+
 def test_presence_and_frequency_ignore_the_prompt_and_repetition_below_one_boosts() -> None:
     logits = torch.tensor([[1.0, -1.0, 1.0]])
     rows = [row(SamplingParams(repetition_penalty=0.5, presence_penalty=-1.0, frequency_penalty=0.5), [0, 1], [2])]

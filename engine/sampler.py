@@ -29,8 +29,8 @@ Each row follows the vLLM / HF pipeline with its own parameters:
         │
         ├─ temperature == 0 ─► argmax (ties -> lowest token id)
         ▼
-    / temperature ─► top-k ─► top-p ─► min-p ─► softmax ─► seeded: argmax with Gumbel noise (its own
-                                                            generator); unseeded: inverse CDF, one uniform
+    / temperature ─► top-k ─► top-p ─► min-p ─► softmax ─► seeded: argmax with Gumbel noise (keyed by its
+                                                            seed and step); unseeded: inverse CDF, one uniform
 
 On CPU, temperature, the filters and the draw run in C (csrc/sample.c: a few passes over a row instead of ~30
 small torch ops, 1-3 ms a token at batch 1); the torch functions below are their twins, the path of every other
@@ -129,7 +129,8 @@ class Sampler:
 
     Contract: `logits` is float32 [B, V] on any device and row i belongs to `rows[i]`; the tensor is never
     written. A seeded row's token is a pure function of its logits row, its params, its prompt and its
-    output so far (for one device type and torch version): it does not depend on the other rows, on its
+    output so far (for one device type; on CPU with the C kernels its noise is Philox4x32-10's, otherwise the
+    torch generator's, for one torch version): it does not depend on the other rows, on its
     position in the batch, or on what this sampler drew before. So a request resumed on another worker, or
     recomputed after preemption, draws the same tokens. Unseeded rows draw from this sampler's own
     generator (one per device), seeded with `seed` when given.
@@ -289,20 +290,19 @@ class Sampler:
         x, cutoff = self._shape(penalized, rows)
         seeded = [i for i, p in enumerate(params) if p.seed is not None]
         unseeded = [i for i, p in enumerate(params) if p.seed is None]
-        uniforms = {i: seeded_uniforms(rows[i], x.shape[1], x.device) for i in seeded}
         u = (torch.rand(len(unseeded), dtype=torch.float64, device=x.device, generator=self._generator(x.device))
              if unseeded else None)
-        if cpu_native.use_native(x):  # both draws in one pass or two over each row
+        if cpu_native.use_native(x):  # both draws in one pass or two over each row, seeded noise from Philox
             u_of = dict(zip(unseeded, u.tolist() if u is not None else [], strict=True))
-            return cpu_native.sample_draw_native(x, cutoff, [uniforms.get(i) for i in range(len(rows))],
-                                                 [u_of.get(i, 0.0) for i in range(len(rows))])
+            keys = [None if p.seed is None else step_seed(p.seed, row.step) for p, row in zip(params, rows)]
+            return cpu_native.sample_draw_native(x, cutoff, keys, [u_of.get(i, 0.0) for i in range(len(rows))])
         if not seeded:
             return draw_inverse_cdf(x, cutoff, u)
         token_ids = torch.empty(len(rows), dtype=torch.long, device=x.device)
         seeded_idx = torch.tensor(seeded, device=x.device)
         token_ids[seeded_idx] = draw_exponential_race(
             x.index_select(0, seeded_idx), cutoff.index_select(0, seeded_idx),
-            gumbel_noise(torch.stack([uniforms[i] for i in seeded])))
+            gumbel_noise(torch.stack([seeded_uniforms(rows[i], x.shape[1], x.device) for i in seeded])))
         if unseeded:
             unseeded_idx = torch.tensor(unseeded, device=x.device)
             token_ids[unseeded_idx] = draw_inverse_cdf(x.index_select(0, unseeded_idx),
@@ -528,8 +528,9 @@ def min_p_cutoffs(x: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 def seeded_uniforms(row: SamplingRow, vocab: int, device: torch.device) -> torch.Tensor:
     """A seeded row's uniforms [V] float32 in [0, 1) for this step, from its own (seed, step) generator: the
-    randomness of its draw (float32: half float64's cost; its 2**-24 resolution only caps the Gumbel noise at
-    ~16.6, a tail of probability 6e-8)."""
+    randomness of its draw on the twins' path (float32: half float64's cost; its 2**-24 resolution only caps the
+    Gumbel noise at ~16.6, a tail of probability 6e-8). The C draw's come from Philox4x32-10 keyed by the same
+    (seed, step) instead (`cpu_native.seeded_uniforms_native`), at the same resolution."""
     own = torch.Generator(device=device)
     own.manual_seed(step_seed(row.params.seed, row.step))
     return torch.rand(vocab, dtype=torch.float32, device=device, generator=own)

@@ -5,6 +5,7 @@ one the parameters allow. Every random source has a fixed seed, so nothing here 
 
 from __future__ import annotations
 
+import ctypes
 import math
 from dataclasses import replace
 from unittest import mock
@@ -14,7 +15,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from scipy.stats import chisquare
+from scipy.stats import chisquare, kstest
 from test_cpu_kernels import EXTRA_BUILDS, extra_library
 
 from engine.kernels import cpu_native
@@ -322,7 +323,7 @@ def test_reduces_to_argmax_exactly_for_rows_whose_sample_is_the_raw_argmax() -> 
         assert sampler.reduces_to_argmax([r]) and sampler.sample(logits, [r]) == [SampledTokens([1], None)]
     assert not sampler.reduces_to_argmax([plain[3]])  # eos masked on its first token, whichever the eos
     others = {
-        "temperature": row(SamplingParams(temperature=1.0, seed=0)),
+        "temperature": row(SamplingParams(temperature=1.0, seed=2)),  # draws 2 (C) or 0 (the twins)
         "logit_bias": row(SamplingParams(temperature=0.0, logit_bias={2: 0.5})),
         "min_tokens": SamplingRow(SamplingParams(temperature=0.0, min_tokens=1), [5], [], eos_token_ids=frozenset({1})),
         "repetition_penalty": row(SamplingParams(temperature=0.0, repetition_penalty=2.0), [1]),
@@ -744,25 +745,23 @@ def test_native_shape_is_the_twins_exactly(build, vocab) -> None:
 
 @pytest.mark.parametrize("build", ["native", *EXTRA_BUILDS])
 def test_native_draws_are_the_twins(build) -> None:
-    """Gumbel-max: the same token as the twin on the same uniforms (its noise within an ulp or two, so only a
-    near-tie of the two best scores could differ: none here). Inverse CDF: the same token, or a neighbour of it
-    only where u * total lies within the twin's float32 cumsum error of the boundary between them (checked as
-    such, in float64)."""
+    """Gumbel-max: the same token as the twin on the same uniforms (a seeded row's, from its key; the noise within an
+    ulp or two, so only a near-tie of the two best scores could differ: none here), on the sparse path (few kept
+    tokens: top-k, top-p) and the dense one. Inverse CDF: the same token, or a neighbour of it only where u * total
+    lies within the twin's float32 cumsum error of the boundary between them (checked as such, in float64)."""
     gen = torch.Generator().manual_seed(5)
     vocab, n = 3000, 96
     logits = torch.randn(n, vocab, generator=gen) * torch.linspace(0.1, 8.0, n).unsqueeze(1)
     table = torch.tensor([[1.0, (0.5, 0.9, 1.0)[i % 3], 0.0, (vocab, 20)[i % 2]] for i in range(n)])
     x, cutoff = twin_shape(logits, table)
-    u = torch.rand(n, vocab, generator=gen)
-    u[0, :] = 0.0  # every noise -inf: the first kept token
-    u[1, x[1].argmax()] = 0.0  # the best token can never win
+    keys = [int(k) for k in torch.randint(0, 2**62, (n,), generator=gen)]
     uniform = torch.rand(n, dtype=torch.float64, generator=gen)
     library = cpu_native.native_library() if build == "native" else extra_library(build)
     with mock.patch.object(cpu_native, "_library", library):
-        seeded = cpu_native.sample_draw_native(x, cutoff, list(u), [0.0] * n)
+        seeded = cpu_native.sample_draw_native(x, cutoff, keys, [0.0] * n)
         unseeded = cpu_native.sample_draw_native(x, cutoff, [None] * n, uniform.tolist())
+        u = torch.stack([cpu_native.seeded_uniforms_native(key, vocab) for key in keys])
     assert torch.equal(seeded, draw_exponential_race(x, cutoff, gumbel_noise(u)))
-    assert seeded[0] == int((x[0] >= cutoff[0]).nonzero()[0]) and seeded[1] != x[1].argmax()
     twin = draw_inverse_cdf(x, cutoff, uniform)
     weights = (x.double() - x.double().amax(dim=1, keepdim=True)).exp() * (x >= cutoff.unsqueeze(1))
     cdf = weights.cumsum(dim=1)
@@ -775,6 +774,30 @@ def test_native_draws_are_the_twins(build) -> None:
             a, b = sorted((int(unseeded[i]), int(twin[i])))
             assert abs(float(cdf[i, a]) - float(target[i])) < 1e-5 * float(cdf[i, -1]), (i, a, b)
     assert (unseeded == twin).sum() >= n - 2
+
+
+def test_philox_matches_random123s_known_answers_and_gives_uniforms() -> None:
+    """csrc/sample.c's Philox4x32-10 against Random123's tests/kat_vectors ("philox4x32 10" lines: counter, key,
+    result), and a seeded row's uniforms: token i is word i % 4 of counter i / 4, 24 bits, uniform in [0, 1)."""
+    lib = cpu_native.native_library()
+    vectors = [((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+               ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+               ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+                (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1))]
+    for counter, key, want in vectors:
+        out = (ctypes.c_uint32 * 4)()
+        lib.duet_philox4x32_10((ctypes.c_uint32 * 4)(*counter), (ctypes.c_uint32 * 2)(*key), out)
+        assert tuple(out) == want
+    key = 0x299F31D0A4093822
+    words = (ctypes.c_uint32 * 4)()
+    lib.duet_philox4x32_10((ctypes.c_uint32 * 4)(1, 0, 0, 0), (ctypes.c_uint32 * 2)(key & 0xFFFFFFFF, key >> 32),
+                           words)
+    u = cpu_native.seeded_uniforms_native(key, 200_003)
+    assert u[4:8].tolist() == [(w >> 8) * 2.0**-24 for w in words]
+    assert torch.equal(cpu_native.seeded_uniforms_native(key, 7), u[:7])  # a prefix: the same uniforms
+    assert float(u.min()) >= 0.0 and float(u.max()) < 1.0
+    assert kstest(u.double().numpy(), "uniform").pvalue > 1e-3
+    assert not torch.equal(cpu_native.seeded_uniforms_native(key + 1, 1000), u[:1000])
 
 
 def test_sampler_takes_the_native_path_on_cpu() -> None:

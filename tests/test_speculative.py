@@ -128,7 +128,8 @@ def test_greedy_output_is_plain_decodings(tiny_llama_dir, engine_args):
 
 def test_seeded_sampling_draws_the_same_tokens_and_logprobs(tiny_llama_dir):
     prompts = repetitive_prompts()
-    params = [SamplingParams(max_tokens=24, temperature=0.7, top_k=20, top_p=0.9, min_p=0.02, seed=11 + i,
+    # seeds whose draws accept some guess (on this tiny model at temperature 0.7 a draw is rarely the n-gram's guess)
+    params = [SamplingParams(max_tokens=24, temperature=0.7, top_k=20, top_p=0.9, min_p=0.02, seed=225 + i,
                              repetition_penalty=1.1, frequency_penalty=0.2, presence_penalty=0.1, logprobs=2,
                              ignore_eos=True) for i in range(len(prompts))]
     plain = LLM(tiny_llama_dir, max_model_len=256).generate(prompts, params, use_tqdm=False)

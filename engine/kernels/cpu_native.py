@@ -128,7 +128,9 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "duet_decode_argmax_scratch_bytes": [p, i64, i64],
         "duet_argmax_rows": [p, i64, i64, i64, p],
         "duet_sample_shape": [p, i64, i64, i64, p, p, i64, p],  # engine/sampler.py
-        "duet_sample_draw": [p, i64, p, i64, i64, p, p, p],
+        "duet_sample_draw": [p, i64, p, i64, i64, p, p, p, p],
+        "duet_seeded_uniforms": [ctypes.c_uint64, i64, p],
+        "duet_philox4x32_10": [p, p, p],
     }
     returns = {"duet_rotary_store_kv": i64, "duet_quant_vector_bits": i32, "duet_quant_int8_dot_bits": i32,
                "duet_quant_panels_bf16_available": i32, "duet_decode_layers": i64,
@@ -245,18 +247,26 @@ def sample_shape_native(logits: torch.Tensor, table: torch.Tensor) -> tuple[torc
     return x, cutoff
 
 
-def sample_draw_native(x: torch.Tensor, cutoff: torch.Tensor, uniforms: list[torch.Tensor | None],
-                       u: list[float]) -> torch.Tensor:
+def sample_draw_native(x: torch.Tensor, cutoff: torch.Tensor, keys: list[int | None], u: list[float]) -> torch.Tensor:
     """Token ids [rows] drawn from softmax(x) over x >= cutoff, x float32 [rows, V] on CPU: row i by the Gumbel-max
-    trick on `uniforms[i]` (V float32 uniforms) where it has them, else by the inverse CDF at u[i] in [0, 1)."""
+    trick on the uniforms `seeded_uniforms_native(keys[i], V)` where it has a key (a seeded row: its (seed, step)),
+    else by the inverse CDF at u[i] in [0, 1)."""
     lib = native_library()
     x, cutoff = _unit_last(x), cutoff.contiguous()
-    rows, vocab = x.shape
-    dense = [None if t is None else _dense(t, torch.float32, vocab, "uniforms") for t in uniforms]
-    pointers = (ctypes.c_void_p * rows)(*[None if t is None else t.data_ptr() for t in dense])
+    rows = x.shape[0]
+    seeded = (ctypes.c_uint8 * rows)(*[key is not None for key in keys])
+    seeds = (ctypes.c_uint64 * rows)(*[key or 0 for key in keys])
     out = torch.empty(rows, dtype=torch.int64)
-    lib.duet_sample_draw(x.data_ptr(), x.stride(0), cutoff.data_ptr(), rows, vocab, pointers,
+    lib.duet_sample_draw(x.data_ptr(), x.stride(0), cutoff.data_ptr(), rows, x.shape[1], seeded, seeds,
                          (ctypes.c_double * rows)(*u), out.data_ptr())
+    return out
+
+
+def seeded_uniforms_native(key: int, n: int) -> torch.Tensor:
+    """float32 [n] in [0, 1): a seeded row's uniforms under `key` in [0, 2**64), token i's from Philox4x32-10
+    (csrc/sample.c)."""
+    out = torch.empty(n, dtype=torch.float32)
+    native_library().duet_seeded_uniforms(key, n, out.data_ptr())
     return out
 
 

@@ -136,11 +136,13 @@ static inline float token_uniform(uint64_t key, int64_t i) {
 /* out [n] = the uniforms of tokens 0..n-1 under `key`: a seeded row's randomness at one step (tests/test_sampler.py
  * feeds them to the torch twin of the draw). */
 void duet_seeded_uniforms(uint64_t key, int64_t n, float *out) {
-    for (int64_t b = 0; 4 * b < n; b++) {
+    int64_t b = 0;
+    for (; 4 * b + 4 <= n; b++) { /* whole counters: no bounds inside, so the loop vectorizes */
         uint32_t w[4];
         philox4x32_10((uint32_t)b, (uint32_t)((uint64_t)b >> 32), 0, 0, (uint32_t)key, (uint32_t)(key >> 32), w);
-        for (int j = 0; j < 4 && 4 * b + j < n; j++) out[4 * b + j] = uniform24(w[j]);
+        for (int j = 0; j < 4; j++) out[4 * b + j] = uniform24(w[j]);
     }
+    for (int64_t i = 4 * b; i < n; i++) out[i] = token_uniform(key, i);
 }
 
 static int descending(const void *a, const void *b) {
@@ -148,8 +150,24 @@ static int descending(const void *a, const void *b) {
     return (x < y) - (x > y);
 }
 
-/* The `num` largest values of x [n] into best, sorted descending (num <= n): a min-heap of the best so far, so a
- * pass is one compare per element (the heap changes ~num * ln(n / num) times). */
+/* Pushes v into the min-heap best [num] of the largest values so far, where v beats its least. */
+static inline void heap_push(float *best, int64_t num, float v) {
+    if (!(v > best[0])) return;
+    int64_t j = 0;
+    for (;;) { /* sift v down from the root */
+        int64_t c = 2 * j + 1;
+        if (c >= num) break;
+        if (c + 1 < num && best[c + 1] < best[c]) c++;
+        if (!(best[c] < v)) break;
+        best[j] = best[c];
+        j = c;
+    }
+    best[j] = v;
+}
+
+/* The `num` largest values of x [n] into best, sorted descending (num <= n): a min-heap of the best so far (it
+ * changes ~num * ln(n / num) times), x read 16 values at a time against its least (a vectorized compare: most
+ * blocks hold none that beat it). */
 static void best_values(const float *x, int64_t n, int64_t num, float *best) {
     for (int64_t i = 0; i < num; i++) { /* heapify as we go: sift up */
         int64_t j = i;
@@ -161,20 +179,15 @@ static void best_values(const float *x, int64_t n, int64_t num, float *best) {
             j = (j - 1) / 2;
         }
     }
-    for (int64_t i = num; i < n; i++) {
-        if (!(x[i] > best[0])) continue;
-        int64_t j = 0;
-        float v = x[i];
-        for (;;) { /* sift v down from the root */
-            int64_t c = 2 * j + 1;
-            if (c >= num) break;
-            if (c + 1 < num && best[c + 1] < best[c]) c++;
-            if (!(best[c] < v)) break;
-            best[j] = best[c];
-            j = c;
-        }
-        best[j] = v;
+    int64_t i = num;
+    for (; i + 16 <= n; i += 16) {
+        float least = best[0];
+        int beats = 0;
+        for (int j = 0; j < 16; j++) beats |= x[i + j] > least;
+        if (beats)
+            for (int j = 0; j < 16; j++) heap_push(best, num, x[i + j]);
     }
+    for (; i < n; i++) heap_push(best, num, x[i]);
     qsort(best, (size_t)num, sizeof(float), descending);
 }
 
@@ -262,8 +275,9 @@ void duet_sample_shape(const float *logits, int64_t ld, int64_t rows, int64_t vo
         }
         float c = -INFINITY;
         if (top_k < vocab || top_p < 1.0f) {
-            double log_norm = 0.0;
-            if (top_p < 1.0f) log_norm = (double)row_max + log(sum_exp(xr, vocab, row_max));
+            /* top-p's normalizer without a top-k (with one, every search holds its k best: unused) */
+            double log_norm = top_p < 1.0f && top_k >= vocab ? (double)row_max + log(sum_exp(xr, vocab, row_max))
+                                                              : 0.0;
             int64_t enabled_k = top_k < vocab ? top_k : 0, num = 0;
             int found = 0;
             for (int level = 0; level < 2 && !found; level++) {

@@ -581,19 +581,30 @@ def compute_logprobs(
     wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
     if not wanted:
         return out
-    logprobs = torch.log_softmax(_take_rows(logits, wanted), dim=-1)
-    chosen = _take_rows(token_ids, wanted).unsqueeze(1)
-    chosen_logprobs = logprobs.gather(1, chosen)
-    ranks = (logprobs > chosen_logprobs).sum(dim=-1) + 1
-    n_top = min(max(rows[i].params.logprobs for i in wanted), logprobs.shape[1])
-    top = logprobs.topk(n_top, dim=-1)  # sorted: best first
-    chosen_ids, chosen_values = chosen.squeeze(1).tolist(), chosen_logprobs.squeeze(1).tolist()
-    rank_list, top_ids, top_values = ranks.tolist(), top.indices.tolist(), top.values.tolist()
+    sub, chosen = _take_rows(logits, wanted), _take_rows(token_ids, wanted)
+    n_top = min(max(rows[i].params.logprobs for i in wanted), logits.shape[1])
+    native = cpu_native.logprobs_native(sub, chosen, n_top) if cpu_native.use_native(sub) else None
+    if native is None:
+        native = logprobs_twin(sub, chosen, n_top)
+    chosen_values, ranks, top_id_t, top_value_t = native
+    chosen_ids, chosen_values = chosen.tolist(), chosen_values.tolist()
+    rank_list, top_ids, top_values = ranks.tolist(), top_id_t.tolist(), top_value_t.tolist()
     for j, i in enumerate(wanted):
         n = rows[i].params.logprobs
         top_n = list(zip(top_ids[j][:n], top_values[j][:n], strict=True))
         out[i] = TokenLogprobs(chosen_ids[j], chosen_values[j], rank_list[j], top_n)
     return out
+
+
+def logprobs_twin(logits: torch.Tensor, token_ids: torch.Tensor, n_top: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Under log_softmax of each row of logits [n, V]: (the logprob of token_ids [n], its rank: 1 + the tokens with a
+    strictly greater logprob, and the n_top best ids and logprobs, best first). The twin of the CPU's C pass
+    (`cpu_native.logprobs_native`)."""
+    logprobs = torch.log_softmax(logits, dim=-1)
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1))
+    top = logprobs.topk(n_top, dim=-1)  # sorted: best first
+    return chosen.squeeze(1), (logprobs > chosen).sum(dim=-1) + 1, top.indices, top.values
 
 
 def _take_rows(t: torch.Tensor, indices: list[int]) -> torch.Tensor:

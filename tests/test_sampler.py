@@ -30,6 +30,7 @@ from engine.sampler import (
     draw_inverse_cdf,
     greedy_argmax,
     gumbel_noise,
+    logprobs_twin,
     splitmix64,
     step_seed,
     top_k_top_p_cutoffs,
@@ -798,6 +799,35 @@ def test_philox_matches_random123s_known_answers_and_gives_uniforms() -> None:
     assert float(u.min()) >= 0.0 and float(u.max()) < 1.0
     assert kstest(u.double().numpy(), "uniform").pvalue > 1e-3
     assert not torch.equal(cpu_native.seeded_uniforms_native(key + 1, 1000), u[:1000])
+
+
+@pytest.mark.parametrize("build", ["native", *EXTRA_BUILDS])
+def test_native_logprobs_are_the_twins(build) -> None:
+    """Chosen logprobs within float32 rounding of torch's log_softmax, ranks and top-n ids exactly (ties among the top:
+    the lower ids, with the twin's values), on peaked, flat, coarse and partly -inf rows; a row with a NaN or +inf is
+    left to the twin."""
+    gen = torch.Generator().manual_seed(9)
+    vocab, n, n_top = 3000, 10, 7
+    logits = torch.randn(n, vocab, generator=gen) * torch.linspace(0.05, 12.0, n).unsqueeze(1)
+    logits[2, ::3] = -math.inf
+    logits[3] = torch.randint(-3, 3, (vocab,), generator=gen).float()  # ties everywhere, the top included
+    token_ids = torch.randint(0, vocab, (n,), generator=gen)
+    token_ids[0], token_ids[2] = int(logits[0].argmax()), 3  # the best token; a -inf one (its logprob -inf)
+    library = cpu_native.native_library() if build == "native" else extra_library(build)
+    with mock.patch.object(cpu_native, "_library", library):
+        chosen, ranks, top_ids, top_values = cpu_native.logprobs_native(logits, token_ids, n_top)
+        bad = logits[:2].clone()
+        bad[1, 5] = math.nan
+        assert cpu_native.logprobs_native(bad, token_ids[:2], n_top) is None
+        bad[1, 5] = math.inf
+        assert cpu_native.logprobs_native(bad, token_ids[:2], n_top) is None
+    want_chosen, want_ranks, want_ids, want_values = logprobs_twin(logits, token_ids, n_top)
+    assert torch.allclose(chosen, want_chosen, rtol=1e-6, atol=1e-6) and chosen[2] == -math.inf
+    assert torch.equal(ranks, want_ranks) and ranks[0] == 1
+    assert torch.allclose(top_values, want_values, rtol=1e-6, atol=1e-6)
+    assert torch.equal(top_ids[[0, 1, 2, 4, 5, 6, 7, 8, 9]], want_ids[[0, 1, 2, 4, 5, 6, 7, 8, 9]])
+    best = logits[3].max()
+    assert top_ids[3].tolist() == (logits[3] == best).nonzero().squeeze(1)[:n_top].tolist()  # the lowest ids
 
 
 def test_sampler_takes_the_native_path_on_cpu() -> None:

@@ -131,11 +131,12 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "duet_sample_draw": [p, i64, p, i64, i64, p, p, p, p],
         "duet_seeded_uniforms": [ctypes.c_uint64, i64, p],
         "duet_philox4x32_10": [p, p, p],
+        "duet_logprobs": [p, i64, i64, i64, p, i64, p, p, p, p],
     }
     returns = {"duet_rotary_store_kv": i64, "duet_quant_vector_bits": i32, "duet_quant_int8_dot_bits": i32,
                "duet_quant_panels_bf16_available": i32, "duet_decode_layers": i64,
                "duet_decode_layer_scratch_bytes": i64, "duet_decode_argmax_scratch_bytes": i64,
-               "duet_decode_inputs": i64}
+               "duet_decode_inputs": i64, "duet_logprobs": i64}
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, returns.get(name)
@@ -268,6 +269,22 @@ def seeded_uniforms_native(key: int, n: int) -> torch.Tensor:
     out = torch.empty(n, dtype=torch.float32)
     native_library().duet_seeded_uniforms(key, n, out.data_ptr())
     return out
+
+
+def logprobs_native(logits: torch.Tensor, token_ids: torch.Tensor, n_top: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """`compute_logprobs`' numbers for float32 logits [rows, V] on CPU, under log_softmax: (chosen [rows] the logprob
+    of token_ids [rows], ranks [rows], top_ids and top_logprobs [rows, n_top], best first, ties by lower id); None
+    where a row holds a NaN or +inf (the caller's twin decides those)."""
+    lib = native_library()
+    logits, token_ids = _unit_last(logits), token_ids.to(torch.int64).contiguous()
+    rows = logits.shape[0]
+    chosen, ranks = torch.empty(rows, dtype=torch.float32), torch.empty(rows, dtype=torch.int64)
+    top_ids, top_values = torch.empty((rows, n_top), dtype=torch.int64), torch.empty((rows, n_top), dtype=torch.float32)
+    if lib.duet_logprobs(logits.data_ptr(), logits.stride(0), rows, logits.shape[1], token_ids.data_ptr(), n_top,
+                         chosen.data_ptr(), ranks.data_ptr(), top_ids.data_ptr(), top_values.data_ptr()):
+        return None
+    return chosen, ranks, top_ids, top_values
 
 
 def _rotary_args(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):

@@ -17,11 +17,11 @@
 
 enum { FEW_CANDIDATES = 64, MORE_CANDIDATES = 1024 }; /* engine/sampler.py's CANDIDATES */
 
-/* exp(x) for x <= 0 (Cody-Waite reduction, Cephes' degree-6 polynomial, ~1 ulp), 0 below -87 (where expf is
- * subnormal) and for -inf. Written without calls or branches so the loops below vectorize: glibc's expf is a call
- * per element (~4x slower over a row). */
 void duet_argmax_rows(const float *x, int64_t ldx, int64_t rows, int64_t n, int64_t *out); /* cpu_kernels.c */
 
+/* exp(x) for x <= 0 (Cody-Waite reduction, Cephes' degree-6 polynomial, ~1 ulp), 0 below -87 (where expf nears the
+ * subnormals) and for -inf. Written without calls or branches so the loops below vectorize: glibc's expf is a call
+ * per element (~4x slower over a row). */
 static inline float exp_nonpositive(float x) {
     float c = x < -87.0f ? -87.0f : x;
     float n = __builtin_rintf(c * 1.44269504088896341f);
@@ -346,4 +346,83 @@ void duet_sample_draw(const float *x, int64_t ldx, const float *cutoff, int64_t 
     }
     free(work);
     }
+}
+
+/* engine/sampler.py's `compute_logprobs` for rows of logits [rows, vocab] (ld): under log_softmax of each row, the
+ * logprob of token_ids[r] (chosen[r]), its rank (1 + the tokens with a strictly greater logprob) and the n_top best
+ * (top_ids / top_logprobs [rows, n_top], best first, ties by lower id). log_softmax as torch computes it: (x - max) -
+ * log(sum exp(x - max)), in float32. Returns 0, or 1 where a row holds a NaN or +inf (nothing written for it: the twin
+ * decides what such rows give). Rows in parallel. */
+int64_t duet_logprobs(const float *logits, int64_t ld, int64_t rows, int64_t vocab, const int64_t *token_ids,
+                      int64_t n_top, float *chosen, int64_t *ranks, int64_t *top_ids, float *top_logprobs) {
+    int64_t unusual = 0;
+#pragma omp parallel if (rows > 1) reduction(| : unusual)
+    {
+    float *best = malloc(sizeof(float) * (size_t)(n_top > 0 ? n_top : 1));
+    int64_t *best_id = malloc(sizeof(int64_t) * (size_t)(n_top > 0 ? n_top : 1));
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *x = logits + r * ld;
+        int bad = 0;
+        for (int64_t i = 0; i < vocab; i++) bad |= (x[i] != x[i]) | (x[i] == INFINITY);
+        if (bad) {
+            unusual = 1;
+            continue;
+        }
+        float m = max_of(x, vocab);
+        float log_sum = m == -INFINITY ? NAN : (float)log(sum_exp(x, vocab, m));
+        float lp_chosen = (x[token_ids[r]] - m) - log_sum;
+        int64_t better = 0;
+        for (int64_t i = 0; i < vocab; i++) better += ((x[i] - m) - log_sum) > lp_chosen;
+        chosen[r] = lp_chosen;
+        ranks[r] = 1 + better;
+        /* the n_top best (value, id): a min-heap ordered by value, then by id (a higher id is "less") */
+        int64_t size = 0;
+        for (int64_t i = 0; i < vocab && n_top > 0; i++) {
+            float v = x[i];
+            if (size == n_top && !(v > best[0])) continue; /* not better than the least (a tie: lower id kept) */
+            int64_t j;
+            if (size < n_top) { /* sift up */
+                j = size++;
+                while (j > 0) {
+                    int64_t parent = (j - 1) / 2;
+                    if (!(best[parent] > v || (best[parent] == v && best_id[parent] < i))) break;
+                    best[j] = best[parent], best_id[j] = best_id[parent];
+                    j = parent;
+                }
+            } else { /* replace the root, sift down */
+                j = 0;
+                for (;;) {
+                    int64_t c = 2 * j + 1;
+                    if (c >= n_top) break;
+                    if (c + 1 < n_top && (best[c + 1] < best[c] || (best[c + 1] == best[c] && best_id[c + 1] > best_id[c])))
+                        c++;
+                    if (!(best[c] < v || (best[c] == v && best_id[c] > i))) break;
+                    best[j] = best[c], best_id[j] = best_id[c];
+                    j = c;
+                }
+            }
+            best[j] = v, best_id[j] = i;
+        }
+        for (int64_t k = size - 1; k >= 0; k--) { /* pop the least into the last free place: best first */
+            top_ids[r * n_top + k] = best_id[0];
+            top_logprobs[r * n_top + k] = (best[0] - m) - log_sum;
+            float v = best[k];
+            int64_t id = best_id[k], j = 0;
+            for (;;) { /* the last element sifts down from the root of the heap [0, k) */
+                int64_t c = 2 * j + 1;
+                if (c >= k) break;
+                if (c + 1 < k && (best[c + 1] < best[c] || (best[c + 1] == best[c] && best_id[c + 1] > best_id[c])))
+                    c++;
+                if (!(best[c] < v || (best[c] == v && best_id[c] > id))) break;
+                best[j] = best[c], best_id[j] = best_id[c];
+                j = c;
+            }
+            if (k > 0) best[j] = v, best_id[j] = id;
+        }
+    }
+    free(best);
+    free(best_id);
+    }
+    return unusual;
 }

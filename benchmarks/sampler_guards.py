@@ -9,6 +9,11 @@ Issue 16's Gumbel draw for seeded rows (the "seeded" cases; before: inverse CDF 
 
     git show 6252d2e:engine/sampler.py > /tmp/sampler_before.py
     .venv/bin/python benchmarks/sampler_guards.py /tmp/sampler_before.py
+
+The CPU's sampling in C (csrc/sample.c: every case; before: the torch twins, the sampler at d638cda):
+
+    git show d638cda:engine/sampler.py > /tmp/sampler_before.py
+    .venv/bin/python benchmarks/sampler_guards.py /tmp/sampler_before.py
 """
 
 import importlib.util
@@ -36,9 +41,11 @@ CASES = {
                                                     seed=i),
     "seeded, full vocabulary": lambda i: SamplingParams(temperature=0.8, seed=i),
     "unseeded, full vocabulary": lambda i: SamplingParams(temperature=0.8),
+    "unseeded, logprobs 5": lambda i: SamplingParams(temperature=0.8, logprobs=5),
 }
 for batch, kind in ((1, "greedy"), (32, "greedy"), (32, "top-p/top-k/penalty"), (1, "seeded, full vocabulary"),
-                    (32, "seeded, full vocabulary"), (32, "unseeded, full vocabulary")):
+                    (32, "seeded, full vocabulary"), (32, "unseeded, full vocabulary"), (1, "unseeded, logprobs 5"),
+                    (32, "unseeded, logprobs 5")):
     logits = torch.randn(batch, 49152, generator=g) * 4
     params = [CASES[kind](i) for i in range(batch)]
     rows = [SamplingRow(p, [1, 2, 3], [4, 5]) for p in params]

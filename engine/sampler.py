@@ -32,7 +32,7 @@ Each row follows the vLLM / HF pipeline with its own parameters:
     / temperature ─► top-k ─► top-p ─► min-p ─► softmax ─► seeded: argmax with Gumbel noise (keyed by its
                                                             seed and step); unseeded: inverse CDF, one uniform
 
-On CPU, temperature, the filters and the draw run in C (csrc/sample.c: a few passes over a row instead of ~30
+On CPU, temperature, the filters, the draw and logprobs run in C (csrc/sample.c: a few passes over a row instead of ~30
 small torch ops, 1-3 ms a token at batch 1); the torch functions below are their twins, the path of every other
 device and the tests' reference.
 

@@ -583,10 +583,8 @@ def compute_logprobs(
         return out
     sub, chosen = _take_rows(logits, wanted), _take_rows(token_ids, wanted)
     n_top = min(max(rows[i].params.logprobs for i in wanted), logits.shape[1])
-    native = cpu_native.logprobs_native(sub, chosen, n_top) if cpu_native.use_native(sub) else None
-    if native is None:
-        native = logprobs_twin(sub, chosen, n_top)
-    chosen_values, ranks, top_id_t, top_value_t = native
+    numbers = cpu_native.logprobs_native(sub, chosen, n_top) if cpu_native.use_native(sub) else None
+    chosen_values, ranks, top_id_t, top_value_t = numbers or logprobs_twin(sub, chosen, n_top)
     chosen_ids, chosen_values = chosen.tolist(), chosen_values.tolist()
     rank_list, top_ids, top_values = ranks.tolist(), top_id_t.tolist(), top_value_t.tolist()
     for j, i in enumerate(wanted):

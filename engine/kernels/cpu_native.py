@@ -7,7 +7,8 @@ job in one pass: RMSNorm with its residual add, SiLU-and-multiply, rotary, and d
 place from the paged cache. And two GEMVs: a single bf16 row times a bf16 weight and a single fp32 row times an
 fp32 weight, which torch (MKL, oneDNN) runs well below DRAM bandwidth (engine/linear_fast.py uses them). And the
 quantized linears (csrc/quant_kernels.c): int8 / int4 weights in engine/quant_format.py's layout, dequantized
-in registers, for one row (GEMV) and few rows.
+in registers, for one row (GEMV) and few rows. And sampling (csrc/sample.c: temperature, the top-k / top-p / min-p
+cutoff, the draws, logprobs; engine/sampler.py holds their twins).
 
 Build: `cc -O3 -march=native -fopenmp -ffp-contract=off -shared csrc/*.c` into $DUET_CACHE_DIR/kernels (default
 ~/.cache/duet/kernels), one library per sources, flags, compiler and CPU, written atomically; later processes load

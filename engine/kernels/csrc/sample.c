@@ -348,6 +348,23 @@ void duet_sample_draw(const float *x, int64_t ldx, const float *cutoff, int64_t 
     }
 }
 
+/* Whether (v, id) ranks below (w, jd) among logprobs' top: a smaller value, or the same and a higher id. */
+static inline int ranks_below(float v, int64_t id, float w, int64_t jd) { return v < w || (v == w && id > jd); }
+
+/* (v, id) into the min-heap [0, size) of (best, best_id) in place of its root, sifted down. */
+static void sift_down(float *best, int64_t *best_id, int64_t size, float v, int64_t id) {
+    int64_t j = 0;
+    for (;;) {
+        int64_t c = 2 * j + 1;
+        if (c >= size) break;
+        if (c + 1 < size && ranks_below(best[c + 1], best_id[c + 1], best[c], best_id[c])) c++;
+        if (!ranks_below(best[c], best_id[c], v, id)) break;
+        best[j] = best[c], best_id[j] = best_id[c];
+        j = c;
+    }
+    best[j] = v, best_id[j] = id;
+}
+
 /* engine/sampler.py's `compute_logprobs` for rows of logits [rows, vocab] (ld): under log_softmax of each row, the
  * logprob of token_ids[r] (chosen[r]), its rank (1 + the tokens with a strictly greater logprob) and the n_top best
  * (top_ids / top_logprobs [rows, n_top], best first, ties by lower id). log_softmax as torch computes it: (x - max) -
@@ -376,49 +393,22 @@ int64_t duet_logprobs(const float *logits, int64_t ld, int64_t rows, int64_t voc
         for (int64_t i = 0; i < vocab; i++) better += ((x[i] - m) - log_sum) > lp_chosen;
         chosen[r] = lp_chosen;
         ranks[r] = 1 + better;
-        /* the n_top best (value, id): a min-heap ordered by value, then by id (a higher id is "less") */
+        /* the n_top best (value, id): a min-heap whose least is the worst kept (`ranks_below`) */
         int64_t size = 0;
         for (int64_t i = 0; i < vocab && n_top > 0; i++) {
-            float v = x[i];
-            if (size == n_top && !(v > best[0])) continue; /* not better than the least (a tie: lower id kept) */
-            int64_t j;
             if (size < n_top) { /* sift up */
-                j = size++;
-                while (j > 0) {
-                    int64_t parent = (j - 1) / 2;
-                    if (!(best[parent] > v || (best[parent] == v && best_id[parent] < i))) break;
-                    best[j] = best[parent], best_id[j] = best_id[parent];
-                    j = parent;
-                }
-            } else { /* replace the root, sift down */
-                j = 0;
-                for (;;) {
-                    int64_t c = 2 * j + 1;
-                    if (c >= n_top) break;
-                    if (c + 1 < n_top && (best[c + 1] < best[c] || (best[c + 1] == best[c] && best_id[c + 1] > best_id[c])))
-                        c++;
-                    if (!(best[c] < v || (best[c] == v && best_id[c] > i))) break;
-                    best[j] = best[c], best_id[j] = best_id[c];
-                    j = c;
-                }
+                int64_t j = size++;
+                for (; j > 0 && ranks_below(x[i], i, best[(j - 1) / 2], best_id[(j - 1) / 2]); j = (j - 1) / 2)
+                    best[j] = best[(j - 1) / 2], best_id[j] = best_id[(j - 1) / 2];
+                best[j] = x[i], best_id[j] = i;
+            } else if (x[i] > best[0]) { /* beats the least (a tie does not: the lower id stays) */
+                sift_down(best, best_id, n_top, x[i], i);
             }
-            best[j] = v, best_id[j] = i;
         }
         for (int64_t k = size - 1; k >= 0; k--) { /* pop the least into the last free place: best first */
             top_ids[r * n_top + k] = best_id[0];
             top_logprobs[r * n_top + k] = (best[0] - m) - log_sum;
-            float v = best[k];
-            int64_t id = best_id[k], j = 0;
-            for (;;) { /* the last element sifts down from the root of the heap [0, k) */
-                int64_t c = 2 * j + 1;
-                if (c >= k) break;
-                if (c + 1 < k && (best[c + 1] < best[c] || (best[c + 1] == best[c] && best_id[c + 1] > best_id[c])))
-                    c++;
-                if (!(best[c] < v || (best[c] == v && best_id[c] > id))) break;
-                best[j] = best[c], best_id[j] = best_id[c];
-                j = c;
-            }
-            if (k > 0) best[j] = v, best_id[j] = id;
+            if (k > 0) sift_down(best, best_id, k, best[k], best_id[k]); /* the heap [0, k) without it */
         }
     }
     free(best);

@@ -19,6 +19,7 @@ each product by at most half a bfloat16 ulp, so the bound adds BF16_ULP / 2 * (|
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import pytest
@@ -164,7 +165,8 @@ def test_one_row_reads_four_runs_a_thread_and_the_rest_alone(kind, in_features, 
     """Batch-1 decode's path (AVX2 / AVX-512: four output rows per call, one from each of four runs of the thread's
     rows, interleaved block by block; a slice's last rows one by one; a group of 96 puts two int8 blocks of one VNNI
     step, and of one AVX-512 pair, under different scales). Every row's sum is bit for bit that row multiplied
-    alone, whichever run or thread read it, with float or int8 activations."""
+    alone, whichever run or thread read it, with float or int8 activations; and on 2 to 4 threads, which take each
+    other's steps when done with their own (oversubscribed cores make them), every row is computed."""
     for n, out in enumerate([1, 4, 9, 301]):
         w = random_weight(kind, out, in_features, group, seed=40 + n)
         g = torch.Generator().manual_seed(50 + n)
@@ -174,14 +176,16 @@ def test_one_row_reads_four_runs_a_thread_and_the_rest_alone(kind, in_features, 
             assert_matches_twin(x, w, bias)
             if in_features % 32 == 0:
                 assert_int8_activations_match_twin(x, w, bias)
-        if out == 301:  # on two threads from 65536 weights
+        if out == 301:  # on several threads from 65536 weights
             linears = [cpu_native.quantized_linear_native]
             if in_features % 32 == 0:
                 linears.append(cpu_native.quantized_linear_int8_activations_native)
             for linear in linears:
-                whole = linear(x, w)
                 alone = torch.cat([linear(x, w.rows(o, o + 1)) for o in range(out)], dim=1)
-                assert torch.equal(whole, alone), linear.__name__
+                for threads in (2, 3, 4):
+                    with torch_threads(threads):
+                        for _ in range(20):
+                            assert torch.equal(linear(x, w), alone), (linear.__name__, threads)
 
 
 @pytest.mark.usefixtures("build")
@@ -275,6 +279,17 @@ def test_int8_activation_linear_matches_its_twin(kind):
         x = torch.randn(rows, in_features, generator=g).to(dtype)
         bias = torch.randn(out, generator=g).to(dtype) if with_bias else None
         assert_int8_activations_match_twin(x, w, bias)
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """torch's thread count (the C kernels' OpenMP threads too: the same runtime) set to n inside the block."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def assert_int8_activations_match_twin(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> None:

@@ -165,8 +165,7 @@ def test_one_row_reads_four_runs_a_thread_and_the_rest_alone(kind, in_features, 
     """Batch-1 decode's path (AVX2 / AVX-512: four output rows per call, one from each of four runs of the thread's
     rows, interleaved block by block; a slice's last rows one by one; a group of 96 puts two int8 blocks of one VNNI
     step, and of one AVX-512 pair, under different scales). Every row's sum is bit for bit that row multiplied
-    alone, whichever run or thread read it, with float or int8 activations; and on 2 to 4 threads, which take each
-    other's steps when done with their own (oversubscribed cores make them), every row is computed."""
+    alone, whichever run or thread read it, with float or int8 activations, on 2 to 4 threads."""
     for n, out in enumerate([1, 4, 9, 301]):
         w = random_weight(kind, out, in_features, group, seed=40 + n)
         g = torch.Generator().manual_seed(50 + n)

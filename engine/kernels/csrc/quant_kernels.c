@@ -464,8 +464,11 @@ typedef struct {
     int adjacent; /* step j's rows: lo + RUNS j + i (int4), else lo + i run + j (int8) */
 } RowRuns;
 
-/* thread t's rows of `threads`: [lo, hi), `run` steps of RUNS rows, then (hi - lo) % RUNS leftovers */
-static RowRuns thread_row_runs(int64_t n_out, int adjacent, int64_t t, int64_t threads) {
+static RowRuns thread_row_runs(int64_t n_out, int adjacent) {
+    int64_t t = 0, threads = 1;
+#if defined(_OPENMP)
+    t = omp_get_thread_num(), threads = omp_get_num_threads();
+#endif
     RowRuns r = {n_out * t / threads, n_out * (t + 1) / threads, 0, adjacent};
     r.run = (r.hi - r.lo) / RUNS;
     return r;
@@ -477,76 +480,13 @@ static inline __attribute__((always_inline)) void row_indices(RowRuns runs, int6
         o[i] = runs.lo + (n == 1 ? j : runs.adjacent ? RUNS * j + i : i * runs.run + j);
 }
 
-/* A thread's steps as a share that threads take in chunks: its owner from the front, a thread done with its own
- * share from the back. Why: with each thread held to its static share, whichever thread the memory served more
- * slowly in a pass kept the other waiting at the join: ~12 % of a batch-1 step's int4 passes on a Zen 3 (two
- * threads, an instrumented build), the threads' total work equal. Taking from the back keeps the owner's stream
- * sequential to the end. One word a share, the front step in its low half and one past the last step left in its
- * high half, changed by compare-and-swap, so each step is taken once; the share sits alone on its cache line. */
-typedef struct {
-    _Alignas(64) uint64_t front_back;
-    RowRuns runs;
-} StepShare;
-
-#define OWNER_CHUNK 8 /* steps the owner takes at a time: one compare-and-swap per 32 rows */
-#define THIEF_CHUNK 2
-
-static inline int take_steps(StepShare *share, int64_t chunk, int from_back, int64_t *begin, int64_t *end) {
-    uint64_t old = __atomic_load_n(&share->front_back, __ATOMIC_RELAXED);
-    for (;;) {
-        uint64_t front = old & 0xFFFFFFFFu, back = old >> 32;
-        if (front >= back) return 0;
-        uint64_t n = back - front < (uint64_t)chunk ? back - front : (uint64_t)chunk;
-        uint64_t next = from_back ? (back - n) << 32 | front : back << 32 | (front + n);
-        if (__atomic_compare_exchange_n(&share->front_back, &old, next, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
-            *begin = (int64_t)(from_back ? back - n : front);
-            *end = (int64_t)(from_back ? back : front + n);
-            return 1;
-        }
-    }
-}
-
-static inline int64_t one_row_pass_threads(int64_t n_out, int64_t k_in) {
-#if defined(_OPENMP)
-    return n_out * k_in >= PARALLEL_MIN_WEIGHTS ? omp_get_max_threads() : 1;
-#else
-    (void)n_out, (void)k_in;
-    return 1;
-#endif
-}
-
-static inline int this_thread(void) {
-#if defined(_OPENMP)
-    return omp_get_thread_num();
-#else
-    return 0;
-#endif
-}
-
-/* A one-row pass (batch-1 decode): ROWS(args..., runs, j, n) for every step j of every thread's share, RUNS rows a
- * step, then the share's leftover rows one at a time, the shares balanced between the threads as StepShare says. A
- * row's sums do not depend on which thread or step computes it. Needs `k_in` in scope (the weight's inputs). */
-#define ONE_ROW_PASS(n_out, adjacent, ROWS, ...)                                                                   \
+/* A thread's share of a one-row pass, inside a parallel region: ROWS(args..., runs, j, n) for each step j of its
+ * rows, RUNS rows a step, then its leftover rows one at a time */
+#define EACH_THREAD_ROW_STEP(n_out, adjacent, ROWS, ...)                                                           \
     do {                                                                                                           \
-        int64_t threads_ = one_row_pass_threads(n_out, k_in);                                                      \
-        StepShare shares_[threads_];                                                                               \
-        for (int64_t t_ = 0; t_ < threads_; t_++) {                                                                \
-            RowRuns r_ = thread_row_runs(n_out, adjacent, t_, threads_);                                           \
-            shares_[t_].runs = r_;                                                                                 \
-            shares_[t_].front_back = (uint64_t)(r_.run + (r_.hi - r_.lo - RUNS * r_.run)) << 32;                   \
-        }                                                                                                          \
-        _Pragma("omp parallel num_threads(threads_) if (threads_ > 1)")                                            \
-        for (int64_t v_ = 0; v_ < threads_; v_++) {                                                                \
-            StepShare *share_ = &shares_[(this_thread() + v_) % threads_];                                         \
-            int64_t begin_, end_;                                                                                  \
-            while (take_steps(share_, v_ ? THIEF_CHUNK : OWNER_CHUNK, v_ > 0, &begin_, &end_))                     \
-                for (int64_t j_ = begin_; j_ < end_; j_++) {                                                       \
-                    if (j_ < share_->runs.run)                                                                     \
-                        ROWS(__VA_ARGS__, share_->runs, j_, RUNS);                                                 \
-                    else                                                                                           \
-                        ROWS(__VA_ARGS__, share_->runs, j_ + (RUNS - 1) * share_->runs.run, 1);                    \
-                }                                                                                                  \
-        }                                                                                                          \
+        RowRuns runs_ = thread_row_runs(n_out, adjacent);                                                           \
+        for (int64_t j_ = 0; j_ < runs_.run; j_++) ROWS(__VA_ARGS__, runs_, j_, RUNS);                               \
+        for (int64_t j_ = RUNS * runs_.run; j_ < runs_.hi - runs_.lo; j_++) ROWS(__VA_ARGS__, runs_, j_, 1);         \
     } while (0)
 
 /* The n rows of step j of a thread's runs, of an int8 weight: their indices o, values q and scales s */
@@ -638,7 +578,8 @@ void duet_int8_linear(const void *x, int64_t ldx, const int8_t *qweight, const f
     const float *xf = activations_f32(x, ldx, rows, k_in, bf16, &ldf, &owned);
 #if defined(QUANT_GEMV4)
     if (rows == 1) {
-        ONE_ROW_PASS(n_out, 0, int8_rows, xf, qweight, scales, group, bias, y, k_in, bf16);
+#pragma omp parallel if (n_out * k_in >= PARALLEL_MIN_WEIGHTS)
+        EACH_THREAD_ROW_STEP(n_out, 0, int8_rows, xf, qweight, scales, group, bias, y, k_in, bf16);
         free(owned);
         return;
     }
@@ -674,7 +615,8 @@ void duet_int4_linear(const void *x, int64_t ldx, const uint8_t *qweight, const 
         }
 #if defined(QUANT_GEMV4)
     if (rows == 1) {
-        ONE_ROW_PASS(n_out, 1, int4_rows, xf, qweight, scales, mins, xsum, bias, y, k_in, bf16);
+#pragma omp parallel if (n_out * k_in >= PARALLEL_MIN_WEIGHTS)
+        EACH_THREAD_ROW_STEP(n_out, 1, int4_rows, xf, qweight, scales, mins, xsum, bias, y, k_in, bf16);
         free(xsum);
         free(owned);
         return;
@@ -934,19 +876,6 @@ static inline __attribute__((always_inline)) void q8_int4_gemv_avx2(const int8_t
         add_min_terms(1, m + i * blocks, sx, blocks, out + i);
     }
 }
-
-static inline __attribute__((always_inline)) void q8_int4_rows(const int8_t *qx, const float *dx, const float *sx,
-                                                               const uint8_t *qweight, const float *scales,
-                                                               const float *mins, const float *bias, void *y,
-                                                               int64_t k_in, int bf16, RowRuns runs, int64_t j,
-                                                               int n) {
-    int64_t o[RUNS], groups = k_in / BLOCK;
-    float sums[RUNS];
-    row_indices(runs, j, n, o); /* adjacent: o[0] .. o[0] + n - 1 */
-    q8_int4_gemv_avx2(qx, dx, sx, k_in, qweight + o[0] * (k_in / 2), scales + o[0] * groups, mins + o[0] * groups, n,
-                      sums);
-    for (int i = 0; i < n; i++) store(y, o[i], sums[i], bias, o[i], bf16);
-}
 #define QUANT_Q8_GEMV4 1
 #define Q8_TILE(rt) q8_tile_avx2(qx, dx, sx, k_in, rt, kind, qweight, s, m, group, sums)
 #else
@@ -1007,14 +936,27 @@ void duet_quantized_linear_q8(const void *x, int64_t ldx, int kind, const void *
     if (rows == 1) {
         first = n_out;
         if (kind == 8) { /* as runs side by side, as the float path (a 28 MB int8 lm_head 2-3x faster on a Zen 3) */
-            ONE_ROW_PASS(n_out, 0, q8_int8_rows, qx, dx, qweight, scales, group, bias, y, k_in, bf16);
+#pragma omp parallel if (n_out * k_in >= PARALLEL_MIN_WEIGHTS)
+            EACH_THREAD_ROW_STEP(n_out, 0, q8_int8_rows, qx, dx, qweight, scales, group, bias, y, k_in, bf16);
         } else { /* int4: four adjacent rows at a time (the last few one at a time) */
-            ONE_ROW_PASS(n_out, 1, q8_int4_rows, qx, dx, sx, qweight, scales, mins, bias, y, k_in, bf16);
+#pragma omp parallel for schedule(static) if (n_out * k_in >= PARALLEL_MIN_WEIGHTS)
+            for (int64_t o = 0; o < n_out; o += 4) {
+                float sums[4];
+                int n = n_out - o < 4 ? (int)(n_out - o) : 4;
+                if (n == 4)
+                    q8_int4_gemv_avx2(qx, dx, sx, k_in, (const uint8_t *)qweight + o * row_bytes,
+                                      scales + o * groups, mins + o * groups, 4, sums);
+                else
+                    for (int i = 0; i < n; i++)
+                        q8_int4_gemv_avx2(qx, dx, sx, k_in, (const uint8_t *)qweight + (o + i) * row_bytes,
+                                          scales + (o + i) * groups, mins + (o + i) * groups, 1, sums + i);
+                for (int i = 0; i < n; i++) store(y, o + i, sums[i], bias, o + i, bf16);
+            }
         }
     }
 #endif
 #pragma omp parallel for schedule(static) if (first < n_out && n_out * k_in >= PARALLEL_MIN_WEIGHTS)
-    for (int64_t o = first; o < n_out; o++) {
+    for (int64_t o = first; o < n_out; o++) { /* (no team for the empty loop after a one-row pass) */
         for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
             int rt = rows - r0 < ROW_TILE ? (int)(rows - r0) : ROW_TILE;
             float sums[ROW_TILE];

@@ -13,6 +13,7 @@ the specs do not cover exactly, so a swap done too early fails here instead of l
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -29,6 +30,9 @@ from engine.quantization import load_quantized, plan_quantization, resolve_quant
 from engine.tensor_parallel import Shard, TPGroup, local_config, parallelize, plan_shard
 from engine.tensor_source import TensorSlice, TensorSource, open_source
 from engine.tensor_specs import TensorSpec, TensorSpecs, tensor_specs
+from engine.weight_arena import WeightArena
+
+log = logging.getLogger("duet.engine")
 
 __all__ = ["build_model", "load_weights"]
 
@@ -132,11 +136,17 @@ def _return_tensor(tensor: torch.Tensor, *args: object, **kwargs: object) -> tor
     return tensor
 
 
-def _materialize(model: torch.nn.Module, device: torch.device) -> None:
-    """`model.to_empty(device)`: every parameter and buffer on `device`, uninitialized. Why not `to_empty`: it
-    allocates through torch's Python reference of `empty_like`, whose first call imports sympy (~1 s of every
-    process's start); `torch.empty` does not."""
-    model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
+def _materialize(model: torch.nn.Module, device: torch.device) -> WeightArena | None:
+    """`model.to_empty(device)`: every parameter and buffer on `device`, uninitialized; on CPU, all of them in one
+    `WeightArena` (2 MiB pages: engine/weight_arena.py). Why not `to_empty`: it allocates through torch's Python
+    reference of `empty_like`, whose first call imports sympy (~1 s of every process's start); `torch.empty` does
+    not. Returns the arena."""
+    if device.type != "cpu":
+        model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
+        return None
+    arena = WeightArena.for_tensors([*model.parameters(), *model.buffers()])  # a tied weight is one parameter
+    model._apply(lambda t: t if t.device == device else arena.take(t.shape, t.dtype))  # (its second visit: as is)
+    return arena
 
 
 def _meta_model(config: ModelConfig, dtype: torch.dtype, max_positions: int, shard: Shard | None,
@@ -178,8 +188,12 @@ def build_model(config: ModelConfig, model_dir: str | Path, dtype: torch.dtype, 
     model = _meta_model(config, dtype, max_positions, shard, tp)
     with torch.no_grad(), open_source(model_dir) as source:
         plan = plan_quantization(model, tensor_specs(config), source, mode, shard)  # a transformation, on meta
-        _materialize(model, torch.device(device))
+        arena = _materialize(model, torch.device(device))
         model.rotary.to(device)  # a plain attribute, not a buffer: built on CPU in the constructor
         load_weights(model, plan.dense_specs, source, shard)
         load_quantized(model, plan, source, shard)
+    if arena is not None:
+        huge = arena.huge_page_bytes()  # whole pages: the last may reach past the weights
+        log.info("weights event=loaded bytes=%d in_huge_pages=%s", arena.used_bytes,
+                 "unknown" if huge is None else min(huge, arena.used_bytes))
     return model.eval().requires_grad_(False)

@@ -13,6 +13,7 @@ from engine.model import LlamaForCausalLM
 from engine.tensor_parallel import TPGroup, plan_shard
 from engine.tensor_source import SafetensorsSource, TensorSlice, open_source
 from engine.tensor_specs import Split, tensor_specs
+from engine.weight_arena import ALIGN_BYTES, HUGE_PAGE_BYTES, WeightArena, tensor_bytes
 from engine.weights import _INITIALIZERS, build_model, load_weights
 
 
@@ -182,3 +183,47 @@ def test_loading_after_a_module_swap_is_refused(tiny_llama_dir):
     with open_source(tiny_llama_dir) as source, pytest.raises(ValueError, match=r"no parameter "
                                                                                 r"layers\.0\.mlp\.gate_up_proj\.weight"):
         load_weights(model, tensor_specs(config), source)
+
+
+def test_a_cpu_model_lies_in_one_weight_arena(tiny_qwen2_dir):
+    """On CPU every parameter and buffer is a view of one arena (engine/weight_arena.py): disjoint, each at a
+    64-byte boundary, the first at a 2 MiB one."""
+    config = ModelConfig.from_dir(tiny_qwen2_dir)
+    model = build_model(config, tiny_qwen2_dir, torch.float32, 64)
+    tensors = [*model.parameters(), *model.buffers()]
+    base = {t.untyped_storage().data_ptr() for t in tensors}
+    assert len(base) == 1  # one storage: the arena's buffer
+    spans = sorted((t.data_ptr(), t.data_ptr() + tensor_bytes(t)) for t in tensors)
+    assert all(start % ALIGN_BYTES == 0 for start, _ in spans)
+    assert all(end <= next_start for (_, end), (next_start, _) in zip(spans, spans[1:], strict=False))
+    assert spans[0][0] % HUGE_PAGE_BYTES == 0
+
+
+def test_weight_arena_hands_out_aligned_zeroed_tensors_up_to_its_capacity():
+    arena = WeightArena(3 * 64 + 10)
+    a = arena.take((3, 5), torch.float32)  # 60 bytes: the next tensor starts 64 further
+    b = arena.take((7,), torch.int8)
+    c = arena.take((2, 3), torch.bfloat16)
+    assert b.data_ptr() - a.data_ptr() == 64 and c.data_ptr() - b.data_ptr() == 64
+    assert a.data_ptr() % HUGE_PAGE_BYTES == 0  # the arena starts on a 2 MiB boundary
+    assert all(bool((t == 0).all()) for t in (a, b, c)) and a.is_contiguous() and c.shape == (2, 3)
+    assert arena.used_bytes == 3 * 64
+    with pytest.raises(MemoryError, match="holds 202 bytes: 12 more do not fit after 192"):
+        arena.take((3,), torch.float32)
+    a.fill_(1.5)
+    assert float(a.sum()) == 22.5 and bool((b == 0).all())
+
+
+def test_weight_arena_reports_its_huge_pages():
+    """The kernel backs the arena with 2 MiB pages where transparent huge pages are enabled (`always` or
+    `madvise`); the report reads /proc/self/smaps."""
+    arena = WeightArena(4 * HUGE_PAGE_BYTES)
+    arena.take((4 * HUGE_PAGE_BYTES,), torch.uint8).fill_(1)  # first touch: the pages appear now
+    huge = arena.huge_page_bytes()
+    try:
+        mode = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        mode = ""
+    if "[never]" in mode or not mode or huge is None:
+        pytest.skip(f"no transparent huge pages here (enabled: {mode.strip() or 'unknown'})")
+    assert huge > 0 and huge % HUGE_PAGE_BYTES == 0

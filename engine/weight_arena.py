@@ -48,8 +48,7 @@ class WeightArena:
         self._buffer = torch.frombuffer(self._map, dtype=torch.uint8)
         self._start = self._next = (-self._buffer.data_ptr()) % HUGE_PAGE_BYTES
         self._end = self._start + capacity_bytes
-        self.advised = hasattr(mmap, "MADV_HUGEPAGE")
-        if self.advised:
+        if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux
             self._map.madvise(mmap.MADV_HUGEPAGE, self._start, size - self._start)
 
     @classmethod

@@ -8,10 +8,10 @@ anonymous mapping advised `MADV_HUGEPAGE` (transparent huge pages), the same str
     |<- up to 2 MiB ->|<------------------- 2 MiB pages ------------------->|<- tail ->|
     | unused head     | tensor | tensor | ... (each at a 64-byte boundary)  |          |
 
-Measured (benchmarks/RESULTS.md, "Weights in 2 MiB pages"): the default model's batch-1 decode with int8
-activations 1.09x (8 alternating process pairs, none slower) on a Zen 3 guest. Why not torch's own
-THP_MEM_ALLOC_ENABLE: it advises each allocation of 2 MiB or more on its own, and a layer's weights are smaller
-(SmolLM2's qkv in int4: 0.4 MB), so they stayed in 4 KiB pages (measured: 1.02x, noise).
+Measured (benchmarks/RESULTS.md, "Weights in 2 MiB pages"; alternating processes on a Zen 3 guest): the default
+model's batch-1 decode kept quantized 1.07x, dense fp32 1.06x, with int8 activations 1.01-1.09x (noisy). Why not
+torch's own THP_MEM_ALLOC_ENABLE: it advises each allocation of 2 MiB or more on its own, and a layer's weights are
+smaller (SmolLM2's qkv in int4: 0.4 MB), so they stayed in 4 KiB pages (measured: 1.02x, noise).
 
 The tensors `take` returns are views of the arena's buffer, which they keep alive: the memory goes back to the
 system when the last of them is freed. Where the system has no transparent huge pages (`never`, or not Linux) the

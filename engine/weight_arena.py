@@ -35,10 +35,6 @@ def _aligned(num_bytes: int, to: int = ALIGN_BYTES) -> int:
     return -(-num_bytes // to) * to
 
 
-def tensor_bytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
 class WeightArena:
     """`capacity_bytes` of zeroed memory (pages appear as they are first written), handed out in order by `take`."""
 
@@ -54,7 +50,7 @@ class WeightArena:
     @classmethod
     def for_tensors(cls, tensors: Iterable[torch.Tensor]) -> WeightArena:
         """An arena that holds one tensor of each shape and dtype of `tensors` (meta tensors count too)."""
-        return cls(sum(_aligned(tensor_bytes(t)) for t in tensors))
+        return cls(sum(_aligned(t.nbytes) for t in tensors))
 
     def take(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """The next free `shape` x `dtype`, contiguous, zeroed. Raises MemoryError past the capacity."""

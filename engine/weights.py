@@ -144,8 +144,8 @@ def _materialize(model: torch.nn.Module, device: torch.device) -> WeightArena | 
     if device.type != "cpu":
         model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
         return None
-    arena = WeightArena.for_tensors([*model.parameters(), *model.buffers()])  # a tied weight is one parameter
-    model._apply(lambda t: t if t.device == device else arena.take(t.shape, t.dtype))  # (its second visit: as is)
+    arena = WeightArena.for_tensors([*model.parameters(), *model.buffers()])  # each distinct tensor once
+    model._apply(lambda t: t if t.device == device else arena.take(t.shape, t.dtype))  # a shared one: placed once
     return arena
 
 

@@ -13,7 +13,7 @@ from engine.model import LlamaForCausalLM
 from engine.tensor_parallel import TPGroup, plan_shard
 from engine.tensor_source import SafetensorsSource, TensorSlice, open_source
 from engine.tensor_specs import Split, tensor_specs
-from engine.weight_arena import ALIGN_BYTES, HUGE_PAGE_BYTES, WeightArena, tensor_bytes
+from engine.weight_arena import ALIGN_BYTES, HUGE_PAGE_BYTES, WeightArena
 from engine.weights import _INITIALIZERS, build_model, load_weights
 
 
@@ -193,7 +193,7 @@ def test_a_cpu_model_lies_in_one_weight_arena(tiny_qwen2_dir):
     tensors = [*model.parameters(), *model.buffers()]
     base = {t.untyped_storage().data_ptr() for t in tensors}
     assert len(base) == 1  # one storage: the arena's buffer
-    spans = sorted((t.data_ptr(), t.data_ptr() + tensor_bytes(t)) for t in tensors)
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.nbytes) for t in tensors)
     assert all(start % ALIGN_BYTES == 0 for start, _ in spans)
     assert all(end <= next_start for (_, end), (next_start, _) in zip(spans, spans[1:], strict=False))
     assert spans[0][0] % HUGE_PAGE_BYTES == 0

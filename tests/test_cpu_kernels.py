@@ -215,6 +215,20 @@ def test_decode_attention_over_split_contexts_matches_the_twin(dtype):
         assert scaled_error(got, want) < ATTN_TOL[dtype], lens
 
 
+@pytest.mark.parametrize("q_scale", [8.0, 60.0])
+@pytest.mark.usefixtures("kernels")
+def test_decode_attention_over_far_apart_scores_matches_the_twin(q_scale):
+    """Scores tens to hundreds apart: the softmax's exp over its whole range, down to where it underflows to 0 (the
+    AVX2 and AVX-512 paths' vector exp, the plain one's scalar exp), against the twin."""
+    rng = random.Random(7)
+    for lens in ([300], [17, 250, 1]):
+        q, k_cache, v_cache, block_ids, mask = paged_decode_case(rng, torch.float32, lens, 3, 2, 64, 16)
+        q = q * q_scale
+        got = cpu_native.decode_attention_native(q, k_cache, v_cache, block_ids, context_lens_from_mask(mask), 0.125)
+        want = decode_attention_torch(q, k_cache, v_cache, block_ids, mask, 0.125)
+        assert scaled_error(got, want) < ATTN_TOL[torch.float32], lens
+
+
 def test_decode_attention_rejects_what_the_kernel_cannot_take():
     q, k_cache, v_cache, block_ids, mask = paged_decode_case(random.Random(0), torch.float32, [5], 2, 2, 64, 16)
     lens = context_lens_from_mask(mask)

@@ -108,6 +108,36 @@ static inline __m512 exp_f32x16(__m512 x) {
 static inline __mmask16 tail_mask(int64_t left) { return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u); }
 #endif
 
+#ifdef DUET_AVX2
+/* exp_f32's 8-lane twin for CPUs without AVX-512: the same reduction and polynomial; 2^n applied as two exponent
+ * multiplies (n in [-150, 128] after the clamp: each half a normal float), the inputs expf takes to 0 set to 0. */
+static inline __m256 exp_f32x8(__m256 x) {
+    __m256 xc = _mm256_min_ps(_mm256_set1_ps(89.0f), _mm256_max_ps(_mm256_set1_ps(-104.0f), x));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), xc);
+    r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    __m256 y = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+    __m256i ni = _mm256_cvtps_epi32(n), half = _mm256_srai_epi32(ni, 1);
+    __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, _mm256_set1_epi32(127)), 23));
+    __m256 s2 = _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(ni, half), _mm256_set1_epi32(127)), 23));
+    y = _mm256_mul_ps(_mm256_mul_ps(y, s1), s2);
+    return _mm256_andnot_ps(_mm256_cmp_ps(x, _mm256_set1_ps(-103.972076f), _CMP_LT_OQ), y);
+}
+
+/* lanes i < left set (all bits), as a mask for maskload / maskstore */
+static inline __m256i tail_mask8(int64_t left) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(left >= 8 ? 8 : (int)left), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+#endif
+
 static void widen(const void *src, int64_t offset, float *dst, int64_t n, int bf16) {
     if (bf16) {
         const uint16_t *s = (const uint16_t *)src + offset;
@@ -389,9 +419,7 @@ static inline void tile_scores_x8(const float *q, const float *k, int64_t n, int
         __m256 qv = _mm256_loadu_ps(q + d);
         for (int i = 0; i < 8; i++) acc[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(rows[i] + d), acc[i]);
     }
-    float sums[8];
-    _mm256_storeu_ps(sums, sum_lanes_x8(acc));
-    memcpy(scores, sums, sizeof(float) * (size_t)n);
+    _mm256_storeu_ps(scores, sum_lanes_x8(acc)); /* lanes past n too: a tile's scores have ATTN_TILE places */
 }
 
 /* acc[h] += Σ_i probs[h][i] · v_i for `nh` (1 or 2, a constant after inlining) heads over 32 dims at d */
@@ -496,6 +524,16 @@ static inline float softmax_tile(float *s, int64_t n, float *m, float *l) {
         float part = _mm512_mask_reduce_max_ps(keep, _mm512_maskz_loadu_ps(keep, s + i));
         tile_max = part > tile_max ? part : tile_max;
     }
+#elif defined(DUET_AVX2)
+    __m256 vmax = _mm256_set1_ps(-INFINITY);
+    for (int64_t i = 0; i < n; i += 8) { /* max_ps(v, vmax) keeps vmax where v is NaN, as the plain loop skips it */
+        __m256i keep = tail_mask8(n - i);
+        __m256 v = _mm256_maskload_ps(s + i, keep);
+        vmax = _mm256_max_ps(_mm256_blendv_ps(_mm256_set1_ps(-INFINITY), v, _mm256_castsi256_ps(keep)), vmax);
+    }
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    tile_max = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
 #else
     for (int64_t i = 0; i < n; i++) tile_max = s[i] > tile_max ? s[i] : tile_max;
 #endif
@@ -507,6 +545,17 @@ static inline float softmax_tile(float *s, int64_t n, float *m, float *l) {
         _mm512_mask_storeu_ps(s + i, keep, e);
         total += _mm512_mask_reduce_add_ps(keep, e);
     }
+#elif defined(DUET_AVX2)
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i += 8) {
+        __m256i keep = tail_mask8(n - i);
+        __m256 e = exp_f32x8(_mm256_sub_ps(_mm256_maskload_ps(s + i, keep), _mm256_set1_ps(m_new)));
+        _mm256_maskstore_ps(s + i, keep, e);
+        sum = _mm256_add_ps(sum, _mm256_and_ps(e, _mm256_castsi256_ps(keep)));
+    }
+    __m128 t = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
+    t = _mm_add_ps(t, _mm_movehl_ps(t, t));
+    total = _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
 #else
     for (int64_t i = 0; i < n; i++) s[i] = exp_f32(s[i] - m_new);
 #pragma omp simd reduction(+ : total)

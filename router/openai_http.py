@@ -5,17 +5,20 @@ of a request (prompts x n) is one call of the router's own Generate, made in the
 share validation, routing, deadlines, statuses and cancellation: a client that disconnects, streaming or not,
 cancels the calls at once, and the router aborts them on every worker. The JSON sent back is built in `openai_reply.py`.
 
-The stack is FastAPI on uvicorn (h11), as vLLM's API server: one event loop, no thread per connection (a
-request's routing work runs on the router's threads, as a gRPC call's does). Request bodies are pydantic models
-(`openai_schema.py`): types and the wire's integer ranges are judged there, value ranges once, by the engine's
-`SamplingParams` behind Generate.
+The stack is FastAPI on uvicorn with uvloop and httptools, as vLLM's API server: one event loop, no thread per
+connection (a request's routing work runs on the router's threads, as a gRPC call's does). uvloop and httptools
+rather than asyncio's own loop and h11: a streamed token costs the router less CPU, and a keep-alive client's
+first token came ~40 ms later on asyncio's loop (benchmarks/RESULTS.md, "The HTTP server's loop"). Request bodies
+are pydantic models (`openai_schema.py`): types and the wire's integer ranges are judged there, value ranges once, by
+the engine's `SamplingParams` behind Generate.
 
 Errors follow OpenAI's shape: {"error": {"message", "type", "param", "code"}} with HTTP 400 for bad input
 (naming the field and the value), 401 without the bearer token when one is required, 404/405 for an unknown
 route or method, 408 when a body does not arrive within the read timeout, 413 for a body over the limit
 (refused from its Content-Length, before it is read), 429 with Retry-After when no decode worker can admit
 the request or SLO-aware admission refuses it (--slo-ttft-ms), 503 when no worker is up, 504 past the request's
-timeout. A malformed request line or header (e.g. Content-Length "abc" or negative) is answered 400 by h11 itself.
+timeout. A malformed request line or header (e.g. Content-Length "abc" or negative) is answered 400 by the HTTP
+parser itself, a request head over MAX_HEADER_BYTES 431.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from cluster import grpc_plumbing
 from duet.v1 import generation_pb2 as pb
@@ -72,7 +75,7 @@ _HTTP_STATUS = {
 READ_TIMEOUT_S = 30.0  # a request body that stalls this long between chunks gets 408 and the connection closes
 KEEP_ALIVE_S = 5.0  # an idle keep-alive connection is closed after this
 MAX_CONNECTIONS = 1024  # in-flight requests beyond it get 503 from uvicorn at once
-MAX_HEADER_BYTES = 64 * 1024  # h11's bound on an incomplete request head (request line + headers)
+MAX_HEADER_BYTES = 64 * 1024  # the bound on a request head (request line + headers) still being received
 HEAD_TIMEOUT_S = 10.0  # a connection that has not sent a whole request head this long after it opened is closed
 # On stop, the router's gRPC server cuts the calls behind HTTP requests at the grace; uvicorn cuts its own tasks
 # this much later, so a cut request still ends with its error response or SSE error event, not a bare 500.
@@ -117,23 +120,57 @@ def http_param(field: str) -> str | None:
     return None
 
 
-class HeadTimeoutH11(H11Protocol):
-    """uvicorn's h11 protocol with a deadline on the request head: a connection that has not sent a complete
-    request line and headers within HEAD_TIMEOUT_S of opening (or of its previous response) is closed.
-    uvicorn itself waits there forever (its keep-alive timer stops at the first byte), so a slow or idle
-    client could hold a connection for as long as it liked."""
+class BoundedHeadProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with bounds on the request head: a connection that has not sent a complete
+    request line and headers within HEAD_TIMEOUT_S of opening (or of its previous response) is closed, and a head
+    past MAX_HEADER_BYTES is refused with 431. uvicorn itself bounds neither: its keep-alive timer stops at the
+    first byte, so a slow or idle client could hold a connection for as long as it liked, and httptools keeps
+    every header it is sent."""
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
+        self._head_bytes = 0  # read since the head being received began; None once it is whole
+        self._head_too_large = False
         self._arm_head_timer()
 
     def _arm_head_timer(self) -> None:
-        self._head_cycle = self.cycle  # a new request head makes a new cycle
+        self._head_cycle = self.cycle  # a complete head makes a new cycle
         self._head_timer = self.loop.call_later(HEAD_TIMEOUT_S, self._head_timed_out)
 
     def _head_timed_out(self) -> None:
         if self.cycle is self._head_cycle and not self.transport.is_closing():
             self.transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        if self._head_too_large:
+            return  # refused: the connection is closing
+        if self._head_bytes is not None:
+            self._head_bytes += len(data)
+        super().data_received(data)  # the parser's callbacks run in here
+        if self._head_bytes is not None and self._head_bytes > MAX_HEADER_BYTES:  # a head still arriving
+            self._head_too_large = True
+        if self._head_too_large and not self.transport.is_closing():
+            self._refuse_head()
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        if self._head_bytes is None:  # a later request on the connection: counted from its next read on
+            self._head_bytes = 0
+
+    def on_headers_complete(self) -> None:
+        self._head_bytes = None
+        if len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers) > MAX_HEADER_BYTES:
+            self._head_too_large = True  # a whole head, read at once: refused before the app sees it
+            return
+        super().on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        if not self._head_too_large:
+            super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        if not self._head_too_large:
+            super().on_message_complete()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -143,6 +180,13 @@ class HeadTimeoutH11(H11Protocol):
     def connection_lost(self, exc) -> None:
         self._head_timer.cancel()
         super().connection_lost(exc)
+
+    def _refuse_head(self) -> None:
+        body = json.dumps({"error": {"message": f"request head exceeds the limit of {MAX_HEADER_BYTES} bytes",
+                                     "type": "invalid_request_error", "param": None, "code": 431}}).encode()
+        self.transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
+                             b"content-length: " + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n" + body)
+        self.transport.close()
 
 
 class BodyLimits:
@@ -244,8 +288,8 @@ class OpenAIHTTPServer:
         self._cut_after_s = shutdown_grace_s + HTTP_CUT_AFTER_S
         self._server = uvicorn.Server(uvicorn.Config(
             self.app, log_level="warning", access_log=False, lifespan="on", timeout_keep_alive=int(KEEP_ALIVE_S),
-            limit_concurrency=MAX_CONNECTIONS, h11_max_incomplete_event_size=MAX_HEADER_BYTES,
-            timeout_graceful_shutdown=self._cut_after_s, http=HeadTimeoutH11, loop="asyncio"))
+            limit_concurrency=MAX_CONNECTIONS, timeout_graceful_shutdown=self._cut_after_s, http=BoundedHeadProtocol,
+            loop="auto"))  # uvloop where it is installed (every platform but Windows)
         self._server.install_signal_handlers = lambda: None  # the router process owns its signals
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]},
                                         name="openai-http", daemon=True)

@@ -241,6 +241,24 @@ def test_a_connection_that_never_finishes_its_head_is_closed(http):
             assert s.recv(100) == b""  # closed by the server after 2 s (not answered; a 10 s timeout raises)
 
 
+def test_a_request_head_over_the_limit_is_431_and_the_server_keeps_serving(http):
+    from router.openai_http import MAX_HEADER_BYTES
+
+    body = b'{"prompt": [3, 4], "max_tokens": 1}'
+    for pad in ("a" * MAX_HEADER_BYTES, "a" * 4000):  # one header past the limit; many that add up past it
+        fields = {"X-Pad": pad} if len(pad) > 4000 else {f"X-Pad-{i}": pad for i in range(MAX_HEADER_BYTES // 4000 + 1)}
+        got, answer = raw_http(http.http.port, post_head("/v1/completions", body, **fields), body)
+        assert got == 431, answer
+        assert json.loads(answer)["error"]["message"] == f"request head exceeds the limit of {MAX_HEADER_BYTES} bytes"
+    # a head that never ends, refused once it passes the limit (not at the head timeout)
+    endless = post_head("/v1/completions", body)[:-2] + b"X-Pad: " + b"a" * MAX_HEADER_BYTES
+    got, answer = raw_http(http.http.port, endless, timeout_s=1.5)
+    assert got == 431, answer
+    near = {f"X-Pad-{i}": "a" * 4000 for i in range(MAX_HEADER_BYTES // 4000 - 1)}  # just under: served
+    got, answer = raw_http(http.http.port, post_head("/v1/completions", body, **near), body)
+    assert got == 200 and json.loads(answer)["usage"]["completion_tokens"] == 1
+
+
 def test_auth_wrong_method_and_unknown_route(cluster, tiny_llama_dir):
     from router.server import RouterConfig, RouterServer
 

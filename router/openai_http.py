@@ -75,7 +75,7 @@ _HTTP_STATUS = {
 READ_TIMEOUT_S = 30.0  # a request body that stalls this long between chunks gets 408 and the connection closes
 KEEP_ALIVE_S = 5.0  # an idle keep-alive connection is closed after this
 MAX_CONNECTIONS = 1024  # in-flight requests beyond it get 503 from uvicorn at once
-MAX_HEADER_BYTES = 64 * 1024  # the bound on a request head (request line + headers) still being received
+MAX_HEADER_BYTES = 64 * 1024  # a request head (request line + headers) past this is refused with 431
 HEAD_TIMEOUT_S = 10.0  # a connection that has not sent a whole request head this long after it opened is closed
 # On stop, the router's gRPC server cuts the calls behind HTTP requests at the grace; uvicorn cuts its own tasks
 # this much later, so a cut request still ends with its error response or SSE error event, not a bare 500.
@@ -118,6 +118,12 @@ def http_param(field: str) -> str | None:
             param = body + field[len(proto):]
             return param.replace(".tool_calls_json", ".tool_calls")
     return None
+
+
+def refusal_json(status: int, message: str) -> bytes:
+    """The body of a refusal made below the app (by the protocol or BodyLimits), in OpenAI's error shape."""
+    return json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                 "code": status}}).encode()
 
 
 class BoundedHeadProtocol(HttpToolsProtocol):
@@ -182,8 +188,7 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def _refuse_head(self) -> None:
-        body = json.dumps({"error": {"message": f"request head exceeds the limit of {MAX_HEADER_BYTES} bytes",
-                                     "type": "invalid_request_error", "param": None, "code": 431}}).encode()
+        body = refusal_json(431, f"request head exceeds the limit of {MAX_HEADER_BYTES} bytes")
         self.transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
                              b"content-length: " + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n" + body)
         self.transport.close()
@@ -232,8 +237,7 @@ class BodyLimits:
 
     @staticmethod
     async def _refuse(send, status: int, message: str) -> None:
-        body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
-                                     "code": status}}).encode()
+        body = refusal_json(status, message)
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                                 (b"connection", b"close")]})

@@ -8,7 +8,6 @@ The simulator and its assumptions are in `benchmarks/sim/trace_replay.py`; the p
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import sys
 import time
@@ -180,7 +179,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
 
     from benchmarks.sim.trace_replay import TraceError
     from duet.bench_serve.config import ServeBenchConfig
-    from duet.bench_serve.load import Sampling, run_load, served_model
+    from duet.bench_serve.load import Sampling, run, run_load, served_model
     from duet.bench_serve.metrics import SLO, summarize
     from duet.bench_serve.report import format_table, summary_json, write_json, write_records
 
@@ -193,15 +192,15 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     except (ValueError, TraceError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    model = config.model or asyncio.run(served_model(config.endpoint()))  # OSError: `duet` prints it, status 1
+    model = config.model or run(served_model(config.endpoint()))  # OSError: `duet` prints it, status 1
     sampling = Sampling(model, config.temperature, config.ignore_eos)
     num_requests = sum(s.num_turns for s in sessions)
     header = {**config.to_json(), "model": model, "requests": num_requests}
     print("config: " + " ".join(f"{k}={v}" for k, v in header.items() if v is not None), flush=True)
     with tqdm(total=num_requests, file=sys.stderr, unit="req", desc="bench serve",
               disable=not sys.stderr.isatty()) as bar:  # a bar for people, not for pipes
-        records = asyncio.run(run_load(config.endpoint(), sessions, sampling, config.plan(),
-                                       on_record=lambda record: bar.update(1)))
+        records = run(run_load(config.endpoint(), sessions, sampling, config.plan(),
+                            on_record=lambda record: bar.update(1)))
     summary = summarize(records, SLO(config.slo_ttft_ms, config.slo_tpot_ms))
     print(format_table(summary))
     failed = [r for r in records if not r.ok]

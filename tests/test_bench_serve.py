@@ -310,12 +310,12 @@ def test_unreachable_server_fails_requests_not_the_command(capsys, tmp_path):
     summary = json.loads(out.read_text())
     assert (summary["requests"], summary["completed"], summary["failed"]) == (2, 0, 2)
     first, second = summary["records"]
-    assert first["http_status"] is None and first["error"].startswith("ConnectError")
+    assert first["http_status"] is None and first["error"].startswith("ClientConnectorError")
     assert second["start_s"] is None and second["error"] == "not sent: turn 0 of its session failed"
-    assert "warning: 2 of 2 requests failed; the first, request 0: ConnectError" in capsys.readouterr().err
+    assert "warning: 2 of 2 requests failed; the first, request 0: ClientConnectorError" in capsys.readouterr().err
     # without --model the command asks GET /v1/models first: that failing ends it (status 1)
     assert main(["bench", "serve", "--url", url, "--concurrency", "1"]) == 1
-    assert f"cannot list the served models at {url}/v1/models: ConnectError" in capsys.readouterr().err
+    assert f"cannot list the served models at {url}/v1/models: ClientConnectorError" in capsys.readouterr().err
 
 
 # -- against a real cluster ------------------------------------------------------------------------------------

@@ -1,7 +1,10 @@
 """The load generator: sessions sent to an OpenAI-compatible server, every request streamed and timed.
 
-One asyncio loop and one httpx.AsyncClient with no connection limit (a pool limit would queue requests inside
-the client and count the wait as server latency). Two load modes:
+One event loop (uvloop where installed) and one aiohttp session with no connection limit (a pool limit would queue
+requests inside the client and count the wait as server latency). Why aiohttp: on a small machine the client shares
+the cores with the server it measures, and each token it reads is CPU taken from the server; a streamed chunk cost
+~0.55 ms of client CPU through httpx on asyncio's loop, ~0.22 ms through aiohttp on uvloop (2-core Zen 3 guest,
+2026-11-29: benchmarks/RESULTS.md), as vLLM's own `bench serve` does. Two load modes:
 
     open loop    each session starts at its arrival time (Poisson or the trace's), whatever is in flight
     closed loop  `concurrency` sessions in flight at all times: one starts as soon as another ends
@@ -16,14 +19,29 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
-import httpx
+import aiohttp
 
 from duet.bench_serve.request_record import RequestRecord
 from duet.bench_serve.stream_timer import StreamTimer
 from duet.bench_serve.workloads import RequestSpec, Session
+
+T = TypeVar("T")
+MAX_LINE_BYTES = 1 << 20  # the longest SSE line read (a chunk with many logprobs); aiohttp's default is 64 KiB
+# What a request can fail with below HTTP: unreachable, reset, a malformed response, or a read timeout
+HTTP_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
+
+
+def run(coroutine: Coroutine[Any, Any, T]) -> T:
+    """`asyncio.run`, on uvloop where it is installed (not on Windows): less CPU for each chunk read."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coroutine)
+    return uvloop.run(coroutine)
 
 
 @dataclass(frozen=True)
@@ -63,44 +81,50 @@ class LoadPlan:
         return self.concurrency is None
 
 
-def new_client(endpoint: Endpoint) -> httpx.AsyncClient:
-    return httpx.AsyncClient(base_url=endpoint.base_url, headers=endpoint.headers(),
-                             timeout=httpx.Timeout(endpoint.timeout_s),
-                             limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
+def new_client(endpoint: Endpoint) -> aiohttp.ClientSession:
+    """Paths are relative to `endpoint.base_url`; no limit on connections (limit=0)."""
+    timeout = aiohttp.ClientTimeout(total=None, connect=endpoint.timeout_s, sock_read=endpoint.timeout_s)
+    return aiohttp.ClientSession(endpoint.base_url, headers=endpoint.headers(), timeout=timeout,
+                                 connector=aiohttp.TCPConnector(limit=0), read_bufsize=MAX_LINE_BYTES)
+
+
+def error_name(e: BaseException) -> str:
+    """A failure as a record's error says it: the exception's type, and its message where it has one."""
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
 
 
 async def served_model(endpoint: Endpoint) -> str:
     """The first model GET /v1/models lists. Raises OSError naming the URL when it cannot be had."""
     url = f"{endpoint.base_url}/v1/models"
     try:
-        async with new_client(endpoint) as client:
-            response = await client.get("/v1/models")
-    except httpx.HTTPError as e:
-        raise OSError(f"cannot list the served models at {url}: {type(e).__name__}: {e}") from None
-    if response.status_code != 200:
-        raise OSError(f"cannot list the served models at {url}: HTTP {response.status_code}: {response.text[:200]}")
+        async with new_client(endpoint) as client, client.get("/v1/models") as response:
+            status, text = response.status, (await response.read()).decode(errors="replace")
+    except HTTP_ERRORS as e:
+        raise OSError(f"cannot list the served models at {url}: {error_name(e)}") from None
+    if status != 200:
+        raise OSError(f"cannot list the served models at {url}: HTTP {status}: {text[:200]}")
     try:
-        return response.json()["data"][0]["id"]
+        return json.loads(text)["data"][0]["id"]
     except (ValueError, KeyError, IndexError, TypeError):
-        raise OSError(f"{url} lists no model: {response.text[:200]}; give --model") from None
+        raise OSError(f"{url} lists no model: {text[:200]}; give --model") from None
 
 
-async def send_request(client: httpx.AsyncClient, spec: RequestSpec, sampling: Sampling, record: RequestRecord,
+async def send_request(client: aiohttp.ClientSession, spec: RequestSpec, sampling: Sampling, record: RequestRecord,
                        run_start_s: float, keep_text: bool) -> str:
     """Send one streaming request and fill `record`; returns the answer's text (only with keep_text)."""
     start_s = time.perf_counter()
     record.start_s = round(start_s - run_start_s, 6)
     timer = StreamTimer(spec.chat, start_s, keep_text)
     try:
-        async with client.stream("POST", spec.path, json=sampling.body(spec)) as response:
-            record.http_status = response.status_code
-            if response.status_code != 200:
-                timer.fail(f"HTTP {response.status_code}: {_error_text(await response.aread())}")
+        async with client.post(spec.path, json=sampling.body(spec)) as response:
+            record.http_status = response.status
+            if response.status != 200:
+                timer.fail(f"HTTP {response.status}: {_error_text(await response.read())}")
             else:
-                async for line in response.aiter_lines():
-                    timer.feed(line, time.perf_counter())
-    except httpx.HTTPError as e:
-        timer.fail(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
+                async for line in response.content:  # one line at a time, its end of line included
+                    timer.feed(line.decode(errors="replace"), time.perf_counter())
+    except HTTP_ERRORS as e:
+        timer.fail(error_name(e))
     timer.fill(record, time.perf_counter())
     return timer.text
 

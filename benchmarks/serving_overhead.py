@@ -5,10 +5,16 @@ step offline, in one run (issue 20 part 5's target: ITL within 10 % of the offli
 
 Default: the embedded default model, as `duet demo` and `duet up` serve it. Each repeat, interleaved:
 
-    offline   LLM.generate of one chat prompt (the bench's ~300-token system prompt and a question) with max_tokens
-              N and with 1, greedy, ignore_eos: (t_N - t_1) / (N - 1) is the decode step with its Python around it
+    offline   the same --requests chats (the bench's ~300-token system prompt and a question each, greedy,
+              ignore_eos, N tokens), one at a time through the engine in this process (`LLMEngine.step`: scheduler,
+              model, sampling, detokenization), each step's output timed as it returns: TPOT p50 and ITL p50 as
+              `duet bench serve` computes them from its chunks' arrival times
     served    `duet bench serve --workload chat --concurrency 1` against one `duet up` (1 prefill + 1 decode, started
-              once, HTTP, SSE): TPOT p50 and ITL p50 over --requests chats of N tokens
+              once, HTTP, SSE): TPOT p50 and ITL p50 over those chats
+
+Both sides are medians of the same kind over the same tokens, so a burst of this shared machine's noise moves
+neither much (until 2026-11-29 the offline figure was one generation's (t_N - t_1) / (N - 1), a mean, and swung
++-25 % between repeats).
 
 Prints min / median / max over repeats of each and of served / offline. The offline engine runs in this process
 while the cluster idles, so both see the same machine; it is small and shared: read the ratios.
@@ -37,13 +43,22 @@ from engine import LLM, SamplingParams  # noqa: E402
 PORT = 18400  # serve_compare's: wait_ready probes it
 
 
-def offline_step_ms(llm: LLM, prompt: list[int], max_tokens: int) -> float:
-    def timed(n: int) -> float:
-        start_s = time.perf_counter()
-        llm.generate([prompt], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
-        return time.perf_counter() - start_s
-
-    return 1000 * (timed(max_tokens) - timed(1)) / (max_tokens - 1)
+def offline_latency_ms(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[float, float]:
+    """(TPOT p50, ITL p50) of `prompts` generated one at a time offline, from the times the engine's steps return
+    each one's tokens (duet/bench_serve/stream_timer.py's definitions: TPOT per request, ITL per pair of successive
+    outputs, pooled)."""
+    engine, params = llm.engine, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    tpot_ms, itl_ms = [], []
+    for prompt in prompts:
+        engine.add_request({"prompt_token_ids": prompt}, params)
+        times_s = []
+        while engine.has_unfinished_requests():
+            gained = engine.step()
+            if gained:
+                times_s.append(time.perf_counter())
+        tpot_ms.append(1000 * (times_s[-1] - times_s[0]) / (max_tokens - 1))
+        itl_ms += [1000 * (b - a) for a, b in zip(times_s, times_s[1:])]
+    return statistics.median(tpot_ms), statistics.median(itl_ms)
 
 
 def served(args: argparse.Namespace, out: Path) -> dict:
@@ -66,32 +81,34 @@ def main() -> None:
     args = p.parse_args()
     print(f"# {dt.date.today()} {platform.node()} {os.cpu_count()} CPUs; config: {vars(args)}", flush=True)
     llm = LLM(args.model)
-    messages = chat_sessions(1, 300, args.max_tokens, seed=0)[0].request(0).payload["messages"]  # its first chat
-    prompt = llm.tokenizer.apply_chat_template_ids(messages)
-    offline_step_ms(llm, prompt, 8)  # warm
+    prompts = [llm.tokenizer.apply_chat_template_ids(session.request(0).payload["messages"])
+               for session in chat_sessions(args.requests, 300, args.max_tokens, seed=0)]  # the bench's chats
+    offline_latency_ms(llm, prompts[:1], 8)  # warm
     cmd = [sys.executable, "-m", "duet", "up", "--port", str(PORT + 1), "--http-port", str(PORT)]
     if args.model:
         cmd += ["--model", args.model]
-    offline, tpot, itl = [], [], []
+    offline_tpot, offline_itl, tpot, itl = [], [], [], []
     with tempfile.TemporaryDirectory() as tmp, open(Path(tmp) / "up.log", "w") as log:
         up = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             wait_ready(up)
             served(args, Path(tmp) / "warm.json")
             for repeat in range(args.repeats):
-                offline.append(offline_step_ms(llm, prompt, args.max_tokens))
+                o_tpot, o_itl = offline_latency_ms(llm, prompts, args.max_tokens)
+                offline_tpot.append(o_tpot)
+                offline_itl.append(o_itl)
                 d = served(args, Path(tmp) / f"{repeat}.json")
                 tpot.append(d["tpot_ms"]["p50"])
                 itl.append(d["itl_ms"]["p50"])
-                print(f"repeat {repeat}: offline {offline[-1]:.2f} ms a token; served TPOT p50 {tpot[-1]:.2f}, "
-                      f"ITL p50 {itl[-1]:.2f} ms", flush=True)
+                print(f"repeat {repeat}: offline TPOT p50 {o_tpot:.2f}, ITL p50 {o_itl:.2f} ms; served TPOT p50 "
+                      f"{tpot[-1]:.2f}, ITL p50 {itl[-1]:.2f} ms", flush=True)
         finally:
             os.killpg(up.pid, 15)
             up.wait(timeout=60)
-    print(f"offline step ms (min / median / max): {spread(offline)}")
+    print(f"offline TPOT p50 ms (min / median / max): {spread(offline_tpot)}; ITL p50 ms: {spread(offline_itl)}")
     print(f"served TPOT p50 ms: {spread(tpot)}; ITL p50 ms: {spread(itl)}")
-    print(f"served / offline, TPOT: {spread([t / o for t, o in zip(tpot, offline)])}; "
-          f"ITL: {spread([i / o for i, o in zip(itl, offline)])}")
+    print(f"served / offline, TPOT: {spread([t / o for t, o in zip(tpot, offline_tpot)])}; "
+          f"ITL: {spread([i / o for i, o in zip(itl, offline_itl)])}")
 
 
 if __name__ == "__main__":

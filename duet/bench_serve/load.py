@@ -3,8 +3,9 @@
 One event loop (uvloop where installed) and one aiohttp session with no connection limit (a pool limit would queue
 requests inside the client and count the wait as server latency). Why aiohttp: on a small machine the client shares
 the cores with the server it measures, and each token it reads is CPU taken from the server; a streamed chunk cost
-~0.55 ms of client CPU through httpx on asyncio's loop, ~0.22 ms through aiohttp on uvloop (2-core Zen 3 guest,
-2026-11-29: benchmarks/RESULTS.md), as vLLM's own `bench serve` does. Two load modes:
+0.52 ms of client CPU through httpx on asyncio's loop, 0.24 ms through aiohttp on uvloop (medians, 2-core Zen 3
+guest, benchmarks/load_client_cpu.py); vLLM's `bench serve` reads with aiohttp too. Proxy variables (HTTP_PROXY,
+NO_PROXY, ...) are honoured, as httpx did. Two load modes:
 
     open loop    each session starts at its arrival time (Poisson or the trace's), whatever is in flight
     closed loop  `concurrency` sessions in flight at all times: one starts as soon as another ends
@@ -84,7 +85,7 @@ class LoadPlan:
 def new_client(endpoint: Endpoint) -> aiohttp.ClientSession:
     """Paths are relative to `endpoint.base_url`; no limit on connections (limit=0)."""
     timeout = aiohttp.ClientTimeout(total=None, connect=endpoint.timeout_s, sock_read=endpoint.timeout_s)
-    return aiohttp.ClientSession(endpoint.base_url, headers=endpoint.headers(), timeout=timeout,
+    return aiohttp.ClientSession(endpoint.base_url, headers=endpoint.headers(), timeout=timeout, trust_env=True,
                                  connector=aiohttp.TCPConnector(limit=0), read_bufsize=MAX_LINE_BYTES)
 
 

@@ -318,6 +318,20 @@ def test_unreachable_server_fails_requests_not_the_command(capsys, tmp_path):
     assert f"cannot list the served models at {url}/v1/models: ClientConnectorError" in capsys.readouterr().err
 
 
+
+def test_proxy_variables_are_honoured(monkeypatch, tmp_path):
+    """As with curl or httpx, HTTP_PROXY routes the requests (here to a proxy that is down: the requests fail there)."""
+    from duet.cli import main
+
+    for name in ("NO_PROXY", "no_proxy", "http_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HTTP_PROXY", closed_port_url())
+    out = tmp_path / "proxied.json"
+    assert main(["bench", "serve", "--url", closed_port_url(), "--model", "m", "--num-requests", "1",
+                 "--concurrency", "1", "--json", str(out)]) == 0
+    (record,) = json.loads(out.read_text())["records"]
+    assert record["error"].startswith("ClientProxyConnectionError"), record["error"]
+
 # -- against a real cluster ------------------------------------------------------------------------------------
 
 MAX_MODEL_LEN = 512

@@ -13,8 +13,8 @@ Default: the embedded default model, as `duet demo` and `duet up` serve it. Each
               once, HTTP, SSE): TPOT p50 and ITL p50 over those chats
 
 Both sides are medians of the same kind over the same tokens, so a burst of this shared machine's noise moves
-neither much (until 2026-11-29 the offline figure was one generation's (t_N - t_1) / (N - 1), a mean, and swung
-+-25 % between repeats).
+neither much (until 2026-11-29 the offline figure was one generation's (t_N - t_1) / (N - 1), a mean, which moved
+by up to 25 % between repeats).
 
 Prints min / median / max over repeats of each and of served / offline. The offline engine runs in this process
 while the cluster idles, so both see the same machine; it is small and shared: read the ratios.

@@ -41,6 +41,7 @@ from duet.bench_serve.workloads import chat_sessions  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 
 PORT = 18400  # serve_compare's: wait_ready probes it
+SYSTEM_PROMPT_TOKENS, SEED = 300, 0  # the chats both sides run (given to `duet bench serve` too)
 
 
 def offline_latency_ms(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[float, float]:
@@ -64,6 +65,7 @@ def offline_latency_ms(llm: LLM, prompts: list[list[int]], max_tokens: int) -> t
 def served(args: argparse.Namespace, out: Path) -> dict:
     subprocess.run([sys.executable, "-m", "duet", "bench", "serve", "--url", f"http://127.0.0.1:{PORT}",
                     "--workload", "chat", "--num-requests", str(args.requests), "--concurrency", "1",
+                    "--system-prompt-tokens", str(SYSTEM_PROMPT_TOKENS), "--seed", str(SEED),
                     "--max-tokens", str(args.max_tokens), "--json", str(out)], check=True, capture_output=True)
     return json.loads(out.read_text())
 
@@ -82,7 +84,7 @@ def main() -> None:
     print(f"# {dt.date.today()} {platform.node()} {os.cpu_count()} CPUs; config: {vars(args)}", flush=True)
     llm = LLM(args.model)
     prompts = [llm.tokenizer.apply_chat_template_ids(session.request(0).payload["messages"])
-               for session in chat_sessions(args.requests, 300, args.max_tokens, seed=0)]  # the bench's chats
+               for session in chat_sessions(args.requests, SYSTEM_PROMPT_TOKENS, args.max_tokens, SEED)]
     offline_latency_ms(llm, prompts[:1], 8)  # warm
     cmd = [sys.executable, "-m", "duet", "up", "--port", str(PORT + 1), "--http-port", str(PORT)]
     if args.model:

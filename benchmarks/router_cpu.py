@@ -28,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve_compare import PORT, wait_ready  # noqa: E402
 
 
-def cpu_s(pid: int) -> float:
+def cpu_s(pid: int | str) -> float:
+    """CPU seconds (user + system) of a process, all its threads; or of one thread, given as "PID/task/TID"."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 

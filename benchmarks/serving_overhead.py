@@ -2,6 +2,7 @@
 step offline, in one run (issue 20 part 5's target: ITL within 10 % of the offline step).
 
     .venv/bin/python benchmarks/serving_overhead.py [--model PATH] [--repeats 3] [--requests 8] [--max-tokens 64]
+                                                    [--threads N]
 
 Default: the embedded default model, as `duet demo` and `duet up` serve it. Each repeat, interleaved:
 
@@ -18,6 +19,13 @@ by up to 25 % between repeats).
 
 Prints min / median / max over repeats of each and of served / offline. The offline engine runs in this process
 while the cluster idles, so both see the same machine; it is small and shared: read the ratios.
+
+Also the CPU time a token of each part of the cluster while serving (utime + stime; Linux's /proc), which a shared
+machine's noise moves far less than the latencies: the decode worker's engine (the thread named `decode-engine` and
+its OpenMP pool, which take it from worker/engine_thread.py) and the rest of the decode worker (gRPC, KV receive,
+heartbeats), the router, the prefill worker and redis-server: the serving work a token beside the engine. On a
+machine whose cores the engine's threads fill, that work is taken from the engine's steps. (The load generator's
+own cost a chunk: benchmarks/load_client_cpu.py.)
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from router_cpu import child_pid, cpu_s  # noqa: E402
 from serve_compare import wait_ready  # noqa: E402  (the same readiness probe: a served completion)
 
 from duet.bench_serve.workloads import chat_sessions  # noqa: E402
@@ -42,6 +51,9 @@ from engine import LLM, SamplingParams  # noqa: E402
 
 PORT = 18400  # serve_compare's: wait_ready probes it
 SYSTEM_PROMPT_TOKENS, SEED = 300, 0  # the chats both sides run (given to `duet bench serve` too)
+SERVED_PROCESSES = {"decode worker": "duet decode", "router": "duet router", "prefill worker": "duet prefill",
+                    "redis-server": "redis-server"}  # name -> what its command line holds (children of `duet up`)
+ENGINE_THREAD = "decode-engine"  # decode_worker/decode_loop.py's EngineThread: its OS name, and its pool's
 
 
 def offline_latency_ms(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[float, float]:
@@ -62,6 +74,26 @@ def offline_latency_ms(llm: LLM, prompts: list[list[int]], max_tokens: int) -> t
     return statistics.median(tpot_ms), statistics.median(itl_ms)
 
 
+def engine_cpu_s(pid: int) -> float:
+    """CPU seconds of process pid's threads named ENGINE_THREAD (those that ended are not counted)."""
+    total = 0.0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            if (task / "comm").read_text().strip() == ENGINE_THREAD:
+                total += cpu_s(f"{pid}/task/{task.name}")
+        except OSError:  # the thread ended meanwhile
+            pass
+    return total
+
+
+def cluster_cpu_s(pids: dict[str, int]) -> dict[str, float]:
+    """CPU seconds so far of each part of the cluster: the decode worker split into its engine and the rest."""
+    seconds = {name: cpu_s(pid) for name, pid in pids.items()}
+    seconds["decode engine"] = engine_cpu_s(pids["decode worker"])
+    seconds["decode worker"] -= seconds["decode engine"]
+    return seconds
+
+
 def served(args: argparse.Namespace, out: Path) -> dict:
     subprocess.run([sys.executable, "-m", "duet", "bench", "serve", "--url", f"http://127.0.0.1:{PORT}",
                     "--workload", "chat", "--num-requests", str(args.requests), "--concurrency", "1",
@@ -80,38 +112,53 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--requests", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--threads", type=int, default=None,
+                   help="engine threads on both sides (default: torch's, all cores); fewer than the cores leaves "
+                        "the serving path a core of its own")
     args = p.parse_args()
     print(f"# {dt.date.today()} {platform.node()} {os.cpu_count()} CPUs; config: {vars(args)}", flush=True)
-    llm = LLM(args.model)
+    llm = LLM(args.model, num_threads=args.threads)
     prompts = [llm.tokenizer.apply_chat_template_ids(session.request(0).payload["messages"])
                for session in chat_sessions(args.requests, SYSTEM_PROMPT_TOKENS, args.max_tokens, SEED)]
     offline_latency_ms(llm, prompts[:1], 8)  # warm
     cmd = [sys.executable, "-m", "duet", "up", "--port", str(PORT + 1), "--http-port", str(PORT)]
     if args.model:
         cmd += ["--model", args.model]
+    if args.threads:
+        cmd += ["--threads", str(args.threads)]
+    tokens = args.requests * args.max_tokens  # ignore_eos: exactly max_tokens each, on both sides
     offline_tpot, offline_itl, tpot, itl = [], [], [], []
+    cpu_ms = {name: [] for name in ["decode engine", *SERVED_PROCESSES]}
     with tempfile.TemporaryDirectory() as tmp, open(Path(tmp) / "up.log", "w") as log:
         up = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             wait_ready(up)
+            pids = {name: child_pid(up.pid, needle) for name, needle in SERVED_PROCESSES.items()}
             served(args, Path(tmp) / "warm.json")
             for repeat in range(args.repeats):
                 o_tpot, o_itl = offline_latency_ms(llm, prompts, args.max_tokens)
                 offline_tpot.append(o_tpot)
                 offline_itl.append(o_itl)
+                start = cluster_cpu_s(pids)
                 d = served(args, Path(tmp) / f"{repeat}.json")
+                end = cluster_cpu_s(pids)
+                for name in start:
+                    cpu_ms[name].append(1000 * (end[name] - start[name]) / tokens)
                 tpot.append(d["tpot_ms"]["p50"])
                 itl.append(d["itl_ms"]["p50"])
                 print(f"repeat {repeat}: offline TPOT p50 {o_tpot:.2f}, ITL p50 {o_itl:.2f} ms; served TPOT p50 "
                       f"{tpot[-1]:.2f}, ITL p50 {itl[-1]:.2f} ms", flush=True)
         finally:
-            os.killpg(up.pid, 15)
+            if up.poll() is None:  # as serve_compare: a server that exited already has no group to signal
+                os.killpg(up.pid, 15)
             up.wait(timeout=60)
     print(f"offline TPOT p50 ms (min / median / max): {spread(offline_tpot)}; ITL p50 ms: {spread(offline_itl)}")
     print(f"served TPOT p50 ms: {spread(tpot)}; ITL p50 ms: {spread(itl)}")
     print(f"served / offline, TPOT: {spread([t / o for t, o in zip(tpot, offline_tpot)])}; "
           f"ITL: {spread([i / o for i, o in zip(itl, offline_itl)])}")
-
+    print("CPU ms a token while serving: " + "; ".join(f"{name} {spread(values)}" for name, values in cpu_ms.items()))
+    beside = [sum(values[i] for name, values in cpu_ms.items() if name != "decode engine") for i in range(args.repeats)]
+    print(f"serving work beside the engine, CPU ms a token: {spread(beside)}")
 
 if __name__ == "__main__":
     main()

@@ -13,12 +13,16 @@ thread and steps it on another (worker/engine_thread.py), so:
   it never starts a pool of its own.
 
 The offline `LLM` loads and steps on the caller's thread: one pool, nothing to do.
+
+`name_os_thread` names the engine thread for the OS, and so its pool: Python (before 3.14) leaves every thread the
+process's name, so `top -H`, perf and /proc could not tell the engine's threads from a gRPC handler's.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import sys
 import threading
 from collections.abc import Callable
 from typing import TypeVar
@@ -56,6 +60,15 @@ def confine_to_one_cpu_thread() -> None:
     openmp = _openmp()
     if openmp is not None:
         openmp.omp_set_num_threads(1)
+
+
+def name_os_thread(name: str) -> None:
+    """Give the calling thread `name` (its first 15 bytes: the kernel's limit) as its OS name (/proc/PID/task/TID/comm),
+    which threads it starts afterwards inherit, an OpenMP pool's workers among them. Linux only; elsewhere nothing."""
+    if sys.platform != "linux":
+        return
+    pr_set_name = 15
+    ctypes.CDLL(None).prctl(pr_set_name, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)
 
 
 def _openmp() -> ctypes.CDLL | None:

@@ -18,11 +18,14 @@ pytestmark = pytest.mark.skipif((os.cpu_count() or 1) < 2 or sys.platform != "li
 PROBE = r"""
 import os, sys, threading
 import torch
-from engine.cpu_threads import call_on_own_thread, confine_to_one_cpu_thread
+from engine.cpu_threads import call_on_own_thread, confine_to_one_cpu_thread, name_os_thread
 torch.set_num_threads(2)
 
 def threads():
     return len(os.listdir("/proc/self/task"))
+
+def named(name):
+    return sum(open(f"/proc/self/task/{t}/comm").read().strip() == name for t in os.listdir("/proc/self/task"))
 
 def big_op():
     torch.ones(4_000_000).mul_(2)  # far past torch's grain size: parallel when allowed
@@ -43,6 +46,9 @@ before = threads()
 if mode == "confined":
     release = on_thread(lambda: (confine_to_one_cpu_thread(), big_op()))
     print(threads() - before - 1)  # less the helper thread itself
+elif mode == "named":  # the thread and its pool worker carry the name; the name is cut to 15 bytes
+    release = on_thread(lambda: (name_os_thread("decode-engine-of-a-worker"), big_op()))
+    print(named("decode-engine-o"))
 elif mode == "plain":
     release = on_thread(big_op)
     print(threads() - before - 1)
@@ -72,6 +78,10 @@ def test_a_confined_thread_starts_no_pool_where_a_plain_one_does():
 
 def test_loading_on_its_own_thread_leaves_no_pool_behind():
     assert pool_threads_added("loaded_off_thread") == 0
+
+
+def test_a_named_thread_gives_its_name_to_the_pool_it_starts():
+    assert pool_threads_added("named") == 2
 
 
 def test_call_on_own_thread_returns_or_raises_what_the_call_did():

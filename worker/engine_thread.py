@@ -14,6 +14,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+from engine.cpu_threads import name_os_thread
+
 log = logging.getLogger("duet.engine_thread")
 
 
@@ -77,6 +79,7 @@ class EngineThread:
                 return
 
     def _run(self) -> None:
+        name_os_thread(self._thread.name)  # before the first step: its OpenMP pool takes the name too
         while not self._stop.is_set():
             try:
                 self._run_calls(block=not self._has_work())

@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -35,6 +34,7 @@ from router.request_stream import Failed, Live
 
 log = logging.getLogger("duet.router")
 _END = object()  # the queue's last item after the last message
+_DEADLINE = object()  # queued when the call's deadline passes
 
 
 def rpc_error(code: grpc.StatusCode, message: str, trailers: tuple[tuple[str, str], ...] = ()
@@ -138,25 +138,28 @@ class LocalCall:
                 pass
 
         self._deliver = deliver
-        deadline_s = None if self._timeout_s is None else time.monotonic() + self._timeout_s
+        # the deadline as one timer that queues its own item: a wait_for per message costs a task and a timer each
+        deadline = None if self._timeout_s is None else loop.call_later(self._timeout_s, queue.put_nowait, _DEADLINE)
         try:
             self._owner._pool.submit(self._work, deliver)
         except RuntimeError:  # the pool is shut down
             self._owner._leave(self)
+            if deadline is not None:
+                deadline.cancel()
             raise rpc_error(grpc.StatusCode.UNAVAILABLE, "the router is stopping") from None
         try:
             while True:
-                wait_s = None if deadline_s is None else max(0.0, deadline_s - time.monotonic())
-                try:
-                    item = await asyncio.wait_for(queue.get(), wait_s)
-                except TimeoutError:
-                    raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+                item = await queue.get()
                 if item is _END:
                     return
+                if item is _DEADLINE:
+                    raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
                 if isinstance(item, grpc.aio.AioRpcError):
                     raise item
                 yield item
         finally:
+            if deadline is not None:
+                deadline.cancel()
             self.cancel()  # a no-op once the request ended; else the client is gone, the deadline passed or cut
 
     def _work(self, deliver) -> None:

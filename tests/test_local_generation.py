@@ -6,17 +6,21 @@ so its limit can be set, and requests are held by stopping the decode worker."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import threading
 import time
 
+import grpc
 import httpx
 import pytest
 from cluster_helpers import wait_idle
 
 from deploy.local_cluster import ClusterConfig, LocalCluster
+from duet.v1 import generation_pb2 as pb
 from engine import LLM, SamplingParams
+from router.local_generation import LocalGeneration
 from router.server import RouterConfig, RouterServer
 
 PROMPT = [5, 6, 7, 8, 9]
@@ -117,3 +121,43 @@ def test_an_http_stream_survives_its_decode_worker_killed_mid_stream(tiny_llama_
         assert victim is not None and "".join(texts) == want
         assert migrated_from(cluster, victim_id) == 1
         wait_idle(cluster, skip=(victim.name,))
+
+
+class _StuckRouter:
+    """A router (the two calls LocalCall makes) whose stream sends one message and then hangs with no deadline of its
+    own: only the call's deadline can end it. Pure logic: the real-cluster case is the 504 test above."""
+
+    def __init__(self):
+        self.release, self.cancelled = threading.Event(), threading.Event()
+
+    def admit(self, request, timeout_s):
+        return request, self
+
+    def stream(self, routed, live):
+        yield pb.GenerateResponse(request_id="r", token_ids=[7])
+        self.release.wait(30)
+
+    def cancel(self, abort: bool) -> None:  # the Live of the call
+        self.cancelled.set()
+
+
+def test_the_calls_own_deadline_ends_a_stuck_stream_after_what_arrived_before_it():
+    router = _StuckRouter()
+    generation = LocalGeneration(router, max_concurrent=2)
+
+    async def read(timeout_s: float):
+        got = []
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            async for message in generation.call(pb.GenerateRequest(), timeout_s):
+                got.append(list(message.token_ids))
+        return got, e.value.code(), e.value.details()
+
+    try:
+        start_s = time.monotonic()
+        got, code, details = asyncio.run(read(0.5))
+        assert (got, code, details) == ([[7]], grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+        assert 0.5 <= time.monotonic() - start_s < 5.0
+        assert router.cancelled.wait(5)  # the request is cancelled downstream
+    finally:
+        router.release.set()
+        generation.close()

@@ -3,7 +3,7 @@ reflection, register in Redis with a heartbeat carrying its load, publish KV eve
 SIGTERM/SIGINT.
 
     start:  runtime ─▶ gRPC server (NOT_SERVING) ─▶ heartbeat registered ─▶ SERVING
-    stop:   NOT_SERVING ─▶ deregister ─▶ server.stop(grace) ─▶ engine, kvtransfer, publisher stopped
+    stop:   NOT_SERVING ─▶ deregister ─▶ publisher stopped ─▶ server.stop(grace) ─▶ engine, kvtransfer stopped
 """
 
 from __future__ import annotations
@@ -236,10 +236,12 @@ class WorkerProcess:
         grpc_plumbing.set_serving(self.health, self.service_names, False)
         if self.heartbeat is not None:
             self.heartbeat.stop()
+        # deregistered: routers purge this worker's index entries, so what it would publish from here is moot; and
+        # the publisher reads the engine's cache (a resync's snapshot), so it stops before the engine does
+        self.publisher.stop()
         self.server.stop(grace_s).wait(grace_s + 1)
         self.stop_engine()
         self.rt.close()  # tensor-parallel follower ranks
-        self.publisher.stop()
         log.info("worker=%s event=stopped", self.worker_id)
 
     def serve_until_signal(self) -> int:

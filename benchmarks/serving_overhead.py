@@ -160,5 +160,6 @@ def main() -> None:
     beside = [sum(values[i] for name, values in cpu_ms.items() if name != "decode engine") for i in range(args.repeats)]
     print(f"serving work beside the engine, CPU ms a token: {spread(beside)}")
 
+
 if __name__ == "__main__":
     main()

@@ -20,7 +20,6 @@ import datetime as dt
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,7 +29,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_compare import PORT, wait_ready  # noqa: E402
+from serve_compare import PORT, serving  # noqa: E402
 
 from duet.bench_serve.load import Endpoint, Sampling, new_client, run, send_request, served_model  # noqa: E402
 from duet.bench_serve.request_record import RequestRecord  # noqa: E402
@@ -86,18 +85,12 @@ def main() -> None:
     clients = {"bench serve (aiohttp, uvloop)": (via_load, run), "httpx (asyncio)": (via_httpx, asyncio.run)}
     figures: dict[str, list[float]] = {name: [] for name in clients}
     cmd = [sys.executable, "-m", "duet", "up", "--port", str(PORT + 1), "--http-port", str(PORT)]
-    with tempfile.TemporaryDirectory() as tmp, open(Path(tmp) / "up.log", "w") as log:
-        up = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            wait_ready(up)
-            sampling = Sampling(run(served_model(Endpoint(URL))))
-            for repeat in range(args.repeats):
-                for name, (client, runner) in clients.items():
-                    figures[name].append(ms_a_chunk(client, runner, sampling, args))
-                    print(f"repeat {repeat}: {name}: {figures[name][-1]:.3f} ms of client CPU a chunk", flush=True)
-        finally:
-            os.killpg(up.pid, 15)
-            up.wait(timeout=60)
+    with tempfile.TemporaryDirectory() as tmp, serving(cmd, Path(tmp) / "up.log"):
+        sampling = Sampling(run(served_model(Endpoint(URL))))
+        for repeat in range(args.repeats):
+            for name, (client, runner) in clients.items():
+                figures[name].append(ms_a_chunk(client, runner, sampling, args))
+                print(f"repeat {repeat}: {name}: {figures[name][-1]:.3f} ms of client CPU a chunk", flush=True)
     for name, values in figures.items():
         print(f"{name}: min / median / max {min(values):.3f} / {statistics.median(values):.3f} / "
               f"{max(values):.3f} ms a chunk")

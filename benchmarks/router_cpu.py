@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_compare import PORT, wait_ready  # noqa: E402
+from serve_compare import PORT, serving  # noqa: E402
 
 
 def cpu_s(pid: int | str) -> float:
@@ -52,29 +52,23 @@ def run_tree(tree: str, args: argparse.Namespace, tmp: Path) -> list[dict]:
     env = dict(os.environ, PYTHONPATH=tree)
     cmd = [sys.executable, "-m", "duet", "up", "--port", str(PORT + 1), "--http-port", str(PORT)]
     rows = []
-    with open(tmp / "up.log", "w") as log:
-        up = subprocess.Popen(cmd, cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            wait_ready(up)
-            router, decode = child_pid(up.pid, "duet router"), child_pid(up.pid, "duet decode")
-            for repeat in range(args.repeats):
-                out = tmp / f"{repeat}.json"
-                router_s, decode_s = cpu_s(router), cpu_s(decode)
-                subprocess.run([sys.executable, "-m", "duet", "bench", "serve", "--url", f"http://127.0.0.1:{PORT}",
-                                "--workload", "chat", "--num-requests", str(args.num_requests), "--concurrency",
-                                str(args.concurrency), "--max-tokens", "64", "--json", str(out)],
-                               check=True, capture_output=True, cwd=tree, env=env)
-                router_s, decode_s = cpu_s(router) - router_s, cpu_s(decode) - decode_s
-                d = json.loads(out.read_text())
-                tokens = d["output_tokens_per_s"] * d["duration_s"]
-                rows.append({"tree": tree, "repeat": repeat, "router_ms_per_token": 1000 * router_s / tokens,
-                             "decode_ms_per_token": 1000 * decode_s / tokens, "tok_s": d["output_tokens_per_s"],
-                             "tpot_p50_ms": d["tpot_ms"]["p50"], "itl_p50_ms": d["itl_ms"]["p50"],
-                             "ttft_p50_ms": d["ttft_ms"]["p50"]})
-                print(json.dumps(rows[-1]), flush=True)
-        finally:
-            os.killpg(up.pid, 15)
-            up.wait(timeout=60)
+    with serving(cmd, tmp / "up.log", cwd=tree, env=env) as up:
+        router, decode = child_pid(up.pid, "duet router"), child_pid(up.pid, "duet decode")
+        for repeat in range(args.repeats):
+            out = tmp / f"{repeat}.json"
+            router_s, decode_s = cpu_s(router), cpu_s(decode)
+            subprocess.run([sys.executable, "-m", "duet", "bench", "serve", "--url", f"http://127.0.0.1:{PORT}",
+                            "--workload", "chat", "--num-requests", str(args.num_requests), "--concurrency",
+                            str(args.concurrency), "--max-tokens", "64", "--json", str(out)],
+                           check=True, capture_output=True, cwd=tree, env=env)
+            router_s, decode_s = cpu_s(router) - router_s, cpu_s(decode) - decode_s
+            d = json.loads(out.read_text())
+            tokens = d["output_tokens_per_s"] * d["duration_s"]
+            rows.append({"tree": tree, "repeat": repeat, "router_ms_per_token": 1000 * router_s / tokens,
+                         "decode_ms_per_token": 1000 * decode_s / tokens, "tok_s": d["output_tokens_per_s"],
+                         "tpot_p50_ms": d["tpot_ms"]["p50"], "itl_p50_ms": d["itl_ms"]["p50"],
+                         "ttft_p50_ms": d["ttft_ms"]["p50"]})
+            print(json.dumps(rows[-1]), flush=True)
     return rows
 
 

@@ -40,6 +40,8 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -87,6 +89,21 @@ def server_command(name: str, model: Path, dtype: str, venv: str, llama_venv: st
         return [f"{venv}/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                 "--dtype", dtype, "--max-model-len", "2048", "--port", str(PORT), "--seed", "0"], env
     raise SystemExit(f"--servers: {name!r} is not one of {', '.join(SERVERS)}")
+
+
+@contextmanager
+def serving(cmd: list[str], log_path: Path, **popen_args) -> Iterator[subprocess.Popen]:
+    """The server `cmd` started in its own process group (output to log_path), once it serves on PORT; stopped
+    (SIGTERM to the group, if still running) on the way out."""
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, **popen_args)
+        try:
+            wait_ready(process)
+            yield process
+        finally:
+            if process.poll() is None:
+                os.killpg(process.pid, 15)
+            process.wait(timeout=60)
 
 
 def wait_ready(process: subprocess.Popen, timeout_s: float = 300.0) -> None:
@@ -170,11 +187,7 @@ def main() -> None:
         for repeat in range(args.repeats):
             for name in args.servers.split(","):
                 cmd, env = server_command(name, model, args.dtype, args.vllm_venv, args.llama_venv, args.llama_server)
-                log = open(Path(tmp) / f"{name}-{repeat}.log", "w")
-                process = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp,
-                                           start_new_session=True)
-                try:
-                    wait_ready(process)
+                with serving(cmd, Path(tmp) / f"{name}-{repeat}.log", env=env, cwd=tmp):
                     for workload in args.workloads.split(","):
                         d = bench(args, workload, Path(tmp) / f"{name}-{workload}-{repeat}.json")
                         ttft, tpot = d["ttft_ms"], d["tpot_ms"]
@@ -182,12 +195,7 @@ def main() -> None:
                               f"{d['output_tokens_per_s']:.1f} | {ttft['p50']:.0f} / {ttft['p90']:.0f} | "
                               f"{tpot['p50']:.1f} / {tpot['p90']:.1f} | {d['goodput_rps']:.2f} | "
                               f"{d['slo_attainment']:.2f} | {by_turn(d['records'])} |", flush=True)
-                finally:
-                    if process.poll() is None:
-                        os.killpg(process.pid, 15)
-                    process.wait(timeout=60)
-                    log.close()
-                    time.sleep(2)
+                time.sleep(2)
 
 
 if __name__ == "__main__":

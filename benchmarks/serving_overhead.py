@@ -44,7 +44,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from router_cpu import child_pid, cpu_s  # noqa: E402
-from serve_compare import wait_ready  # noqa: E402  (the same readiness probe: a served completion)
+from serve_compare import serving  # noqa: E402  (the same readiness probe: a served completion)
 
 from duet.bench_serve.workloads import chat_sessions  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
@@ -129,29 +129,22 @@ def main() -> None:
     tokens = args.requests * args.max_tokens  # ignore_eos: exactly max_tokens each, on both sides
     offline_tpot, offline_itl, tpot, itl = [], [], [], []
     cpu_ms = {name: [] for name in ["decode engine", *SERVED_PROCESSES]}
-    with tempfile.TemporaryDirectory() as tmp, open(Path(tmp) / "up.log", "w") as log:
-        up = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            wait_ready(up)
-            pids = {name: child_pid(up.pid, needle) for name, needle in SERVED_PROCESSES.items()}
-            served(args, Path(tmp) / "warm.json")
-            for repeat in range(args.repeats):
-                o_tpot, o_itl = offline_latency_ms(llm, prompts, args.max_tokens)
-                offline_tpot.append(o_tpot)
-                offline_itl.append(o_itl)
-                start = cluster_cpu_s(pids)
-                d = served(args, Path(tmp) / f"{repeat}.json")
-                end = cluster_cpu_s(pids)
-                for name in start:
-                    cpu_ms[name].append(1000 * (end[name] - start[name]) / tokens)
-                tpot.append(d["tpot_ms"]["p50"])
-                itl.append(d["itl_ms"]["p50"])
-                print(f"repeat {repeat}: offline TPOT p50 {o_tpot:.2f}, ITL p50 {o_itl:.2f} ms; served TPOT p50 "
-                      f"{tpot[-1]:.2f}, ITL p50 {itl[-1]:.2f} ms", flush=True)
-        finally:
-            if up.poll() is None:  # as serve_compare: a server that exited already has no group to signal
-                os.killpg(up.pid, 15)
-            up.wait(timeout=60)
+    with tempfile.TemporaryDirectory() as tmp, serving(cmd, Path(tmp) / "up.log") as up:
+        pids = {name: child_pid(up.pid, needle) for name, needle in SERVED_PROCESSES.items()}
+        served(args, Path(tmp) / "warm.json")
+        for repeat in range(args.repeats):
+            o_tpot, o_itl = offline_latency_ms(llm, prompts, args.max_tokens)
+            offline_tpot.append(o_tpot)
+            offline_itl.append(o_itl)
+            start = cluster_cpu_s(pids)
+            d = served(args, Path(tmp) / f"{repeat}.json")
+            end = cluster_cpu_s(pids)
+            for name in start:
+                cpu_ms[name].append(1000 * (end[name] - start[name]) / tokens)
+            tpot.append(d["tpot_ms"]["p50"])
+            itl.append(d["itl_ms"]["p50"])
+            print(f"repeat {repeat}: offline TPOT p50 {o_tpot:.2f}, ITL p50 {o_itl:.2f} ms; served TPOT p50 "
+                  f"{tpot[-1]:.2f}, ITL p50 {itl[-1]:.2f} ms", flush=True)
     print(f"offline TPOT p50 ms (min / median / max): {spread(offline_tpot)}; ITL p50 ms: {spread(offline_itl)}")
     print(f"served TPOT p50 ms: {spread(tpot)}; ITL p50 ms: {spread(itl)}")
     print(f"served / offline, TPOT: {spread([t / o for t, o in zip(tpot, offline_tpot)])}; "

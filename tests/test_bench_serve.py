@@ -318,7 +318,6 @@ def test_unreachable_server_fails_requests_not_the_command(capsys, tmp_path):
     assert f"cannot list the served models at {url}/v1/models: ClientConnectorError" in capsys.readouterr().err
 
 
-
 def test_proxy_variables_are_honoured(monkeypatch, tmp_path):
     """As with curl or httpx, HTTP_PROXY routes the requests (here to a proxy that is down: the requests fail there)."""
     from duet.cli import main
@@ -331,6 +330,7 @@ def test_proxy_variables_are_honoured(monkeypatch, tmp_path):
                  "--concurrency", "1", "--json", str(out)]) == 0
     (record,) = json.loads(out.read_text())["records"]
     assert record["error"].startswith("ClientProxyConnectionError"), record["error"]
+
 
 # -- against a real cluster ------------------------------------------------------------------------------------
 
